@@ -1,0 +1,119 @@
+"""A small byte-level GPT: token ids (B, T) in 0..255 -> logits (B, T, 256).
+
+Built as an ``nn.Sequential`` of an embedding entry, one entry per transformer block and a
+head entry, so every block is one pipeline layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+VOCAB_SIZE = 256
+
+
+class Embedding(nn.Module):
+    """Token embedding plus learned positional embedding (and optional dropout)."""
+
+    def __init__(self, d_model: int, context: int, dropout: float) -> None:
+        """Embed bytes into ``d_model`` dimensions for sequences of at most ``context`` tokens."""
+        super().__init__()
+        self.context = context
+        self.token = nn.Embedding(VOCAB_SIZE, d_model)
+        self.position = nn.Embedding(context, d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """Map int64 token ids (B, T) to embeddings (B, T, d_model)."""
+        length = tokens.shape[1]
+        if length > self.context:
+            raise ValueError(
+                f"sequence length {length} exceeds the model's context {self.context}; "
+                f"build the model with context >= {length} or use shorter sequences"
+            )
+        positions = torch.arange(length, device=tokens.device)
+        return self.dropout(self.token(tokens) + self.position(positions))
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention using ``scaled_dot_product_attention``."""
+
+    def __init__(self, d_model: int, heads: int, dropout: float) -> None:
+        """Attention over ``heads`` heads of size ``d_model // heads``."""
+        super().__init__()
+        self.heads = heads
+        self.dropout = dropout
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.proj_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Attend each position to itself and earlier positions: (B, T, C) -> (B, T, C)."""
+        batch, length, channels = x.shape
+        q, k, v = self.qkv(x).split(channels, dim=2)
+        q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        attended = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        merged = attended.transpose(1, 2).reshape(batch, length, channels)
+        return self.proj_dropout(self.proj(merged))
+
+
+class Block(nn.Module):
+    """A pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, d_model: int, heads: int, dropout: float) -> None:
+        """A block of width ``d_model`` with a 4x wide MLP."""
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, heads, dropout)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, 4 * d_model),
+            nn.GELU(),
+            nn.Linear(4 * d_model, d_model),
+            nn.Dropout(dropout),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Apply attention and the MLP with residual connections."""
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the projection to byte logits."""
+
+    def __init__(self, d_model: int) -> None:
+        """Project ``d_model`` features to 256 byte logits."""
+        super().__init__()
+        self.ln = nn.LayerNorm(d_model)
+        self.out = nn.Linear(d_model, VOCAB_SIZE)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """(B, T, d_model) -> logits (B, T, 256)."""
+        return self.out(self.ln(x))
+
+
+def build_gpt(
+    d_model: int = 64,
+    heads: int = 4,
+    n_layers: int = 4,
+    context: int = 64,
+    dropout: float = 0.0,
+) -> nn.Sequential:
+    """A GPT as ``nn.Sequential(Embedding, Block * n_layers, Head)`` (``n_layers + 2`` entries)."""
+    if d_model < 1 or heads < 1 or d_model % heads != 0:
+        raise ValueError(f"gpt d_model {d_model} must be a positive multiple of heads {heads}")
+    if n_layers < 1 or context < 1:
+        raise ValueError(f"gpt needs n_layers >= 1 and context >= 1, got {n_layers} and {context}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"gpt dropout {dropout} must be in [0, 1)")
+    blocks = [Block(d_model, heads, dropout) for _ in range(n_layers)]
+    return nn.Sequential(Embedding(d_model, context, dropout), *blocks, Head(d_model))
+
+
+def gpt_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean cross-entropy of logits (B, T, 256) against byte targets (B, T)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,0 +1,141 @@
+"""Play a schedule against costs and produce a predicted :class:`~pipetrain.trace.Timeline`.
+
+Every rank runs its actions in order. Compute takes the stage's cost; a send starts a
+transfer on the directed link to its peer (links carry one transfer at a time, in the
+order the sender issues them) and does not block the sender; a receive waits until its
+transfer has arrived; an all-reduce starts when every replica of the stage has reached it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipetrain.schedules import Kind, Schedule
+from pipetrain.trace import Event, Timeline
+
+PerStage = float | Sequence[float]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Times in seconds per micro-batch and a communication model.
+
+    ``forward_s``, ``backward_s`` (the input-gradient part), ``weight_s`` (the
+    weight-gradient part; an unsplit backward costs ``backward_s + weight_s``), ``step_s``
+    (optimizer step) and ``allreduce_s`` (a replicated stage's gradient all-reduce) are a
+    float for every stage or one value per stage. ``activation_bytes`` and ``bandwidth``
+    (bytes/s) are a float or one value per stage boundary (boundary s joins stage s and
+    s + 1); a transfer costs ``latency_s + bytes / bandwidth``, and gradients are as large
+    as the activations they belong to.
+    """
+
+    forward_s: PerStage
+    backward_s: PerStage
+    weight_s: PerStage = 0.0
+    activation_bytes: PerStage = 0.0
+    bandwidth: PerStage = math.inf
+    latency_s: float = 0.0
+    step_s: PerStage = 0.0
+    allreduce_s: PerStage = 0.0
+
+    def per_stage(self, field: str, count: int) -> list[float]:
+        """The named field expanded to ``count`` values, checked for length and sign."""
+        value = getattr(self, field)
+        values = [float(value)] * count if isinstance(value, (int, float)) else [float(v) for v in value]
+        if len(values) != count:
+            raise ValueError(f"Costs.{field} has {len(values)} values, expected {count} (or one float)")
+        if any(v < 0 or math.isnan(v) for v in values):
+            raise ValueError(f"Costs.{field} must be non-negative, got {values}")
+        return values
+
+
+def simulate(schedule: Schedule, costs: Costs) -> Timeline:
+    """Execute ``schedule`` on ``costs`` and return the predicted timeline."""
+    stages = schedule.stages
+    forward = costs.per_stage("forward_s", stages)
+    backward = costs.per_stage("backward_s", stages)
+    weight = costs.per_stage("weight_s", stages)
+    step = costs.per_stage("step_s", stages)
+    allreduce = costs.per_stage("allreduce_s", stages)
+    boundaries = max(stages - 1, 1)
+    activation = costs.per_stage("activation_bytes", boundaries)
+    bandwidth = costs.per_stage("bandwidth", boundaries)
+    if any(b == 0 for b in bandwidth):
+        raise ValueError("Costs.bandwidth must be positive")
+    duration = {
+        Kind.FORWARD: forward,
+        Kind.BACKWARD: backward if schedule.split_backward else [b + w for b, w in zip(backward, weight)],
+        Kind.WEIGHT: weight,
+        Kind.STEP: step,
+    }
+
+    def transfer_s(boundary: int) -> float:
+        return costs.latency_s + activation[boundary] / bandwidth[boundary]
+
+    clock = [0.0] * schedule.num_ranks
+    position = [0] * schedule.num_ranks
+    events: list[Event] = []
+    arrival: dict[tuple[int, Kind, int, int], float] = {}  # (receiver, recv kind, stage, mb) -> time
+    link_free: dict[tuple[int, int], float] = defaultdict(float)
+    waiting_on: dict[tuple[int, Kind, int, int], int] = {}
+    allreduce_arrived: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)
+    allreduce_done: list[dict[int, int]] = [defaultdict(int) for _ in range(schedule.num_ranks)]
+    runnable = deque(range(schedule.num_ranks))
+
+    def record(rank: int, kind: Kind, stage: int, mb: int | None, start: float, end: float) -> None:
+        events.append(Event(rank, kind.value, stage, mb, start, end))
+
+    while runnable:
+        rank = runnable.popleft()
+        actions = schedule.ranks[rank]
+        while position[rank] < len(actions):
+            action = actions[position[rank]]
+            kind, stage, mb = action.kind, action.stage, action.microbatch
+            now = clock[rank]
+            if kind in duration:
+                end = now + duration[kind][stage]
+                record(rank, kind, stage, mb, now, end)
+                clock[rank] = end
+            elif kind in (Kind.SEND_F, Kind.SEND_B):
+                boundary = stage if kind is Kind.SEND_F else stage - 1
+                link = (rank, action.peer)
+                start = max(now, link_free[link])
+                end = start + transfer_s(boundary)
+                link_free[link] = end
+                record(rank, kind, stage, mb, start, end)
+                key = (action.peer, Kind.RECV_F if kind is Kind.SEND_F else Kind.RECV_B, stage + 1 if kind is Kind.SEND_F else stage - 1, mb)
+                arrival[key] = end
+                if key in waiting_on:
+                    runnable.append(waiting_on.pop(key))
+            elif kind in (Kind.RECV_F, Kind.RECV_B):
+                key = (rank, kind, stage, mb)
+                if key not in arrival:
+                    waiting_on[key] = rank
+                    break
+                end = max(now, arrival.pop(key))
+                if end > now:
+                    record(rank, kind, stage, mb, now, end)
+                clock[rank] = end
+            elif kind is Kind.ALLREDUCE:
+                group = schedule.stage_ranks[stage]
+                key = (stage, allreduce_done[rank][stage])
+                allreduce_arrived[key][rank] = now
+                if len(allreduce_arrived[key]) < len(group):
+                    break
+                start = max(allreduce_arrived[key].values())
+                for member in group:
+                    record(member, kind, stage, None, start, start + allreduce[stage])
+                    clock[member] = start + allreduce[stage]
+                    allreduce_done[member][stage] += 1
+                    position[member] += 1
+                    if member != rank:
+                        runnable.append(member)
+                continue
+            position[rank] += 1
+    unfinished = [r for r in range(schedule.num_ranks) if position[r] < len(schedule.ranks[r])]
+    if unfinished:
+        raise RuntimeError(f"simulation of {schedule.name} stopped with ranks {unfinished} waiting; validate the schedule first")
+    return Timeline(events, schedule.num_ranks, label=schedule.name)

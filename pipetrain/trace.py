@@ -1,0 +1,341 @@
+"""Timelines: what every rank did and when, and their exports.
+
+A :class:`Timeline` is a set of timed :class:`Event` values, one per action a rank performed.
+The simulator fills one with predicted times and the runtime with measured ones; this module
+knows nothing about where the events came from. It computes the figures a pipeline schedule is
+judged by (makespan, bubble fraction, peak in-flight activations) and exports the timeline as
+JSON, as a Chrome/Perfetto trace, and as a PNG Gantt chart (drawn by :mod:`pipetrain.gantt`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import operator
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from os import PathLike
+from typing import Any
+
+FORMAT_VERSION = 1
+"""Version of the JSON layout written by :meth:`Timeline.to_dict` and :meth:`Timeline.save`."""
+
+BUSY_KINDS = frozenset({"F", "B", "W", "STEP"})
+"""Event kinds that count as useful work when computing busy time and the bubble fraction."""
+
+_EVENT_FIELDS = ("rank", "kind", "stage", "microbatch", "start", "end")
+
+StrPath = str | PathLike[str]
+
+
+@dataclass(frozen=True)
+class Event:
+    """One timed action of one rank.
+
+    ``kind`` is ``"F"``, ``"B"``, ``"W"``, ``"STEP"``, a communication kind (``"SEND_F"``,
+    ``"RECV_F"``, ``"SEND_B"``, ``"RECV_B"``, ``"ALLREDUCE"``, ``"WAIT"``) or any other
+    string. ``stage`` and ``microbatch`` are ``None`` when the action has none (an optimizer
+    step has no micro-batch). ``start`` and ``end`` are in seconds, from any fixed origin.
+    """
+
+    rank: int
+    kind: str
+    stage: int | None
+    microbatch: int | None
+    start: float
+    end: float
+
+    def __post_init__(self) -> None:
+        """Normalise the field types and reject impossible times."""
+        if not isinstance(self.kind, str):
+            raise TypeError(f"Event kind must be a string such as 'F', got {self.kind!r}")
+        # A str-valued enum (such as the schedule's Kind) becomes its plain string value.
+        object.__setattr__(self, "kind", str.__str__(self.kind))
+        object.__setattr__(self, "rank", _as_int(self.rank, "rank", self))
+        object.__setattr__(self, "stage", _as_optional_int(self.stage, "stage", self))
+        object.__setattr__(
+            self, "microbatch", _as_optional_int(self.microbatch, "microbatch", self)
+        )
+        object.__setattr__(self, "start", float(self.start))
+        object.__setattr__(self, "end", float(self.end))
+        if not (math.isfinite(self.start) and math.isfinite(self.end)):
+            raise ValueError(f"event {self!r} has a non-finite time; give finite seconds")
+        if self.end < self.start:
+            raise ValueError(f"event {self!r} ends before it starts; swap start and end")
+
+    @property
+    def duration(self) -> float:
+        """``end - start`` in seconds."""
+        return self.end - self.start
+
+    @property
+    def name(self) -> str:
+        """A short name such as ``"F3.5"`` (kind, stage, micro-batch)."""
+        text = self.kind
+        if self.stage is not None:
+            text += str(self.stage)
+        if self.microbatch is not None:
+            text += f".{self.microbatch}"
+        return text
+
+
+def _as_int(value: Any, field_name: str, event: Event) -> int:
+    """``value`` as an ``int``, or a TypeError naming the event."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"event {event!r} has {field_name}={value!r}; {field_name} must be an integer"
+        ) from None
+
+
+def _as_optional_int(value: Any, field_name: str, event: Event) -> int | None:
+    """``value`` as an ``int``, keeping ``None``."""
+    return None if value is None else _as_int(value, field_name, event)
+
+
+class Timeline:
+    """The events of one run (predicted or measured) over ``num_ranks`` ranks.
+
+    ``events`` is sorted by ``(start, rank)``. A timeline is immutable: methods that change
+    times return a new one.
+    """
+
+    def __init__(self, events: Iterable[Event], num_ranks: int, label: str = "") -> None:
+        """Collect ``events`` and check that every one belongs to a rank in range."""
+        if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+            raise ValueError(f"num_ranks must be a positive integer, got {num_ranks!r}")
+        if not isinstance(label, str):
+            raise TypeError(f"label must be a string, got {label!r}")
+        collected = tuple(events)
+        for event in collected:
+            if not isinstance(event, Event):
+                raise TypeError(f"timeline events must be Event values, got {event!r}")
+            if not 0 <= event.rank < num_ranks:
+                raise ValueError(
+                    f"event {event!r} has rank {event.rank} outside [0, {num_ranks}); "
+                    f"pass num_ranks > {event.rank} or fix the event's rank"
+                )
+        self.events: tuple[Event, ...] = tuple(
+            sorted(collected, key=lambda e: (e.start, e.rank))
+        )
+        self.num_ranks: int = num_ranks
+        self.label: str = label
+
+    def __repr__(self) -> str:
+        """A one-line description (not the events)."""
+        return (
+            f"Timeline(label={self.label!r}, num_ranks={self.num_ranks}, "
+            f"events={len(self.events)}, makespan={self.makespan:.6g})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        """Timelines are equal when their events, rank count and label are."""
+        if not isinstance(other, Timeline):
+            return NotImplemented
+        return (self.events, self.num_ranks, self.label) == (
+            other.events,
+            other.num_ranks,
+            other.label,
+        )
+
+    @cached_property
+    def _by_rank(self) -> tuple[tuple[Event, ...], ...]:
+        """Each rank's events in timeline order."""
+        lanes: list[list[Event]] = [[] for _ in range(self.num_ranks)]
+        for event in self.events:
+            lanes[event.rank].append(event)
+        return tuple(tuple(lane) for lane in lanes)
+
+    @cached_property
+    def start(self) -> float:
+        """The earliest start over all events; 0.0 if there are none."""
+        return min((e.start for e in self.events), default=0.0)
+
+    @cached_property
+    def makespan(self) -> float:
+        """Latest end minus earliest start over all events; 0.0 if there are none."""
+        if not self.events:
+            return 0.0
+        return max(e.end for e in self.events) - self.start
+
+    @cached_property
+    def bubble_fraction(self) -> float:
+        """Share of rank-time not spent in :data:`BUSY_KINDS` events; 0.0 if makespan is 0."""
+        if self.makespan == 0.0:
+            return 0.0
+        busy = sum(self.busy_time(rank) for rank in range(self.num_ranks))
+        return 1.0 - busy / (self.num_ranks * self.makespan)
+
+    @cached_property
+    def peak_activations(self) -> list[int]:
+        """Per rank, the most (stage, micro-batch) pairs held at once.
+
+        A pair is held from the start of its ``"F"`` event to the end of its ``"B"`` event.
+        At equal times releases happen before acquisitions, so a backward that ends exactly
+        when the next forward starts frees its slot first.
+        """
+        return [_peak_held(lane) for lane in self._by_rank]
+
+    def busy_time(self, rank: int) -> float:
+        """Total duration of ``rank``'s :data:`BUSY_KINDS` events, in seconds."""
+        return sum(e.duration for e in self.rank_events(rank) if e.kind in BUSY_KINDS)
+
+    def rank_events(self, rank: int) -> list[Event]:
+        """``rank``'s events, sorted by start time."""
+        if not 0 <= rank < self.num_ranks:
+            raise ValueError(f"rank {rank} is outside [0, {self.num_ranks})")
+        return list(self._by_rank[rank])
+
+    def shifted(self) -> Timeline:
+        """The same events with times moved so that the earliest start is 0."""
+        offset = self.start
+        moved = (
+            Event(e.rank, e.kind, e.stage, e.microbatch, e.start - offset, e.end - offset)
+            for e in self.events
+        )
+        return Timeline(moved, self.num_ranks, self.label)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe dictionary that :meth:`from_dict` turns back into an equal timeline."""
+        return {
+            "format_version": FORMAT_VERSION,
+            "label": self.label,
+            "num_ranks": self.num_ranks,
+            "events": [{name: getattr(e, name) for name in _EVENT_FIELDS} for e in self.events],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Timeline:
+        """Rebuild a timeline from :meth:`to_dict`'s output."""
+        version = d.get("format_version", FORMAT_VERSION)
+        if version != FORMAT_VERSION:
+            raise ValueError(
+                f"timeline format_version {version!r} is not supported; "
+                f"this version of pipetrain reads format_version {FORMAT_VERSION}"
+            )
+        missing = [key for key in ("num_ranks", "events") if key not in d]
+        if missing:
+            raise ValueError(f"timeline dictionary lacks key(s) {missing}; use Timeline.to_dict")
+        events = []
+        for item in d["events"]:
+            absent = [name for name in _EVENT_FIELDS if name not in item]
+            if absent:
+                raise ValueError(f"timeline event {item!r} lacks field(s) {absent}")
+            events.append(Event(**{name: item[name] for name in _EVENT_FIELDS}))
+        return cls(events, d["num_ranks"], d.get("label", ""))
+
+    def save(self, path: StrPath) -> None:
+        """Write the timeline to ``path`` as JSON (with a ``"format_version"`` key)."""
+        _write_json(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: StrPath) -> Timeline:
+        """Read a timeline written by :meth:`save`."""
+        with open(path, encoding="utf-8") as file:
+            return cls.from_dict(json.load(file))
+
+    def to_chrome_trace(self, path: StrPath) -> None:
+        """Write a Chrome/Perfetto trace: one thread per rank, times in microseconds.
+
+        Open the file in https://ui.perfetto.dev or chrome://tracing. Times keep the
+        timeline's own origin; call :meth:`shifted` first to start at zero.
+        """
+        process = {"name": self.label or "pipetrain"}
+        trace_events: list[dict[str, Any]] = [_metadata("process_name", None, process)]
+        for rank in range(self.num_ranks):
+            trace_events.append(_metadata("thread_name", rank, {"name": f"rank {rank}"}))
+            trace_events.append(_metadata("thread_sort_index", rank, {"sort_index": rank}))
+        for e in self.events:
+            trace_events.append(
+                {
+                    "name": e.name,
+                    "cat": e.kind,
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": e.rank,
+                    "ts": e.start * 1e6,
+                    "dur": e.duration * 1e6,
+                    "args": {"stage": e.stage, "microbatch": e.microbatch},
+                }
+            )
+        _write_json(path, {"traceEvents": trace_events, "displayTimeUnit": "ms"})
+
+    def plot(self, path: StrPath, title: str | None = None) -> None:
+        """Draw the timeline as a PNG Gantt chart, one lane per rank (see :mod:`pipetrain.gantt`).
+
+        ``title`` defaults to the timeline's label; the bubble fraction and makespan follow it.
+        """
+        plot_timelines([self], path, None if title is None else [title])
+
+    def summary(self) -> str:
+        """A few readable lines: makespan, bubble fraction, peak activations per rank."""
+        heading = self.label or "timeline"
+        return "\n".join(
+            [
+                f"{heading}: {self.num_ranks} ranks, {len(self.events)} events",
+                f"  makespan          {format_seconds(self.makespan)}",
+                f"  bubble fraction   {self.bubble_fraction:.1%}",
+                f"  peak activations  {self.peak_activations} (per rank)",
+            ]
+        )
+
+
+def _peak_held(lane: Sequence[Event]) -> int:
+    """The most (stage, micro-batch) pairs held at once on one rank's events."""
+    release, acquire = 0, 1  # sort order: releases first at equal times
+    changes = [(e.start, acquire, (e.stage, e.microbatch)) for e in lane if e.kind == "F"]
+    changes += [(e.end, release, (e.stage, e.microbatch)) for e in lane if e.kind == "B"]
+    changes.sort(key=lambda change: change[:2])
+    held: set[tuple[int | None, int | None]] = set()
+    peak = 0
+    for _, change, pair in changes:
+        if change == acquire:
+            held.add(pair)
+            peak = max(peak, len(held))
+        else:
+            held.discard(pair)
+    return peak
+
+
+def _metadata(name: str, rank: int | None, args: dict[str, Any]) -> dict[str, Any]:
+    """A Chrome trace metadata event for the process (``rank`` None) or a rank's thread."""
+    event: dict[str, Any] = {"name": name, "ph": "M", "pid": 0, "args": args}
+    if rank is not None:
+        event["tid"] = rank
+    return event
+
+
+def _write_json(path: StrPath, value: Any) -> None:
+    """Write ``value`` to ``path`` as JSON (``dumps`` then one write: much faster than ``dump``)."""
+    with open(path, "w", encoding="utf-8") as file:
+        file.write(json.dumps(value))
+
+
+def time_unit(seconds: float) -> tuple[float, str]:
+    """The factor from seconds and the unit name (s, ms or µs) that suit ``seconds``."""
+    if seconds >= 1.0 or seconds == 0.0:
+        return 1.0, "s"
+    if seconds >= 1e-3:
+        return 1e3, "ms"
+    return 1e6, "µs"
+
+
+def format_seconds(seconds: float) -> str:
+    """``seconds`` in a readable unit, such as ``"35.7 ms"``."""
+    factor, unit = time_unit(seconds)
+    return f"{seconds * factor:.4g} {unit}"
+
+
+def plot_timelines(
+    timelines: Sequence[Timeline], path: StrPath, titles: Sequence[str] | None = None
+) -> None:
+    """Draw several timelines stacked on one PNG with a shared time axis.
+
+    Each timeline is shifted to start at 0, so a predicted and a measured run of the same
+    schedule line up. ``titles`` (one per timeline) default to the timelines' labels.
+    """
+    from pipetrain.gantt import draw_gantt  # matplotlib is imported only when drawing
+
+    draw_gantt(timelines, path, titles)

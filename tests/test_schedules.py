@@ -1,0 +1,202 @@
+"""Schedules as data: every generator's output is valid, and the validator rejects bad ones."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipetrain.schedules import SCHEDULE_NAMES, Action, Kind, Schedule, ScheduleError, build, validate
+from pipetrain.schedules.connect import connect
+
+sizes = st.integers(min_value=1, max_value=7)
+
+
+def compute_keys(schedule: Schedule, kind: Kind) -> list[tuple[int, int]]:
+    return [(a.stage, a.microbatch) for actions in schedule.ranks for a in actions if a.kind is kind]
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(["gpipe", "1f1b", "zb-h1", "pipedream"]), stages=sizes, microbatches=sizes)
+def test_generators_cover_every_microbatch_once(name: str, stages: int, microbatches: int) -> None:
+    schedule = build(name, stages, microbatches)
+    expected = sorted((s, k) for s in range(stages) for k in range(microbatches))
+    assert sorted(compute_keys(schedule, Kind.FORWARD)) == expected
+    assert sorted(compute_keys(schedule, Kind.BACKWARD)) == expected
+    assert sorted(compute_keys(schedule, Kind.WEIGHT)) == (expected if name == "zb-h1" else [])
+
+
+@settings(max_examples=40, deadline=None)
+@given(ranks=st.integers(1, 5), groups=st.integers(1, 3), virtual=st.integers(2, 4))
+def test_interleaved_is_valid_for_multiples_of_ranks(ranks: int, groups: int, virtual: int) -> None:
+    schedule = build("interleaved", ranks, ranks * groups, virtual=virtual)
+    assert schedule.stages == ranks * virtual
+    assert schedule.num_ranks == ranks
+    for rank in range(ranks):
+        assert schedule.stages_of(rank) == tuple(rank + chunk * ranks for chunk in range(virtual))
+
+
+@settings(max_examples=40, deadline=None)
+@given(replicas=st.lists(st.integers(1, 3), min_size=1, max_size=4), microbatches=sizes, name=st.sampled_from(["gpipe", "1f1b"]))
+def test_replicated_stages_route_round_robin(replicas: list[int], microbatches: int, name: str) -> None:
+    schedule = build(name, len(replicas), microbatches, replicas=replicas)
+    assert schedule.num_ranks == sum(replicas)
+    for rank, actions in enumerate(schedule.ranks):
+        for action in actions:
+            if action.kind is Kind.FORWARD:
+                ranks = schedule.stage_ranks[action.stage]
+                assert rank == ranks[action.microbatch % len(ranks)]
+        allreduces = [a for a in actions if a.kind is Kind.ALLREDUCE]
+        (stage,) = schedule.stages_of(rank)
+        assert len(allreduces) == (1 if replicas[stage] > 1 else 0)
+
+
+def test_1f1b_orders_match_the_textbook() -> None:
+    schedule = build("1f1b", 4, 8)
+    assert schedule.compute_order(0)[:6] == ["F0.0", "F0.1", "F0.2", "F0.3", "B0.0", "F0.4"]
+    assert schedule.compute_order(3)[:4] == ["F3.0", "B3.0", "F3.1", "B3.1"]
+    gpipe = build("gpipe", 2, 3)
+    assert gpipe.compute_order(1) == ["F1.0", "F1.1", "F1.2", "B1.0", "B1.1", "B1.2"]
+
+
+def test_sends_and_receives_connect_neighbours() -> None:
+    schedule = build("1f1b", 2, 2)
+    assert [str(a) for a in schedule.ranks[0]] == [
+        "F0.0", "SEND_F0.0@1", "F0.1", "SEND_F0.1@1", "RECV_B0.0@1", "B0.0", "RECV_B0.1@1", "B0.1", "STEP0",
+    ]
+    assert [str(a) for a in schedule.ranks[1]] == [
+        "RECV_F1.0@0", "F1.0", "B1.0", "SEND_B1.0@0", "RECV_F1.1@0", "F1.1", "B1.1", "SEND_B1.1@0", "STEP1",
+    ]
+
+
+@settings(max_examples=40, deadline=None)
+@given(stages=sizes, microbatches=sizes, vertical_sync=st.booleans())
+def test_pipedream_stashes_the_version_its_forward_used(stages: int, microbatches: int, vertical_sync: bool) -> None:
+    schedule = build("pipedream", stages, microbatches, vertical_sync=vertical_sync)
+    forward_version = {}
+    for actions in schedule.ranks:
+        steps = 0
+        for action in actions:
+            if action.kind is Kind.STEP:
+                steps += 1
+            elif action.kind is Kind.FORWARD:
+                # newest weights, or with vertical sync the input stage's version
+                if not vertical_sync:
+                    assert action.version == steps
+                forward_version[(action.stage, action.microbatch)] = action.version
+            elif action.kind is Kind.BACKWARD:
+                assert action.version == forward_version[(action.stage, action.microbatch)]
+    if vertical_sync:
+        for (stage, mb), version in forward_version.items():
+            assert version == forward_version[(0, mb)]
+    # every backward is followed by an update: microbatches updates per stage
+    for rank, actions in enumerate(schedule.ranks):
+        assert sum(a.kind is Kind.STEP for a in actions) == microbatches
+
+
+@settings(max_examples=30, deadline=None)
+@given(stages=st.integers(1, 5), extra=st.integers(0, 3), rounds=st.integers(1, 4))
+def test_2bw_uses_one_step_stale_weights(stages: int, extra: int, rounds: int) -> None:
+    per_update = stages + extra
+    schedule = build("2bw", stages, per_update, rounds=rounds)
+    assert schedule.microbatches == per_update * rounds
+    for actions in schedule.ranks:
+        assert sum(a.kind is Kind.STEP for a in actions) == rounds
+        for action in actions:
+            if action.kind is Kind.FORWARD:
+                assert action.version == max(action.microbatch // per_update - 1, 0)
+
+
+def two_rank_schedule(rank0: list[Action], rank1: list[Action], **kw) -> Schedule:
+    return Schedule("hand", 2, kw.pop("microbatches", 1), (tuple(rank0), tuple(rank1)), ((0,), (1,)), **kw)
+
+
+F, B, W, STEP = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT, Kind.STEP
+
+
+def test_validator_accepts_a_hand_written_schedule() -> None:
+    validate(two_rank_schedule(
+        [Action(F, 0, 0), Action(Kind.SEND_F, 0, 0, peer=1), Action(Kind.RECV_B, 0, 0, peer=1), Action(B, 0, 0), Action(STEP, 0)],
+        [Action(Kind.RECV_F, 1, 0, peer=0), Action(F, 1, 0), Action(B, 1, 0), Action(Kind.SEND_B, 1, 0, peer=0), Action(STEP, 1)],
+    ))
+
+
+def test_validator_finds_a_deadlock() -> None:
+    with pytest.raises(ScheduleError, match="deadlocks: rank 0 at RECV_B0.0@1, rank 1 at RECV_F1.0@0"):
+        validate(two_rank_schedule(
+            [Action(F, 0, 0), Action(Kind.RECV_B, 0, 0, peer=1), Action(Kind.SEND_F, 0, 0, peer=1), Action(B, 0, 0), Action(STEP, 0)],
+            [Action(Kind.RECV_F, 1, 0, peer=0), Action(F, 1, 0), Action(B, 1, 0), Action(Kind.SEND_B, 1, 0, peer=0), Action(STEP, 1)],
+        ))
+
+
+def test_validator_rejects_backward_before_forward() -> None:
+    with pytest.raises(ScheduleError, match="B0.0 runs before its forward"):
+        validate(Schedule("hand", 1, 1, ((Action(B, 0, 0), Action(F, 0, 0), Action(STEP, 0)),), ((0,),)))
+
+
+def test_validator_rejects_a_missing_and_a_repeated_microbatch() -> None:
+    with pytest.raises(ScheduleError, match="stage 0 micro-batch 1 appears 0 times"):
+        validate(Schedule("hand", 1, 2, ((Action(F, 0, 0), Action(B, 0, 0), Action(STEP, 0)),), ((0,),)))
+    with pytest.raises(ScheduleError, match="appears 2 times"):
+        validate(Schedule("hand", 1, 1, ((Action(F, 0, 0), Action(F, 0, 0), Action(B, 0, 0), Action(STEP, 0)),), ((0,),)))
+
+
+def test_validator_rejects_out_of_order_channels() -> None:
+    rank0 = [Action(F, 0, 0), Action(Kind.SEND_F, 0, 0, peer=1), Action(F, 0, 1), Action(Kind.SEND_F, 0, 1, peer=1),
+             Action(Kind.RECV_B, 0, 0, peer=1), Action(B, 0, 0), Action(Kind.RECV_B, 0, 1, peer=1), Action(B, 0, 1), Action(STEP, 0)]
+    rank1 = [Action(Kind.RECV_F, 1, 1, peer=0), Action(F, 1, 1), Action(Kind.RECV_F, 1, 0, peer=0), Action(F, 1, 0),
+             Action(B, 1, 0), Action(Kind.SEND_B, 1, 0, peer=0), Action(B, 1, 1), Action(Kind.SEND_B, 1, 1, peer=0), Action(STEP, 1)]
+    with pytest.raises(ScheduleError, match="would be matched with RECV_F1.0"):
+        validate(two_rank_schedule(rank0, rank1, microbatches=2))
+
+
+def test_connect_reorders_receives_into_channel_order() -> None:
+    # rank 1 consumes micro-batch 1 first; its receives still follow rank 0's send order
+    orders = [[Action(F, 0, 0), Action(F, 0, 1), Action(B, 0, 0), Action(B, 0, 1), Action(STEP, 0)],
+              [Action(F, 1, 1), Action(F, 1, 0), Action(B, 1, 0), Action(B, 1, 1), Action(STEP, 1)]]
+    ranks = connect(orders, [(0,), (1,)])
+    assert [str(a) for a in ranks[1][:4]] == ["RECV_F1.0@0", "RECV_F1.1@0", "F1.1", "F1.0"]
+    validate(Schedule("hand", 2, 2, ranks, ((0,), (1,))))
+
+
+def test_validator_rejects_a_backward_on_a_different_version() -> None:
+    schedule = Schedule("hand", 1, 1, ((Action(F, 0, 0, version=0), Action(B, 0, 0, version=1), Action(STEP, 0, version=1)),),
+                        ((0,),), asynchronous=True)
+    with pytest.raises(ScheduleError, match="uses version 1 but its forward used 0"):
+        validate(schedule)
+
+
+def test_validator_rejects_future_weights_and_too_many_versions() -> None:
+    future = Schedule("hand", 1, 1, ((Action(F, 0, 0, version=1), Action(B, 0, 0, version=1), Action(STEP, 0, version=1)),),
+                      ((0,),), asynchronous=True)
+    with pytest.raises(ScheduleError, match="only 0 updates have been applied"):
+        validate(future)
+    # at the second step, micro-batches on versions 0 and 1 are in flight beside the new version 2
+    actions = [Action(F, 0, 0, version=0), Action(F, 0, 1, version=0), Action(F, 0, 2, version=0), Action(B, 0, 0, version=0),
+               Action(STEP, 0, version=1), Action(F, 0, 3, version=1), Action(B, 0, 1, version=0), Action(STEP, 0, version=2),
+               Action(B, 0, 2, version=0), Action(STEP, 0, version=3), Action(B, 0, 3, version=1), Action(STEP, 0, version=4)]
+    many = Schedule("hand", 1, 4, (tuple(actions),), ((0,),), asynchronous=True, options={"max_versions": 2})
+    with pytest.raises(ScheduleError, match="needs 3 weight versions"):
+        validate(many)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: build("fancy", 2, 2), "unknown schedule 'fancy'; choose one of gpipe, 1f1b"),
+        (lambda: build("1f1b", 0, 2), "stages must be a positive integer, got 0"),
+        (lambda: build("gpipe", 2, -1), "microbatches must be a positive integer, got -1"),
+        (lambda: build("interleaved", 4, 6), "multiple of stages \\(4\\), got 6"),
+        (lambda: build("interleaved", 2, 2, virtual=1), "virtual >= 2"),
+        (lambda: build("2bw", 4, 2), "2bw needs microbatches >= stages \\(4\\)"),
+        (lambda: build("1f1b", 2, 2, replicas=[1]), "expected one per stage"),
+    ],
+)
+def test_bad_arguments_name_the_value(call, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_every_named_schedule_builds() -> None:
+    for name in SCHEDULE_NAMES:
+        assert build(name, 4, 8).name == name

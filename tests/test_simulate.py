@@ -1,0 +1,97 @@
+"""The simulator reproduces the textbook bubble and memory figures and models communication."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipetrain.schedules import build
+from pipetrain.simulate import Costs, simulate
+
+
+@settings(max_examples=50, deadline=None)
+@given(p=st.integers(1, 8), m=st.integers(1, 16), name=st.sampled_from(["gpipe", "1f1b", "pipedream"]))
+def test_fill_drain_bubble(p: int, m: int, name: str) -> None:
+    timeline = simulate(build(name, p, m), Costs(forward_s=1.0, backward_s=2.0))
+    assert timeline.makespan == pytest.approx(3 * (m + p - 1))
+    assert timeline.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+
+
+@settings(max_examples=40, deadline=None)
+@given(p=st.integers(1, 6), groups=st.integers(1, 4), v=st.integers(2, 4))
+def test_interleaved_bubble(p: int, groups: int, v: int) -> None:
+    m = p * groups
+    timeline = simulate(build("interleaved", p, m, virtual=v), Costs(forward_s=1.0 / v, backward_s=2.0 / v))
+    assert timeline.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1))
+
+
+@settings(max_examples=40, deadline=None)
+@given(p=st.integers(1, 8), extra=st.integers(0, 16))
+def test_zero_bubble_h1_has_a_third_of_1f1b_bubble(p: int, extra: int) -> None:
+    m = p + extra
+    costs = Costs(forward_s=1.0, backward_s=1.0, weight_s=1.0)
+    zb = simulate(build("zb-h1", p, m), costs)
+    one_f_one_b = simulate(build("1f1b", p, m), costs)
+    assert zb.makespan == pytest.approx(3 * m + p - 1)
+    assert zb.bubble_fraction == pytest.approx((p - 1) / (3 * m + p - 1))
+    assert (zb.makespan - 3 * m) * 3 == pytest.approx(one_f_one_b.makespan - 3 * m)
+    # same activation memory as 1F1B
+    assert zb.peak_activations == one_f_one_b.peak_activations
+
+
+@settings(max_examples=40, deadline=None)
+@given(p=st.integers(1, 8), m=st.integers(1, 16))
+def test_peak_activations(p: int, m: int) -> None:
+    costs = Costs(1.0, 2.0)
+    assert simulate(build("gpipe", p, m), costs).peak_activations == [m] * p
+    peaks = simulate(build("1f1b", p, m), costs).peak_activations
+    assert peaks[0] == min(p, m)
+    assert all(peak <= p for peak in peaks)
+
+
+def test_communication_on_the_critical_path() -> None:
+    # 2 stages, 1 micro-batch: F0, send, F1, B1, send back, B0
+    costs = Costs(forward_s=1.0, backward_s=2.0, activation_bytes=1e6, bandwidth=1e7, latency_s=0.05)
+    timeline = simulate(build("gpipe", 2, 1), costs)
+    assert timeline.makespan == pytest.approx(1 + 0.15 + 1 + 2 + 0.15 + 2)
+    kinds = {e.kind for e in timeline.events}
+    assert {"SEND_F", "RECV_F", "SEND_B", "RECV_B"} <= kinds
+
+
+def test_a_link_carries_one_transfer_at_a_time() -> None:
+    # sends of 4 micro-batches queue on the link when transfers outlast the forward
+    costs = Costs(forward_s=0.1, backward_s=0.0, activation_bytes=1.0, bandwidth=1.0)
+    timeline = simulate(build("gpipe", 2, 4), costs)
+    sends = [e for e in timeline.events if e.kind == "SEND_F"]
+    for earlier, later in zip(sends, sends[1:]):
+        assert later.start >= earlier.end - 1e-12
+    # 4 activations queue on the link, then 4 gradients (as large) queue on the way back
+    assert timeline.makespan == pytest.approx(0.1 + 4 * 1.0 + 0.1 + 4 * 1.0)
+
+
+def test_replicated_stage_allreduce_waits_for_all_replicas() -> None:
+    schedule = build("1f1b", 2, 4, replicas=[2, 1])
+    timeline = simulate(schedule, Costs(forward_s=[2.0, 1.0], backward_s=[2.0, 1.0], allreduce_s=[0.5, 0.0]))
+    allreduces = [e for e in timeline.events if e.kind == "ALLREDUCE"]
+    assert {e.rank for e in allreduces} == {0, 1}
+    assert allreduces[0].start == allreduces[1].start
+
+
+def test_uneven_stage_costs_follow_the_slowest_stage() -> None:
+    p, m = 3, 12
+    costs = Costs(forward_s=[1.0, 3.0, 1.0], backward_s=[2.0, 6.0, 2.0])
+    timeline = simulate(build("1f1b", p, m), costs)
+    # steady state is paced by the 9 s stage: m·max + fill/drain of the others
+    assert timeline.makespan == pytest.approx(m * 9 + 3 + 3)
+
+
+def test_costs_are_checked() -> None:
+    schedule = build("1f1b", 2, 2)
+    with pytest.raises(ValueError, match="forward_s has 3 values, expected 2"):
+        simulate(schedule, Costs(forward_s=[1, 1, 1], backward_s=1))
+    with pytest.raises(ValueError, match="non-negative"):
+        simulate(schedule, Costs(forward_s=-1, backward_s=1))
+    assert math.isinf(Costs(1, 1).bandwidth)
