@@ -54,7 +54,7 @@ def digits(flat: bool, *, seed: int = 0) -> tuple[Split, Split]:
 
 
 def stdlib_corpus(max_bytes: int = 2_000_000) -> Tensor:
-    """The standard library's ``.py`` sources concatenated, as a uint8 tensor of at most ``max_bytes``.
+    """The standard library's ``.py`` sources concatenated: a uint8 tensor, at most ``max_bytes``.
 
     Files are read in sorted path order (so the corpus is deterministic for a given Python
     version); test directories, installed packages and unreadable files are skipped.
@@ -98,7 +98,9 @@ class BatchStream:
     The batches depend only on ``seed``.
     """
 
-    def __init__(self, model_name: str, batch_size: int, *, seq_len: int = 64, seed: int = 0) -> None:
+    def __init__(
+        self, model_name: str, batch_size: int, *, seq_len: int = 64, seed: int = 0
+    ) -> None:
         """Prepare the data for ``model_name``; see the class docstring."""
         if model_name not in _DIGIT_MODELS and model_name not in _TEXT_MODELS:
             known = ", ".join([*_DIGIT_MODELS, *_TEXT_MODELS])
@@ -119,7 +121,9 @@ class BatchStream:
         self._corpus = stdlib_corpus()
         self._train_end = int(len(self._corpus) * CORPUS_TRAIN_FRACTION)
         if self._train_end <= self.seq_len + 1:
-            raise ValueError(f"seq_len {self.seq_len} is too long for the corpus; use a shorter one")
+            raise ValueError(
+                f"seq_len {self.seq_len} is too long for the corpus; use a shorter one"
+            )
         self.epoch_size = max(1, self._train_end // (self.batch_size * self.seq_len))
 
     def _init_digits(self, flat: bool, seed: int) -> None:
@@ -174,7 +178,9 @@ class BatchStream:
         held_out = len(self._corpus) - self._train_end
         count = min(EVAL_WINDOWS, held_out // window)
         if count == 0:
-            raise ValueError(f"seq_len {self.seq_len} is too long for the held-out corpus; use a shorter one")
+            raise ValueError(
+                f"seq_len {self.seq_len} is too long for the held-out corpus; use a shorter one"
+            )
         stride = held_out // count
         starts = self._train_end + torch.arange(count) * stride
         return self._windows(starts)

@@ -86,7 +86,7 @@ def _check_unique_names(layers: Sequence[Layer]) -> None:
 
 
 def check_balance(balance: Sequence[int], num_layers: int) -> list[int]:
-    """Validate a balance (layers per stage) against the model's layer count; return it as a list."""
+    """Check a balance (layers per stage) against the model's layer count; return it as a list."""
     checked = _positive_ints(balance)
     total = sum(checked)
     if total != num_layers:
@@ -123,7 +123,7 @@ def _positive_ints(balance: Sequence[int]) -> list[int]:
 
 
 class StageModule(nn.Module):
-    """Runs a contiguous range of the model's layers in order; parameter and buffer names are the full model's.
+    """Runs a contiguous range of the model's layers in order, under the full model's names.
 
     Layers are registered under their full-model names (``"2"``, or ``"blocks.0"`` nested
     as ``blocks`` -> ``0``), so ``named_parameters()``, ``state_dict()`` and
@@ -214,7 +214,7 @@ def _checked_output(name: str, output: object) -> StageOutput:
 
 
 def build_stage(model: nn.Module | Sequence[nn.Module], start: int, stop: int) -> StageModule:
-    """Build the stage that runs layers ``start`` to ``stop - 1`` of ``model`` (modules are shared)."""
+    """The stage running layers ``start`` to ``stop - 1`` of ``model`` (modules are shared)."""
     layers = to_layers(model)
     if not (0 <= start < stop <= len(layers)):
         raise ValueError(

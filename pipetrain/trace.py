@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -57,8 +58,8 @@ class Event:
         object.__setattr__(
             self, "microbatch", _as_optional_int(self.microbatch, "microbatch", self)
         )
-        object.__setattr__(self, "start", float(self.start))
-        object.__setattr__(self, "end", float(self.end))
+        object.__setattr__(self, "start", _as_seconds(self.start, "start", self))
+        object.__setattr__(self, "end", _as_seconds(self.end, "end", self))
         if not (math.isfinite(self.start) and math.isfinite(self.end)):
             raise ValueError(f"event {self!r} has a non-finite time; give finite seconds")
         if self.end < self.start:
@@ -88,6 +89,13 @@ def _as_int(value: Any, field_name: str, event: Event) -> int:
         raise TypeError(
             f"event {event!r} has {field_name}={value!r}; {field_name} must be an integer"
         ) from None
+
+
+def _as_seconds(value: Any, field_name: str, event: Event) -> float:
+    """``value`` as a ``float``, or a TypeError naming the event."""
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"event {event!r} has {field_name}={value!r}; give a time in seconds")
+    return float(value)
 
 
 def _as_optional_int(value: Any, field_name: str, event: Event) -> int | None:

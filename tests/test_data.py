@@ -35,9 +35,10 @@ def test_digits_shapes_dtypes_and_range() -> None:
 def test_digits_split_is_a_partition_of_the_original_data() -> None:
     (train_x, train_y), (test_x, test_y) = digits(flat=True, seed=2)
     original = load_digits()
-    pairs = Counter(zip(map(tuple, (original.data / 16.0).astype("float32").tolist()), original.target.tolist()))
-    split = Counter(zip(map(tuple, torch.cat([train_x, test_x]).tolist()), torch.cat([train_y, test_y]).tolist()))
-    assert split == pairs
+    original_x = torch.from_numpy((original.data / 16.0).astype("float32"))
+    expected = Counter(zip(map(tuple, original_x.tolist()), original.target.tolist()))
+    split_x, split_y = torch.cat([train_x, test_x]), torch.cat([train_y, test_y])
+    assert Counter(zip(map(tuple, split_x.tolist()), split_y.tolist())) == expected
 
 
 def test_digits_split_depends_only_on_seed() -> None:
@@ -83,7 +84,7 @@ def test_gpt_targets_are_inputs_shifted_by_one() -> None:
 
 @pytest.fixture
 def marked_corpus(monkeypatch: pytest.MonkeyPatch) -> Tensor:
-    """A 10 000-byte corpus whose training region (first 90%) counts 0..127 and whose tail counts 128..255."""
+    """A 10 000-byte corpus: the training region (first 90%) counts 0..127, the tail 128..255."""
     train = torch.arange(9000) % 128
     tail = 128 + torch.arange(1000) % 128
     corpus = torch.cat([train, tail]).to(torch.uint8)

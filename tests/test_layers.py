@@ -104,12 +104,14 @@ def test_chained_stage_gradients_equal_full_model() -> None:
     outputs[-1].square().sum().backward()
     for index in range(len(stages) - 2, -1, -1):
         outputs[index].backward(boundary_inputs[index + 1].grad)
-    for (name, parameter), (_, expected) in zip(model.named_parameters(), reference.named_parameters()):
-        torch.testing.assert_close(parameter.grad, expected.grad, msg=name)
+    expected = dict(reference.named_parameters())
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(parameter.grad, expected[name].grad, msg=name)
 
 
 def test_sequential_with_custom_names() -> None:
-    model = nn.Sequential(OrderedDict(encoder=nn.Linear(3, 4), act=nn.ReLU(), decoder=nn.Linear(4, 2)))
+    named = OrderedDict(encoder=nn.Linear(3, 4), act=nn.ReLU(), decoder=nn.Linear(4, 2))
+    model = nn.Sequential(named)
     assert [name for name, _ in to_layers(model)] == ["encoder", "act", "decoder"]
     stage = build_stage(model, 1, 3)
     assert set(dict(stage.named_parameters())) == {"decoder.weight", "decoder.bias"}
@@ -183,6 +185,21 @@ def test_tuple_outputs_are_unpacked_into_next_layer() -> None:
     assert torch.equal(second, x * 2)
 
 
+class SplitList(nn.Module):
+    """Returns two tensors as a list."""
+
+    def forward(self, x: Tensor) -> list[Tensor]:
+        return [x + 1, x * 2]
+
+
+def test_list_outputs_are_returned_as_tuples_and_unpacked() -> None:
+    stage = StageModule([("split", SplitList()), ("join", Join())])
+    x = torch.tensor([1.0, 2.0])
+    outputs = stage.forward_layers(x)
+    assert isinstance(outputs[0], tuple) and len(outputs[0]) == 2
+    assert torch.equal(outputs[1], (x + 1) - x * 2)
+
+
 class ReturnsDict(nn.Module):
     """Returns a value a pipeline cannot send."""
 
@@ -214,8 +231,11 @@ def test_check_balance_wrong_sum_names_both_numbers() -> None:
         check_balance([3, 2], 6)
 
 
-@pytest.mark.parametrize("balance, bad", [([2, 0, 4], "0 at index 1"), ([-1, 7], "-1 at index 0"),
-                                          ([2.5, 3.5], "2.5 at index 0"), ([True, 5], "True at index 0")])
+@pytest.mark.parametrize(
+    "balance, bad",
+    [([2, 0, 4], "0 at index 1"), ([-1, 7], "-1 at index 0"),
+     ([2.5, 3.5], "2.5 at index 0"), ([True, 5], "True at index 0")],
+)
 def test_check_balance_bad_entry_names_entry_and_index(balance: list, bad: str) -> None:
     with pytest.raises(ValueError, match=bad):
         check_balance(balance, 6)

@@ -51,7 +51,7 @@ def test_training_lowers_held_out_loss(name: str) -> None:
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_seed_determines_initial_weights(name: str) -> None:
-    first, again, other = build_model(name, seed=3), build_model(name, seed=3), build_model(name, seed=4)
+    first, again, other = (build_model(name, seed=seed) for seed in (3, 3, 4))
     first_state, other_state = first.state_dict(), other.state_dict()
     for key, value in again.state_dict().items():
         assert torch.equal(value, first_state[key]), key

@@ -298,6 +298,8 @@ def test_event_ending_before_start_is_rejected() -> None:
         Event(0, "F", 0, 0, float("nan"), 1.0)
     with pytest.raises(TypeError, match="rank"):
         Event("zero", "F", 0, 0, 0.0, 1.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="start='0'"):
+        Event(0, "F", 0, 0, "0", 1.0)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("rank", [-1, 2])

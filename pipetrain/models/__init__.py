@@ -57,7 +57,8 @@ def build_model(name: str, *, seed: int = 0, **options: object) -> nn.Sequential
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise TypeError(
-            f"model {name!r} has no option {', '.join(unknown)}; its options are {', '.join(accepted)}"
+            f"model {name!r} has no option {', '.join(unknown)}; "
+            f"its options are {', '.join(accepted)}"
         )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

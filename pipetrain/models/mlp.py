@@ -43,7 +43,9 @@ def build_uneven_mlp(widths: Sequence[int] = UNEVEN_WIDTHS) -> nn.Sequential:
     Hidden layers use He initialisation so the signal survives the depth and it trains quickly.
     """
     if len(widths) == 0 or any(width < 1 for width in widths):
-        raise ValueError(f"uneven-mlp widths {tuple(widths)} must be a non-empty list of positive ints")
+        raise ValueError(
+            f"uneven-mlp widths {tuple(widths)} must be a non-empty list of positive ints"
+        )
     entries: list[nn.Module] = []
     width = DIGIT_FEATURES
     for next_width in widths:

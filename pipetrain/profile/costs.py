@@ -1,0 +1,180 @@
+"""Per-layer costs of a model: the :class:`Profile` that the planner reads.
+
+A profile is plain data. :func:`pipetrain.profile` measures one; it can also be written by
+hand, saved to JSON and loaded back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from os import PathLike
+from typing import Any
+
+FORMAT_VERSION = 1
+"""Version of the JSON layout written by :meth:`Profile.save`."""
+
+_TIME_FIELDS = ("forward_s", "backward_s", "weight_backward_s")
+_BATCH_BYTE_FIELDS = ("activation_bytes",)
+
+
+@dataclass
+class LayerCost:
+    """What one layer costs for one micro-batch at the profile's micro-batch size.
+
+    ``backward_s`` is the full backward (input gradient and weight gradient);
+    ``weight_backward_s`` is the weight-gradient share of it where it was measured
+    (``None`` otherwise). ``activation_bytes`` is the size of the layer's output,
+    ``parameter_bytes`` of its weights, ``optimizer_bytes`` of its optimizer state, and
+    ``peak_memory_bytes`` the most memory the layer's forward and backward allocate beyond
+    its inputs and weights.
+    """
+
+    forward_s: float
+    backward_s: float
+    activation_bytes: float = 0.0
+    parameter_bytes: float = 0.0
+    weight_backward_s: float | None = None
+    optimizer_bytes: float = 0.0
+    peak_memory_bytes: float = 0.0
+    name: str = ""
+
+    @property
+    def compute_s(self) -> float:
+        """Forward plus full backward time."""
+        return self.forward_s + self.backward_s
+
+    @property
+    def weight_share_s(self) -> float:
+        """The weight-gradient part of the backward; half of it when it was not measured.
+
+        Half follows the zero-bubble papers' usual assumption that the input-gradient and
+        weight-gradient passes cost about the same.
+        """
+        if self.weight_backward_s is None:
+            return self.backward_s / 2
+        return self.weight_backward_s
+
+
+@dataclass
+class Profile:
+    """Per-layer costs of a model, in execution order.
+
+    ``microbatch_size`` is the micro-batch size the costs were measured at and
+    ``input_bytes`` the size of one such micro-batch of model input.
+    """
+
+    layers: list[LayerCost]
+    microbatch_size: int = 1
+    input_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        """Reject empty profiles and negative or non-finite costs, naming the layer and field."""
+        if not isinstance(self.layers, list) or not self.layers:
+            raise ValueError("a Profile needs a non-empty list of LayerCost, one per layer")
+        for index, layer in enumerate(self.layers):
+            _check_layer(index, layer)
+        size = self.microbatch_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"microbatch_size must be a positive integer, got {size!r}")
+        _check_amount("input_bytes", self.input_bytes, "Profile")
+
+    def __len__(self) -> int:
+        """The number of layers."""
+        return len(self.layers)
+
+    def scaled(self, microbatch_size: int) -> Profile:
+        """This profile at another micro-batch size: times and activations scale linearly.
+
+        Weights and optimizer state do not change. The peak memory keeps its
+        ``parameter_bytes`` part (weight gradients) and scales the rest.
+        """
+        if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) or microbatch_size < 1:
+            raise ValueError(f"microbatch_size must be a positive integer, got {microbatch_size!r}")
+        factor = microbatch_size / self.microbatch_size
+        return Profile(
+            layers=[_scaled_layer(layer, factor) for layer in self.layers],
+            microbatch_size=microbatch_size,
+            input_bytes=self.input_bytes * factor,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dictionary with a ``format_version``."""
+        return {
+            "format_version": FORMAT_VERSION,
+            "microbatch_size": self.microbatch_size,
+            "input_bytes": self.input_bytes,
+            "layers": [asdict(layer) for layer in self.layers],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Profile:
+        """Rebuild a profile from :meth:`to_dict` output; raise ValueError on another format."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a profile must be a JSON object, got {type(data).__name__}")
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ValueError(
+                f"profile format_version {version!r} is not supported; this pipetrain reads "
+                f"format_version {FORMAT_VERSION}. Measure the profile again with pipetrain.profile()."
+            )
+        known = {f.name for f in fields(LayerCost)}
+        layers = []
+        for index, entry in enumerate(data.get("layers", [])):
+            unknown = set(entry) - known
+            if unknown:
+                raise ValueError(f"profile layer {index} has unknown fields {sorted(unknown)}")
+            try:
+                layers.append(LayerCost(**entry))
+            except TypeError as error:
+                raise ValueError(f"profile layer {index} is incomplete: {error}") from None
+        return cls(layers, int(data.get("microbatch_size", 1)), float(data.get("input_bytes", 0.0)))
+
+    def save(self, path: str | PathLike[str]) -> None:
+        """Write the profile as JSON."""
+        with open(path, "w", encoding="utf-8") as file:
+            json.dump(self.to_dict(), file, indent=1)
+
+    @classmethod
+    def load(cls, path: str | PathLike[str]) -> Profile:
+        """Read a profile written by :meth:`save`."""
+        with open(path, encoding="utf-8") as file:
+            return cls.from_dict(json.load(file))
+
+
+def _check_layer(index: int, layer: object) -> None:
+    """Raise if a layer entry is not a LayerCost or holds a negative or non-finite value."""
+    if not isinstance(layer, LayerCost):
+        raise TypeError(f"layer {index} is a {type(layer).__name__}; Profile.layers must hold LayerCost values")
+    where = f"layer {index}" + (f" ({layer.name})" if layer.name else "")
+    for field in fields(LayerCost):
+        value = getattr(layer, field.name)
+        if field.name == "name" or (field.name == "weight_backward_s" and value is None):
+            continue
+        _check_amount(field.name, value, where)
+    if layer.weight_backward_s is not None and layer.weight_backward_s > layer.backward_s:
+        raise ValueError(
+            f"{where}: weight_backward_s = {layer.weight_backward_s} exceeds backward_s = "
+            f"{layer.backward_s}; backward_s is the full backward, so its weight share cannot be larger"
+        )
+
+
+def _check_amount(field: str, value: object, where: str) -> None:
+    """Raise unless ``value`` is a finite number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{where}: {field} = {value!r} must be a finite number")
+    if value < 0:
+        raise ValueError(f"{where}: {field} = {value!r} is negative; times and sizes must be >= 0")
+
+
+def _scaled_layer(layer: LayerCost, factor: float) -> LayerCost:
+    """One layer's costs with batch-proportional fields multiplied by ``factor``."""
+    changes: dict[str, Any] = {}
+    for name in _TIME_FIELDS + _BATCH_BYTE_FIELDS:
+        value = getattr(layer, name)
+        changes[name] = None if value is None else value * factor
+    batch_part = max(layer.peak_memory_bytes - layer.parameter_bytes, 0.0)
+    fixed_part = layer.peak_memory_bytes - batch_part
+    changes["peak_memory_bytes"] = fixed_part + batch_part * factor
+    return replace(layer, **changes)
