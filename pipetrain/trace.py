@@ -49,6 +49,16 @@ class Event:
 
     def __post_init__(self) -> None:
         """Normalise the field types and reject impossible times."""
+        if (
+            type(self.kind) is str
+            and type(self.rank) is int
+            and (self.stage is None or type(self.stage) is int)
+            and (self.microbatch is None or type(self.microbatch) is int)
+            and type(self.start) is float
+            and type(self.end) is float
+            and -math.inf < self.start <= self.end < math.inf
+        ):
+            return  # already normal: simulators and the runtime make events by the 100,000
         if not isinstance(self.kind, str):
             raise TypeError(f"Event kind must be a string such as 'F', got {self.kind!r}")
         # A str-valued enum (such as the schedule's Kind) becomes its plain string value.

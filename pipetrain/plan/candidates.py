@@ -1,0 +1,206 @@
+"""Candidate pipelines for the planner: layouts, their simulator costs, memory and bounds.
+
+A :class:`Layout` says which layers each stage holds and on how many workers; a
+:class:`Candidate` adds the schedule, micro-batch count and recomputation mode, and knows
+how to turn the profile into :class:`pipetrain.simulate.Costs` for its stages. Workers are
+placed as :func:`pipetrain.schedules.build` places them: each stage on consecutive ranks,
+and interleaved chunk ``c`` on rank ``c mod p``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pipetrain.plan.memory import StageFootprint, worker_memory
+from pipetrain.plan.partition import partition
+from pipetrain.plan.replicate import replicate
+from pipetrain.plan.topology import Topology
+from pipetrain.profile.costs import Profile
+from pipetrain.schedules import build
+from pipetrain.simulate import Costs, simulate
+from pipetrain.trace import Timeline
+
+REPLICATED_SCHEDULES = ("gpipe", "1f1b")
+"""Schedules that run stages replicated over several workers."""
+
+STRAIGHT_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "pipedream", "2bw")
+"""Schedules that run one worker per stage."""
+
+VIRTUAL_CHUNKS = 2
+"""Model chunks per rank in interleaved candidates."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Stages as ``(start, stop, replicas)`` in pipeline order; ``virtual`` chunks per rank."""
+
+    stages: tuple[tuple[int, int, int], ...]
+    virtual: int = 1
+
+    @property
+    def replicas(self) -> list[int]:
+        """Workers per stage."""
+        return [replicas for _, _, replicas in self.stages]
+
+    @property
+    def workers(self) -> int:
+        """Workers the layout occupies."""
+        if self.virtual > 1:
+            return len(self.stages) // self.virtual
+        return sum(self.replicas)
+
+    @property
+    def offsets(self) -> list[int]:
+        """First rank of each stage (consecutive placement)."""
+        return [sum(self.replicas[:index]) for index in range(len(self.stages))]
+
+    def runs(self, schedule: str, microbatches: int) -> bool:
+        """Whether ``schedule`` can run this layout with ``microbatches`` micro-batches."""
+        if self.virtual > 1:
+            return schedule == "interleaved" and microbatches % self.workers == 0
+        if max(self.replicas) > 1:
+            return schedule in REPLICATED_SCHEDULES
+        if schedule == "2bw":
+            return microbatches >= len(self.stages)
+        return schedule in STRAIGHT_SCHEDULES
+
+    def rank_of(self, stage: int) -> int:
+        """The first rank holding ``stage``."""
+        return stage % self.workers if self.virtual > 1 else self.offsets[stage]
+
+    def last_rank_of(self, stage: int) -> int:
+        """The last rank holding ``stage``."""
+        return self.rank_of(stage) + self.stages[stage][2] - 1
+
+
+def layouts(step_profile: Profile, topology: Topology, replication: bool, interleaved: bool) -> list[Layout]:
+    """The stage layouts worth simulating for one step's costs.
+
+    ``step_profile`` holds costs for a whole step (all micro-batches), which is what the
+    replication planner weighs against one all-reduce per step. Layouts: PipeDream's
+    replicated pipeline (with ``replication``), a straight pipeline with one stage per worker,
+    and an interleaved one with :data:`VIRTUAL_CHUNKS` chunks per worker (with
+    ``interleaved``), each where the layer count allows.
+    """
+    layers = step_profile.layers
+    compute = [layer.compute_s for layer in layers]
+    activations = [layer.activation_bytes for layer in layers]
+    workers = topology.workers
+    found: list[Layout] = []
+    if replication:
+        weights = [layer.parameter_bytes for layer in layers]
+        replicated = replicate(compute, weights, activations, topology, sync="step")
+        found.append(Layout(tuple((s.start, s.stop, s.replicas) for s in replicated.stages)))
+    for virtual in (1, VIRTUAL_CHUNKS) if interleaved and workers > 1 else (1,):
+        chunks = virtual * workers
+        if chunks > len(layers):
+            continue
+        links = [topology.span_bandwidth(c % workers, (c + 1) % workers) for c in range(chunks - 1)]
+        balance = partition(compute, chunks, activations, links)
+        bounds = [sum(balance[:index]) for index in range(chunks + 1)]
+        layout = Layout(tuple((bounds[c], bounds[c + 1], 1) for c in range(chunks)), virtual)
+        if layout not in found:
+            found.append(layout)
+    return found
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration to simulate: layout, schedule, micro-batches, recomputation."""
+
+    layout: Layout
+    schedule: str
+    microbatches: int
+    checkpoint: str
+    profile: Profile
+
+    @property
+    def recompute(self) -> list[bool]:
+        """Per stage (chunk): whether its backward re-materialises the activations."""
+        count = len(self.layout.stages)
+        if self.checkpoint == "always":
+            return [True] * count
+        if self.checkpoint == "except_last":
+            return [index < count - 1 for index in range(count)]
+        return [False] * count
+
+    def memory(self) -> list[float]:
+        """Peak bytes on a worker of each stage (for a chunk: its rank's total)."""
+        stages, flags = self.layout.stages, self.recompute
+        footprints = [StageFootprint.of(self.profile, start, stop) for start, stop, _ in stages]
+        if self.layout.virtual == 1:
+            replicas = self.layout.replicas
+            return [
+                worker_memory([footprints[s]], [flags[s]], self.schedule, s, self.microbatches, replicas)
+                for s in range(len(stages))
+            ]
+        ranks = self.layout.workers
+        per_rank = [
+            worker_memory(footprints[rank::ranks], flags[rank::ranks], self.schedule, rank, self.microbatches, [1] * ranks)
+            for rank in range(ranks)
+        ]
+        return [per_rank[chunk % ranks] for chunk in range(len(stages))]
+
+    def costs(self, topology: Topology) -> Costs:
+        """Per-stage times and per-boundary transfers for :func:`pipetrain.simulate.simulate`."""
+        layers, layout = self.profile.layers, self.layout
+        forward, backward, weight, allreduce = [], [], [], []
+        for stage, ((start, stop, replicas), again) in enumerate(zip(layout.stages, self.recompute)):
+            part = layers[start:stop]
+            forward_s = sum(layer.forward_s for layer in part)
+            weight_s = sum(layer.weight_share_s for layer in part)
+            forward.append(forward_s)
+            weight.append(weight_s)
+            backward.append(sum(layer.backward_s for layer in part) - weight_s + (forward_s if again else 0.0))
+            span = topology.span_bandwidth(layout.rank_of(stage), layout.last_rank_of(stage))
+            weights = sum(layer.parameter_bytes for layer in part)
+            allreduce.append(2 * (replicas - 1) / replicas * weights / span if replicas > 1 else 0.0)
+        boundaries = range(len(layout.stages) - 1)
+        sizes = [layers[layout.stages[b][1] - 1].activation_bytes for b in boundaries] or [0.0]
+        links = [self._link(topology, b) for b in boundaries] or [math.inf]
+        return Costs(forward, [max(b, 0.0) for b in backward], weight, sizes, links, allreduce_s=allreduce)
+
+    def _link(self, topology: Topology, boundary: int) -> float:
+        """Bandwidth across ``boundary``: the slowest link among both stages' workers."""
+        ranks = [
+            self.layout.rank_of(boundary),
+            self.layout.last_rank_of(boundary),
+            self.layout.rank_of(boundary + 1),
+            self.layout.last_rank_of(boundary + 1),
+        ]
+        return topology.span_bandwidth(min(ranks), max(ranks))
+
+    def lower_bound(self, costs: Costs) -> float:
+        """A makespan no schedule can beat: a worker's own work after the first input reaches it."""
+        count = len(self.layout.stages)
+        forward = costs.per_stage("forward_s", count)
+        backward = costs.per_stage("backward_s", count)
+        weight = costs.per_stage("weight_s", count)
+        allreduce = costs.per_stage("allreduce_s", count)
+        if self.layout.virtual > 1:
+            ranks = self.layout.workers
+            work = [f + b + w for f, b, w in zip(forward, backward, weight)]
+            return max(self.microbatches * sum(work[rank::ranks]) for rank in range(ranks))
+        bound = 0.0
+        for stage, replicas in enumerate(self.layout.replicas):
+            local = math.ceil(self.microbatches / replicas)
+            busy = local * (forward[stage] + backward[stage] + weight[stage]) + allreduce[stage]
+            bound = max(bound, sum(forward[:stage]) + busy)
+        return bound
+
+    def build_and_simulate(self, costs: Costs) -> tuple[Timeline, int]:
+        """Simulate the candidate; return the timeline and the micro-batches it processed."""
+        options: dict = {}
+        if self.layout.virtual > 1:
+            options["virtual"] = self.layout.virtual
+        elif max(self.layout.replicas) > 1:
+            options["replicas"] = self.layout.replicas
+        stages = self.layout.workers if self.layout.virtual > 1 else len(self.layout.stages)
+        schedule = build(self.schedule, stages, self.microbatches, **options)
+        return simulate(schedule, costs), schedule.microbatches
+
+
+def step_costs(profile: Profile, microbatches: int) -> Profile:
+    """A profile whose times and activations cover ``microbatches`` micro-batches at once."""
+    return profile.scaled(profile.microbatch_size * microbatches)

@@ -1,0 +1,53 @@
+"""Re-materialization: run a stage forward without keeping its inside, recompute it later.
+
+The random-number state is saved before the first run and restored for the recompute, so
+dropout and other randomness give the same result both times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import torch
+
+CHECKPOINT_MODES = ("never", "except_last", "always")
+
+
+def check_mode(mode: str) -> str:
+    """Return ``mode`` if it is a checkpoint mode, else raise a ValueError listing them."""
+    if mode not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {mode!r}")
+    return mode
+
+
+def recomputes(mode: str, microbatch: int, microbatches: int) -> bool:
+    """Whether ``microbatch`` is checkpointed: ``except_last`` keeps the last one, whose
+    backward follows its forward at once."""
+    return mode == "always" or (mode == "except_last" and microbatch != microbatches - 1)
+
+
+class RandomState:
+    """The CPU and (if used) CUDA generator states at one moment."""
+
+    def __init__(self, device: torch.device) -> None:
+        """Capture the states that a forward on ``device`` may consume."""
+        self.device = device
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    @contextmanager
+    def restored(self):
+        """Run the body with the captured states; the caller's states are kept outside it."""
+        devices = [self.device] if self.cuda is not None else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(self.cpu)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state(self.cuda, self.device)
+            yield
+
+
+def recompute(run: Callable[[], object], state: RandomState) -> object:
+    """Run ``run`` again with gradients on, under the random state of its first run."""
+    with state.restored(), torch.enable_grad():
+        return run()

@@ -1,0 +1,198 @@
+"""Execute one rank's action list: forwards, backwards, weight gradients, transfers, steps.
+
+The executor knows nothing about how the schedule was chosen; it plays the actions in
+order. Tensors that cross a stage boundary enter the next stage as fresh leaves, so each
+stage's autograd graph ends at its own inputs and gradients travel as messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pipetrain.runtime.checkpoint import RandomState, recompute, recomputes
+from pipetrain.runtime.recorder import Recorder
+from pipetrain.runtime.transport import PeerError, Transport
+from pipetrain.schedules import Action, Kind, Schedule
+
+Tensors = tuple[torch.Tensor, ...]
+
+
+def as_tuple(value: torch.Tensor | Sequence[torch.Tensor]) -> Tensors:
+    """A stage output as a tuple of tensors."""
+    return (value,) if isinstance(value, torch.Tensor) else tuple(value)
+
+
+def as_leaves(tensors: Tensors) -> Tensors:
+    """Detached copies of boundary tensors; floating ones require grad so their gradient can be sent back."""
+    return tuple(t.detach().requires_grad_(True) if t.is_floating_point() else t.detach() for t in tensors)
+
+
+@dataclass
+class _Slot:
+    """What a stage keeps for one micro-batch between its forward and its backward."""
+
+    inputs: Tensors
+    outputs: Tensors | None  # None while checkpointed (recomputed at the backward)
+    random_state: RandomState | None = None
+    loss: torch.Tensor | None = None
+    # set by a split backward for the weight-gradient pass
+    differentiable: Tensors = ()
+    output_grads: Tensors = ()
+
+
+class ActionFailed(RuntimeError):
+    """An action raised on this rank; names the rank, stage and action."""
+
+    def __init__(self, rank: int, action: Action, error: BaseException) -> None:
+        """Wrap ``error`` raised while running ``action`` on ``rank``."""
+        super().__init__(f"rank {rank} (stage {action.stage}) failed at {action}: {type(error).__name__}: {error}")
+        self.rank, self.stage, self.action = rank, action.stage, action
+
+
+class Executor:
+    """Runs ``schedule.ranks[rank]`` against the stage modules this rank holds."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        rank: int,
+        modules: dict[int, nn.Module],
+        transport: Transport,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        checkpoint: str,
+        recorder: Recorder,
+        step: Callable[[int], None],
+    ) -> None:
+        """Prepare to run; ``step(stage)`` applies the optimizer to one stage's weights."""
+        self.schedule, self.rank, self.modules = schedule, rank, modules
+        self.transport, self.loss_fn, self.checkpoint = transport, loss_fn, checkpoint
+        self.recorder, self.step = recorder, step
+        self.last_stage = schedule.stages - 1
+        self._handlers = {
+            Kind.FORWARD: self._forward,
+            Kind.BACKWARD: self._backward,
+            Kind.WEIGHT: self._weight,
+            Kind.SEND_F: self._send_activation,
+            Kind.SEND_B: self._send_gradient,
+            Kind.RECV_F: self._receive_activation,
+            Kind.RECV_B: self._receive_gradient,
+            Kind.STEP: lambda action: self.step(action.stage),
+        }
+
+    def run(self, inputs: Sequence[Tensors] | None, targets: Sequence[torch.Tensor] | None, scales: Sequence[float] | None) -> torch.Tensor | None:
+        """Play the rank's actions for one mini-batch; return the summed loss on last-stage ranks."""
+        self._inputs, self._targets, self._scales = inputs, targets, scales
+        self._slots: dict[tuple[int, int], _Slot] = {}
+        self._activations: dict[tuple[int, int], Tensors] = {}  # outputs waiting to be sent or used locally
+        self._received: dict[tuple[int, int], Tensors] = {}  # inputs of (stage, mb)
+        self._output_grads: dict[tuple[int, int], Tensors] = {}  # gradients of (stage, mb)'s outputs
+        self._input_grads: dict[tuple[int, int], Tensors] = {}  # gradients of (stage, mb)'s inputs
+        self._loss: torch.Tensor | None = None
+        self.outputs: dict[int, Tensors] = {}  # last stage's outputs by micro-batch, kept when there are no targets
+        recorder = self.recorder
+        for action in self.schedule.ranks[self.rank]:
+            start = recorder.now() if recorder.enabled else 0.0
+            try:
+                self._handlers[action.kind](action)
+            except (ActionFailed, PeerError):
+                raise
+            except Exception as error:
+                raise ActionFailed(self.rank, action, error) from error
+            if recorder.enabled:
+                recorder.add(action.kind.value, action.stage, action.microbatch, start, recorder.now())
+        return self._loss
+
+    # forward --------------------------------------------------------------------------
+    def _stage_inputs(self, stage: int, microbatch: int) -> Tensors:
+        if stage == 0:
+            return self._inputs[microbatch]
+        key = (stage - 1, microbatch)
+        if key in self._activations:  # the previous stage lives on this rank
+            return as_leaves(self._activations.pop(key))
+        return as_leaves(self._received.pop((stage, microbatch)))
+
+    def _run_stage(self, stage: int, microbatch: int, inputs: Tensors) -> tuple[Tensors, torch.Tensor | None]:
+        outputs = as_tuple(self.modules[stage](*inputs))
+        if stage != self.last_stage or self._targets is None:
+            return outputs, None
+        output = outputs[0] if len(outputs) == 1 else outputs
+        loss = self.loss_fn(output, self._targets[microbatch]) * self._scales[microbatch]
+        return outputs, loss
+
+    def _forward(self, action: Action) -> None:
+        stage, mb = action.stage, action.microbatch
+        inputs = self._stage_inputs(stage, mb)
+        if recomputes(self.checkpoint, mb, self.schedule.microbatches):
+            random_state = RandomState(inputs[0].device if inputs else torch.device("cpu"))
+            with torch.no_grad():
+                outputs, loss = self._run_stage(stage, mb, inputs)
+            slot = _Slot(inputs, None, random_state)
+        else:
+            outputs, loss = self._run_stage(stage, mb, inputs)
+            slot = _Slot(inputs, outputs, loss=loss)
+        self._slots[(stage, mb)] = slot
+        if loss is not None:
+            self._loss = loss.detach() if self._loss is None else self._loss + loss.detach()
+        elif stage == self.last_stage:
+            self.outputs[mb] = tuple(t.detach() for t in outputs)
+        else:
+            self._activations[(stage, mb)] = tuple(t.detach() for t in outputs)
+
+    # backward -------------------------------------------------------------------------
+    def _differentiable(self, stage: int, microbatch: int, slot: _Slot) -> tuple[Tensors, Tensors]:
+        """The tensors to differentiate and their incoming gradients."""
+        if slot.outputs is None:
+            slot.outputs, slot.loss = recompute(lambda: self._run_stage(stage, microbatch, slot.inputs), slot.random_state)
+        if stage == self.last_stage:
+            return (slot.loss,), (torch.ones_like(slot.loss),)
+        key = (stage + 1, microbatch)
+        grads = self._input_grads.pop(key) if key in self._input_grads else self._output_grads.pop((stage, microbatch))
+        floating = [t for t in slot.outputs if t.is_floating_point()]
+        pairs = [(t, g) for t, g in zip(floating, grads) if t.requires_grad]
+        return tuple(t for t, _ in pairs), tuple(g for _, g in pairs)
+
+    def _backward(self, action: Action) -> None:
+        stage, mb = action.stage, action.microbatch
+        slot = self._slots[(stage, mb)]
+        tensors, grads = self._differentiable(stage, mb, slot)
+        leaves = [t for t in slot.inputs if t.requires_grad]
+        if self.schedule.split_backward:
+            # input gradients only; the weight gradients follow in W on the kept graph
+            input_grads = torch.autograd.grad(tensors, leaves, grads, retain_graph=True, allow_unused=True) if leaves and tensors else ()
+            slot.differentiable, slot.output_grads = tensors, grads
+        else:
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+            input_grads = tuple(t.grad for t in leaves)
+            del self._slots[(stage, mb)]
+        if stage > 0:
+            floating = [t for t in slot.inputs if t.is_floating_point()]
+            by_leaf = dict(zip(map(id, leaves), input_grads))
+            self._input_grads[(stage, mb)] = tuple(
+                by_leaf.get(id(t)) if by_leaf.get(id(t)) is not None else torch.zeros_like(t) for t in floating
+            )
+
+    def _weight(self, action: Action) -> None:
+        slot = self._slots.pop((action.stage, action.microbatch))
+        parameters = [p for p in self.modules[action.stage].parameters() if p.requires_grad]
+        if parameters and slot.differentiable:
+            torch.autograd.backward(slot.differentiable, slot.output_grads, inputs=parameters)
+
+    # communication --------------------------------------------------------------------
+    def _send_activation(self, action: Action) -> None:
+        tensors = self._activations.pop((action.stage, action.microbatch))
+        self.transport.send(tensors, action.peer, ("F", action.stage))
+
+    def _send_gradient(self, action: Action) -> None:
+        grads = self._input_grads.pop((action.stage, action.microbatch))
+        self.transport.send(grads, action.peer, ("B", action.stage - 1))
+
+    def _receive_activation(self, action: Action) -> None:
+        self._received[(action.stage, action.microbatch)] = self.transport.receive(action.peer, ("F", action.stage - 1))
+
+    def _receive_gradient(self, action: Action) -> None:
+        self._output_grads[(action.stage, action.microbatch)] = self.transport.receive(action.peer, ("B", action.stage))

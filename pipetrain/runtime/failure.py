@@ -1,0 +1,61 @@
+"""Bring every rank down, with one clear message, when any rank fails.
+
+The rank where the failure began writes it to the process group's key-value store and
+re-raises; its process then ends, which breaks its connections, so every rank waiting on
+it fails too, reads the store and names the rank and stage where it began.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+_KEY = "pipetrain/first_failure"
+
+
+class PipelineError(RuntimeError):
+    """A pipeline step failed; ``origin_rank`` and ``origin_stage`` name where it began."""
+
+    def __init__(self, message: str, origin_rank: int | None, origin_stage: int | None) -> None:
+        """Keep the message and where the failure began."""
+        super().__init__(message)
+        self.origin_rank, self.origin_stage = origin_rank, origin_stage
+
+
+def _store() -> dist.Store | None:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
+def report_origin(rank: int, stage: int | None, message: str) -> PipelineError:
+    """Record this rank's failure as the first one (unless another is already there)."""
+    store = _store()
+    if store is not None:
+        try:
+            store.compare_set(_KEY, "", f"{rank}\n{stage}\n{message}")
+        except RuntimeError:
+            pass  # the store itself is gone: the local error still stands
+    return PipelineError(message, rank, stage)
+
+
+def explain_peer_failure(rank: int, stage: int | None, detail: str, wait_s: float = 5.0) -> PipelineError:
+    """An error for a rank that stopped because a peer did; names the origin if known."""
+    store = _store()
+    origin = None
+    if store is not None:
+        try:
+            store.wait([_KEY], timedelta(seconds=wait_s))
+            origin = store.get(_KEY).decode()
+        except RuntimeError:
+            origin = None
+    if origin:
+        origin_rank, origin_stage, message = origin.split("\n", 2)
+        return PipelineError(
+            f"rank {rank} (stage {stage}) stopped because rank {origin_rank} (stage {origin_stage}) failed first: {message}",
+            int(origin_rank),
+            None if origin_stage == "None" else int(origin_stage),
+        )
+    return PipelineError(f"rank {rank} (stage {stage}) stopped: {detail}", None, None)

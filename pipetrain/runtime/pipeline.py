@@ -1,0 +1,253 @@
+"""`Pipeline`: train a sequential model with pipeline parallelism, one stage per rank."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipetrain.layers import StageModule, check_balance, stage_bounds, to_layers
+from pipetrain.runtime.checkpoint import check_mode
+from pipetrain.runtime.executor import ActionFailed, Executor, Tensors
+from pipetrain.runtime.failure import explain_peer_failure, report_origin
+from pipetrain.runtime.recorder import Recorder
+from pipetrain.runtime.transport import PeerError, Transport
+from pipetrain.schedules import SYNCHRONOUS, Kind, Schedule, build
+from pipetrain.trace import Timeline
+
+OptimizerArg = torch.optim.Optimizer | Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer] | None
+
+
+def _split(value: torch.Tensor | Sequence[torch.Tensor], parts: int) -> list:
+    """Split a tensor (or each tensor of a tuple) into ``parts`` pieces along dim 0."""
+    if isinstance(value, torch.Tensor):
+        return list(torch.tensor_split(value, parts))
+    pieces = [torch.tensor_split(t, parts) for t in value]
+    return [tuple(p[i] for p in pieces) for i in range(parts)]
+
+
+def _batch_size(value: torch.Tensor | Sequence[torch.Tensor], what: str) -> int:
+    tensor = value if isinstance(value, torch.Tensor) else value[0]
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+        raise TypeError(f"{what} must be a tensor (or tuple of tensors) with a batch dimension, got {type(tensor).__name__}")
+    return tensor.shape[0]
+
+
+def default_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device of this process: its local GPU under NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+class Pipeline:
+    """Train ``model`` split into stages over the ranks of a process group.
+
+    Call it on every rank with the same arguments, inside an initialized
+    ``torch.distributed`` process group (``torchrun``, or :func:`pipetrain.launch`). Each rank
+    builds only its own stage(s). ``balance`` gives layers per stage (for ``interleaved``,
+    ``ranks × virtual`` stages; by default layers are shared out evenly); ``plan`` takes
+    balance, schedule, micro-batches and checkpointing from a :class:`pipetrain.Plan`.
+    ``optimizer`` is an optimizer or a function from this rank's parameters to one; it is
+    stepped once per :meth:`train_step`. ``record=True`` records a measured timeline of
+    every step (see :meth:`timeline`).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | Sequence[nn.Module],
+        balance: Sequence[int] | None = None,
+        microbatches: int = 1,
+        schedule: str = "1f1b",
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        checkpoint: str = "never",
+        optimizer: OptimizerArg = None,
+        *,
+        plan=None,
+        virtual: int = 2,
+        device: torch.device | str | None = None,
+        group: dist.ProcessGroup | None = None,
+        timeout_s: float = 300.0,
+        record: bool = False,
+    ) -> None:
+        """Build this rank's stage(s), the schedule and the transport."""
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "Pipeline needs an initialized torch.distributed process group: run under torchrun, "
+                "or start workers with pipetrain.launch(fn, nprocs=N)"
+            )
+        if loss_fn is None or not callable(loss_fn):
+            raise TypeError(f"loss_fn must be a callable (output, target) -> mean loss, got {loss_fn!r}")
+        if plan is not None:
+            if balance is not None:
+                raise ValueError("give either balance or plan, not both")
+            if any(stage.replicas > 1 for stage in plan.stages):
+                raise NotImplementedError(
+                    f"plan replicates stages {plan.replicas}; replicated stages are not supported by Pipeline yet, "
+                    "plan with replication=False"
+                )
+            balance, schedule, microbatches, checkpoint = plan.balance, plan.schedule, plan.microbatches, plan.checkpoint
+        if schedule not in SYNCHRONOUS:
+            raise ValueError(f"Pipeline runs the synchronous schedules {', '.join(SYNCHRONOUS)}; got {schedule!r}")
+        self.checkpoint = check_mode(checkpoint)
+        self.group = group
+        self.rank = dist.get_rank(group)
+        world = dist.get_world_size(group)
+        layers = to_layers(model)
+        stages_per_rank = virtual if schedule == "interleaved" else 1
+        if balance is None:
+            balance = _even_balance(len(layers), world * stages_per_rank)
+        self.balance = check_balance(balance, len(layers))
+        options = {"virtual": virtual} if schedule == "interleaved" else {}
+        ranks = len(self.balance) // stages_per_rank
+        if len(self.balance) != ranks * stages_per_rank or ranks != world:
+            raise ValueError(
+                f"balance {self.balance} has {len(self.balance)} stages, but {schedule} on {world} ranks needs "
+                f"{world * stages_per_rank}; give one entry per stage"
+            )
+        self.schedule: Schedule = build(schedule, world, microbatches, **options)
+        self.microbatches = microbatches
+        self.device = torch.device(device) if device is not None else default_device(group)
+        bounds = stage_bounds(self.balance)
+        self.stages: dict[int, StageModule] = {
+            stage: StageModule(layers[slice(*bounds[stage])]).to(self.device) for stage in self.schedule.stages_of(self.rank)
+        }
+        self.optimizer = optimizer(self.parameters()) if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer) else optimizer
+        self.transport = Transport(self.device, group, timeout_s)
+        self.recorder = Recorder(self.rank, self.device, enabled=record)
+        self._steps_taken = 0
+        self._executor = Executor(
+            self.schedule, self.rank, dict(self.stages), self.transport, loss_fn, self.checkpoint, self.recorder, self._step
+        )
+
+    # parameters -----------------------------------------------------------------------
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters, named as in the full model."""
+        for module in self.stages.values():
+            yield from module.named_parameters()
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameters."""
+        for _, parameter in self.named_parameters():
+            yield parameter
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers, keyed as in the full model."""
+        state: dict[str, torch.Tensor] = {}
+        for module in self.stages.values():
+            state.update(module.state_dict())
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load this rank's entries from a (full or partial) state dict keyed as the full model."""
+        for module in self.stages.values():
+            own = {k: v for k, v in state.items() if k in module.state_dict()}
+            module.load_state_dict(own)
+
+    # steps ----------------------------------------------------------------------------
+    def _step(self, stage: int) -> None:
+        self._steps_taken += 1
+        if self.optimizer is not None and self._steps_taken == len(self.stages):
+            self.optimizer.step()
+
+    def _holds(self, stage: int) -> bool:
+        return stage in self.stages
+
+    def _prepare(self, inputs, targets) -> tuple[list | None, list | None, list[float] | None]:
+        m, last = self.microbatches, self.schedule.stages - 1
+        micro_inputs = micro_targets = scales = None
+        if self._holds(0):
+            if inputs is None:
+                raise ValueError(f"rank {self.rank} holds the first stage and needs the inputs; got None")
+            size = _batch_size(inputs, "inputs")
+            if size < m:
+                raise ValueError(f"batch of {size} samples is smaller than microbatches={m}; use a larger batch or fewer micro-batches")
+            micro_inputs = [p if isinstance(p, tuple) else (p,) for p in _split(inputs, m)]
+            micro_inputs = [tuple(t.to(self.device) for t in p) for p in micro_inputs]
+        if self._holds(last) and targets is not None:
+            size = _batch_size(targets, "targets")
+            if size < m:
+                raise ValueError(f"batch of {size} samples is smaller than microbatches={m}; use a larger batch or fewer micro-batches")
+            micro_targets = [t.to(self.device) if isinstance(t, torch.Tensor) else tuple(x.to(self.device) for x in t) for t in _split(targets, m)]
+            scales = [_batch_size(t, "targets") / size for t in micro_targets]
+        return micro_inputs, micro_targets, scales
+
+    def _run(self, schedule: Schedule, micro_inputs, micro_targets, scales):
+        if self.recorder.enabled:
+            dist.barrier(group=self.group)
+            self.recorder.reset()
+        self._executor.schedule = schedule
+        stage = min(self.stages)
+        try:
+            result = self._executor.run(micro_inputs, micro_targets, scales)
+            self.transport.flush()
+        except ActionFailed as error:
+            raise report_origin(self.rank, error.stage, str(error)) from error
+        except PeerError as error:
+            raise explain_peer_failure(self.rank, stage, str(error)) from error
+        except Exception as error:
+            raise report_origin(self.rank, stage, f"rank {self.rank} (stage {stage}) failed: {type(error).__name__}: {error}") from error
+        return result
+
+    def train_step(self, inputs=None, targets=None) -> float:
+        """Run one mini-batch through the schedule and return its mean loss (same float on every rank).
+
+        Leaves each parameter's accumulated gradient in ``.grad`` as the unpipelined model
+        would get from ``loss_fn(model(inputs), targets)``, and steps the optimizer if one
+        was given. Only the first stage's rank reads ``inputs``, only the last's ``targets``.
+        """
+        last = self.schedule.stages - 1
+        if self._holds(last) and targets is None:
+            raise ValueError(f"rank {self.rank} holds the last stage and needs the targets; got None")
+        micro_inputs, micro_targets, scales = self._prepare(inputs, targets)
+        for parameter in self.parameters():
+            parameter.grad = None
+        self._steps_taken = 0
+        loss = self._run(self.schedule, micro_inputs, micro_targets, scales)
+        total = torch.zeros((), device=self.device)
+        if loss is not None:
+            total += loss
+        dist.all_reduce(total, group=self.group)
+        return float(total)
+
+    def eval_step(self, inputs=None) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
+        """Forward only, without gradients: the model's output on the last stage's rank, ``None`` elsewhere."""
+        micro_inputs, _, _ = self._prepare(inputs, None)
+        forward_only = _forward_only(self.schedule)
+        with torch.no_grad():
+            self._run(forward_only, micro_inputs, None, None)
+        self._executor.schedule = self.schedule
+        if not self._holds(self.schedule.stages - 1):
+            return None
+        pieces = [self._executor.outputs[k] for k in range(self.microbatches)]
+        outputs = tuple(torch.cat(parts) for parts in zip(*pieces))
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def timeline(self) -> Timeline | None:
+        """The last step's measured timeline, gathered on rank 0 (``None`` on other ranks).
+
+        Every rank must call it. Needs ``record=True``.
+        """
+        if not self.recorder.enabled:
+            raise RuntimeError("Pipeline(record=True) is needed to measure a timeline")
+        gathered: list | None = [None] * dist.get_world_size(self.group) if self.rank == 0 else None
+        dist.gather_object(self.recorder.events, gathered, dst=0, group=self.group)
+        if self.rank != 0:
+            return None
+        return Timeline([e for events in gathered for e in events], len(gathered), label=f"{self.schedule.name} (measured)")
+
+
+def _even_balance(layers: int, stages: int) -> list[int]:
+    if layers < stages:
+        raise ValueError(f"the model has {layers} layers, fewer than the {stages} stages needed; use fewer ranks")
+    return [layers // stages + (1 if i < layers % stages else 0) for i in range(stages)]
+
+
+def _forward_only(schedule: Schedule) -> Schedule:
+    keep = (Kind.FORWARD, Kind.SEND_F, Kind.RECV_F)
+    return replace(schedule, ranks=tuple(tuple(a for a in actions if a.kind in keep) for actions in schedule.ranks))
