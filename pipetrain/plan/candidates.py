@@ -78,20 +78,28 @@ def layouts(step_profile: Profile, topology: Topology, replication: bool, interl
     """The stage layouts worth simulating for one step's costs.
 
     ``step_profile`` holds costs for a whole step (all micro-batches), which is what the
-    replication planner weighs against one all-reduce per step. Layouts: PipeDream's
-    replicated pipeline (with ``replication``), a straight pipeline with one stage per worker,
-    and an interleaved one with :data:`VIRTUAL_CHUNKS` chunks per worker (with
-    ``interleaved``), each where the layer count allows.
+    replication planner weighs against one all-reduce per step. Layouts, where the layer
+    count allows:
+
+    - with ``replication``, PipeDream's replicated pipeline on the hierarchical topology and,
+      for several levels, on a flat topology priced at the slowest link (whole-component
+      levels cannot express plans such as "15-1" on 4×4 workers); where a plan leaves workers
+      idle, also with the idle workers added to each of its stages in turn;
+    - a straight pipeline with one stage per worker;
+    - with ``interleaved``, :data:`VIRTUAL_CHUNKS` chunks per worker.
     """
     layers = step_profile.layers
     compute = [layer.compute_s for layer in layers]
     activations = [layer.activation_bytes for layer in layers]
-    workers = topology.workers
     found: list[Layout] = []
     if replication:
         weights = [layer.parameter_bytes for layer in layers]
-        replicated = replicate(compute, weights, activations, topology, sync="step")
-        found.append(Layout(tuple((s.start, s.stop, s.replicas) for s in replicated.stages)))
+        slowest = min(level.bandwidth for level in topology.levels)
+        networks = [topology] if len(topology.levels) == 1 else [topology, Topology.flat(topology.workers, slowest)]
+        for network in networks:
+            replicated = replicate(compute, weights, activations, network, sync="step")
+            _add(found, _with_idle_workers([(s.start, s.stop, s.replicas) for s in replicated.stages], topology.workers))
+    workers = topology.workers
     for virtual in (1, VIRTUAL_CHUNKS) if interleaved and workers > 1 else (1,):
         chunks = virtual * workers
         if chunks > len(layers):
@@ -99,10 +107,24 @@ def layouts(step_profile: Profile, topology: Topology, replication: bool, interl
         links = [topology.span_bandwidth(c % workers, (c + 1) % workers) for c in range(chunks - 1)]
         balance = partition(compute, chunks, activations, links)
         bounds = [sum(balance[:index]) for index in range(chunks + 1)]
-        layout = Layout(tuple((bounds[c], bounds[c + 1], 1) for c in range(chunks)), virtual)
+        _add(found, [Layout(tuple((bounds[c], bounds[c + 1], 1) for c in range(chunks)), virtual)])
+    return found
+
+
+def _with_idle_workers(stages: list[tuple[int, int, int]], workers: int) -> list[Layout]:
+    """A replicated layout, and if it leaves workers idle, the variants that give them to one stage."""
+    idle = workers - sum(replicas for _, _, replicas in stages)
+    variants = [Layout(tuple(stages))]
+    for index, (start, stop, replicas) in enumerate(stages if idle else []):
+        variants.append(Layout(tuple(stages[:index] + [(start, stop, replicas + idle)] + stages[index + 1 :])))
+    return variants
+
+
+def _add(found: list[Layout], layouts_to_add: list[Layout]) -> None:
+    """Append the layouts not already in ``found``."""
+    for layout in layouts_to_add:
         if layout not in found:
             found.append(layout)
-    return found
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -33,7 +34,10 @@ def _worker(rank: int, nprocs: int, port: int, backend: str, timeout_s: float, t
         store = dist.TCPStore("127.0.0.1", port, nprocs, is_master=False, timeout=timedelta(seconds=timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=nprocs, timeout=timedelta(seconds=timeout_s))
         result = fn(*args)
-        results.put((rank, True, result, ""))
+        # as bytes: tensors shared through file descriptors would die with this process
+        payload = io.BytesIO()
+        torch.save(result, payload)
+        results.put((rank, True, payload.getvalue(), ""))
         dist.destroy_process_group()
     except BaseException as error:  # reported to the parent, which raises it
         origin = getattr(error, "origin_rank", rank)
@@ -91,4 +95,4 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str = "gloo
         origin = origins[0] if origins[0] in failures else min(failures)
         message, _ = failures[origin][1]
         raise LaunchError(f"worker rank {origin} failed: {message}", origin, failures[origin][2])
-    return [outcomes[rank][1] for rank in range(nprocs)]
+    return [torch.load(io.BytesIO(outcomes[rank][1]), weights_only=False) for rank in range(nprocs)]

@@ -1,0 +1,73 @@
+"""Time the planner on a large problem: 500 layers, 64 workers over two network levels.
+
+Run from the repository root: ``python benchmarks/bench_planner.py``. Prints the time of
+the replication planner alone and of the whole :func:`pipetrain.plan.plan` (which also
+simulates candidate schedules), and the chosen plan. The target is under 2 s for the whole
+plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from pipetrain.plan import Topology, plan, replicate
+from pipetrain.profile import LayerCost, Profile
+
+
+def synthetic_profile(layers: int, seed: int = 0) -> Profile:
+    """A transformer-like profile: uneven compute, weights and activations per layer."""
+    rng = np.random.default_rng(seed)
+    compute = rng.uniform(1e-3, 1e-2, layers)
+    return Profile(
+        [
+            LayerCost(
+                forward_s=float(c / 3),
+                backward_s=float(2 * c / 3),
+                activation_bytes=float(a),
+                parameter_bytes=float(w),
+                optimizer_bytes=float(2 * w),
+                name=f"layer{index}",
+            )
+            for index, (c, a, w) in enumerate(
+                zip(compute, rng.uniform(1e5, 1e7, layers), rng.uniform(0, 4e7, layers))
+            )
+        ],
+        microbatch_size=8,
+        input_bytes=1e6,
+    )
+
+
+def main() -> None:
+    """Plan once and print the timings."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=500)
+    parser.add_argument("--topology", default="8x16GB/s,8x10Gbit/s")
+    parser.add_argument("--batch-size", type=int, default=2048)
+    args = parser.parse_args()
+    profile = synthetic_profile(args.layers)
+    topology = Topology.parse(args.topology)
+
+    start = time.perf_counter()
+    replication = replicate(
+        [layer.compute_s for layer in profile.layers],
+        [layer.parameter_bytes for layer in profile.layers],
+        [layer.activation_bytes for layer in profile.layers],
+        topology,
+    )
+    replicate_s = time.perf_counter() - start
+
+    start = time.perf_counter()
+    chosen = plan(profile, topology=topology, batch_size=args.batch_size, memory_limit=80e9)
+    plan_s = time.perf_counter() - start
+
+    print(f"{args.layers} layers on {topology} ({topology.workers} workers)")
+    print(f"replication planner: {replicate_s:.3f} s, {len(replication.stages)} stages")
+    print(f"whole plan (layouts, memory, simulation): {plan_s:.3f} s (target < 2 s)")
+    print(chosen.describe())
+
+
+if __name__ == "__main__":
+    main()

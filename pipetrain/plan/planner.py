@@ -1,0 +1,293 @@
+"""Choose a pipeline plan: stages, replicas, schedule, micro-batches and recomputation.
+
+:func:`plan` builds candidate layouts (PipeDream's replicated pipeline, a straight pipeline,
+an interleaved one), keeps the configurations whose per-worker memory fits, simulates them
+on the profiled costs with :mod:`pipetrain.simulate`, and returns the fastest as a
+:class:`Plan`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from os import PathLike
+from typing import Any
+
+from pipetrain.plan.candidates import Candidate, Layout, layouts, step_costs
+from pipetrain.plan.topology import Topology, resolve
+from pipetrain.profile.costs import Profile
+from pipetrain.schedules import SCHEDULE_NAMES
+
+DEFAULT_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved")
+DEFAULT_MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)
+CHECKPOINT_MODES = ("never", "except_last", "always")
+"""Recomputation modes, cheapest first: none, every stage but the last, every stage."""
+
+FORMAT_VERSION = 1
+"""Version of the JSON layout written by :meth:`Plan.save`."""
+
+
+@dataclass
+class PlanStage:
+    """Layers ``start..stop-1`` on ``replicas`` workers."""
+
+    start: int
+    stop: int
+    replicas: int = 1
+
+
+@dataclass
+class Plan:
+    """A chosen pipeline configuration and its predicted speed and memory.
+
+    ``stages`` are in pipeline order (for ``interleaved``, the ``virtual · workers`` model
+    chunks; chunk ``c`` runs on rank ``c mod workers``). ``stage_memory_bytes[i]`` is the
+    predicted peak on a worker holding stage ``i``. ``predicted_step_s`` covers one
+    optimizer step of ``microbatches`` micro-batches of ``microbatch_size`` samples.
+    """
+
+    stages: list[PlanStage]
+    schedule: str
+    microbatches: int
+    checkpoint: str
+    predicted_step_s: float
+    predicted_throughput: float
+    stage_memory_bytes: list[float]
+    workers: int
+    microbatch_size: int
+    virtual: int = 1
+    stage_compute_s: list[float] = field(default_factory=list)
+
+    @property
+    def balance(self) -> list[int]:
+        """Layers per stage."""
+        return [stage.stop - stage.start for stage in self.stages]
+
+    @property
+    def replicas(self) -> list[int]:
+        """Workers per stage."""
+        return [stage.replicas for stage in self.stages]
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per optimizer step."""
+        return self.microbatches * self.microbatch_size
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dictionary with a ``format_version``."""
+        return {"format_version": FORMAT_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        """Rebuild a plan from :meth:`to_dict` output; raise ValueError on another format."""
+        if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
+            version = data.get("format_version") if isinstance(data, dict) else None
+            raise ValueError(
+                f"plan format_version {version!r} is not supported; this pipetrain reads "
+                f"format_version {FORMAT_VERSION}. Run pipetrain.plan() again."
+            )
+        fields = {key: value for key, value in data.items() if key != "format_version"}
+        try:
+            fields["stages"] = [PlanStage(**stage) for stage in fields["stages"]]
+            return cls(**fields)
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"the plan is incomplete or has unknown fields: {error}") from None
+
+    def save(self, path: str | PathLike[str]) -> None:
+        """Write the plan as JSON."""
+        with open(path, "w", encoding="utf-8") as file:
+            json.dump(self.to_dict(), file, indent=1)
+
+    @classmethod
+    def load(cls, path: str | PathLike[str]) -> Plan:
+        """Read a plan written by :meth:`save`."""
+        with open(path, encoding="utf-8") as file:
+            return cls.from_dict(json.load(file))
+
+    def describe(self) -> str:
+        """A readable summary and one table row per stage."""
+        chunks = f", {self.virtual} chunks per worker" if self.virtual > 1 else ""
+        lines = [
+            f"{self.schedule}: {len(self.stages)} stages on {self.workers} workers{chunks}, "
+            f"{self.microbatches} micro-batches of {self.microbatch_size}, recomputation {self.checkpoint}",
+            f"predicted step {self.predicted_step_s:.4g} s, {self.predicted_throughput:.4g} samples/s",
+            f"{'stage':>5}  {'layers':>11}  {'count':>5}  {'replicas':>8}  {'compute/mb':>10}  {'memory/worker':>13}",
+        ]
+        computes = self.stage_compute_s or [math.nan] * len(self.stages)
+        for index, (stage, compute, memory) in enumerate(zip(self.stages, computes, self.stage_memory_bytes)):
+            lines.append(
+                f"{index:>5}  {f'{stage.start}..{stage.stop - 1}':>11}  {stage.stop - stage.start:>5}  "
+                f"{stage.replicas:>8}  {compute:>9.4g}s  {memory / 1e9:>10.4g} GB"
+            )
+        return "\n".join(lines)
+
+
+def plan(
+    profile: Profile,
+    workers: int | None = None,
+    topology: Topology | str | None = None,
+    memory_limit: float | None = None,
+    schedules: Sequence[str] = DEFAULT_SCHEDULES,
+    microbatches: Sequence[int] = DEFAULT_MICROBATCHES,
+    batch_size: int | None = None,
+    replication: bool = True,
+) -> Plan:
+    """The fastest plan whose every worker fits in ``memory_limit`` bytes.
+
+    ``topology`` (a :class:`Topology` or a string such as ``"4x16GB/s,4x10Gbit/s"``) gives
+    the workers and links; without it ``workers`` workers share infinitely fast links.
+    With ``batch_size`` each step processes that many samples split into micro-batches
+    (the profile is rescaled to each micro-batch size); without it a micro-batch is the
+    profile's and the step grows with the micro-batch count. Candidates: PipeDream's
+    replicated pipeline (unless ``replication`` is False), a straight pipeline with one
+    stage per worker, and for ``interleaved`` a pipeline of two chunks per worker; each
+    with every requested schedule that can run it, every micro-batch count, and the
+    cheapest recomputation mode that fits. Recomputation adds one forward of the stage to
+    its backward. The fastest by simulated throughput wins.
+    """
+    if not isinstance(profile, Profile):
+        raise TypeError(f"profile must be a pipetrain.Profile, got {type(profile).__name__}")
+    topology = resolve(topology, workers)
+    schedules = _checked_schedules(schedules)
+    counts = _microbatch_counts(microbatches, batch_size)
+    if memory_limit is not None and not memory_limit > 0:
+        raise ValueError(f"memory_limit must be a positive number of bytes per worker, got {memory_limit!r}")
+    fitting, smallest = _fitting_candidates(profile, topology, schedules, counts, batch_size, replication, memory_limit)
+    if not fitting:
+        raise ValueError(_no_fit_message(memory_limit, smallest, profile, topology, replication))
+    return _fastest(fitting, topology)
+
+
+def _checked_schedules(schedules: Sequence[str]) -> tuple[str, ...]:
+    """The requested schedule names, validated."""
+    if isinstance(schedules, str):
+        schedules = (schedules,)
+    unknown = [name for name in schedules if name not in SCHEDULE_NAMES]
+    if unknown or not schedules:
+        raise ValueError(f"schedules {list(schedules)!r} must be a non-empty choice of {', '.join(SCHEDULE_NAMES)}")
+    return tuple(schedules)
+
+
+def _microbatch_counts(microbatches: Sequence[int], batch_size: int | None) -> list[int]:
+    """Micro-batch counts to try: the requested ones (that divide ``batch_size`` if given)."""
+    if isinstance(microbatches, int):
+        microbatches = (microbatches,)
+    if not microbatches or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in microbatches):
+        raise ValueError(f"microbatches must be positive integers, got {microbatches!r}")
+    if batch_size is None:
+        return sorted(set(microbatches))
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    counts = sorted(m for m in set(microbatches) if batch_size % m == 0)
+    if not counts:
+        raise ValueError(
+            f"none of the micro-batch counts {sorted(set(microbatches))} divides batch_size={batch_size}; "
+            "give counts that divide it"
+        )
+    return counts
+
+
+def _fitting_candidates(
+    profile: Profile,
+    topology: Topology,
+    schedules: tuple[str, ...],
+    counts: list[int],
+    batch_size: int | None,
+    replication: bool,
+    memory_limit: float | None,
+) -> tuple[list[tuple[Candidate, list[float]]], tuple[float, Candidate | None]]:
+    """Candidates that fit with their memory, and the smallest peak among those that do not."""
+    fitting: list[tuple[Candidate, list[float]]] = []
+    smallest: tuple[float, Candidate | None] = (math.inf, None)
+    layouts_by_batch: dict[int, list[Layout]] = {}
+    for count in counts:
+        size = profile.microbatch_size if batch_size is None else batch_size // count
+        micro = profile if size == profile.microbatch_size else profile.scaled(size)
+        step_batch = size * count
+        if step_batch not in layouts_by_batch:
+            layouts_by_batch[step_batch] = layouts(
+                step_costs(micro, count), topology, replication, "interleaved" in schedules
+            )
+        for layout in layouts_by_batch[step_batch]:
+            for schedule in schedules:
+                if not layout.runs(schedule, count):
+                    continue
+                seen: set[tuple[bool, ...]] = set()
+                for checkpoint in CHECKPOINT_MODES:
+                    candidate = Candidate(layout, schedule, count, checkpoint, micro)
+                    if tuple(candidate.recompute) in seen:
+                        continue
+                    seen.add(tuple(candidate.recompute))
+                    memory = candidate.memory()
+                    if memory_limit is None or max(memory) <= memory_limit:
+                        fitting.append((candidate, memory))
+                        break
+                    smallest = min(smallest, (max(memory), candidate), key=lambda pair: pair[0])
+    return fitting, smallest
+
+
+def _fastest(fitting: list[tuple[Candidate, list[float]]], topology: Topology) -> Plan:
+    """Simulate candidates, most promising first, until none can beat the best so far."""
+    bounded = []
+    for candidate, memory in fitting:
+        costs = candidate.costs(topology)
+        samples = candidate.microbatches * candidate.profile.microbatch_size
+        bounded.append((samples / max(candidate.lower_bound(costs), 1e-300), candidate, memory, costs))
+    bounded.sort(key=lambda entry: -entry[0])
+    best: Plan | None = None
+    for ceiling, candidate, memory, costs in bounded:
+        if best is not None and ceiling <= best.predicted_throughput:
+            break
+        timeline, processed = candidate.build_and_simulate(costs)
+        size = candidate.profile.microbatch_size
+        throughput = processed * size / timeline.makespan if timeline.makespan > 0 else math.inf
+        if best is None or throughput > best.predicted_throughput:
+            best = _as_plan(candidate, memory, throughput, costs)
+    assert best is not None
+    return best
+
+
+def _as_plan(candidate: Candidate, memory: list[float], throughput: float, costs: Any) -> Plan:
+    """The public record of a simulated candidate."""
+    layout = candidate.layout
+    size = candidate.profile.microbatch_size
+    count = len(layout.stages)
+    forward = costs.per_stage("forward_s", count)
+    backward = costs.per_stage("backward_s", count)
+    weight = costs.per_stage("weight_s", count)
+    return Plan(
+        stages=[PlanStage(start, stop, replicas) for start, stop, replicas in layout.stages],
+        schedule=candidate.schedule,
+        microbatches=candidate.microbatches,
+        checkpoint=candidate.checkpoint,
+        predicted_step_s=candidate.microbatches * size / throughput,
+        predicted_throughput=throughput,
+        stage_memory_bytes=memory,
+        workers=layout.workers,
+        microbatch_size=size,
+        virtual=layout.virtual,
+        stage_compute_s=[f + b + w for f, b, w in zip(forward, backward, weight)],
+    )
+
+
+def _no_fit_message(
+    memory_limit: float | None, smallest: tuple[float, Candidate | None], profile: Profile, topology: Topology, replication: bool
+) -> str:
+    """Why nothing was chosen, and which knobs would help."""
+    need, candidate = smallest
+    if candidate is None:
+        reason = "replication=False needs at least one layer per worker" if not replication else "no schedule can run it"
+        return (
+            f"no candidate plan for {len(profile.layers)} layers on {topology.workers} workers: {reason}; "
+            "use fewer workers, replication=True, or other schedules"
+        )
+    return (
+        f"no candidate plan fits memory_limit={memory_limit:.4g} bytes per worker; the smallest needs "
+        f"{need:.4g} bytes ({candidate.schedule}, {candidate.microbatches} micro-batches, "
+        f"recomputation {candidate.checkpoint}). Raise memory_limit to at least {need:.4g}, or make stages "
+        "smaller: allow recomputation (checkpoint modes are tried already), use more micro-batches for "
+        "the same batch_size (smaller micro-batches hold less activation memory), or add workers "
+        "(fewer layers and weights per worker)."
+    )

@@ -1,0 +1,167 @@
+"""Models and worker functions for the multi-process pipeline tests (importable by spawned workers)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import pipetrain
+
+FEATURES, CLASSES, BATCH = 6, 3, 10
+
+
+def mlp(seed: int = 0, dropout: float = 0.0) -> nn.Sequential:
+    """Five layers of uneven kinds, so any balance over 2–5 stages is possible."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(FEATURES, 12), nn.Tanh(), nn.Dropout(dropout), nn.Linear(12, 12), nn.Linear(12, CLASSES)
+    )
+
+
+class Fork(nn.Module):
+    """Returns a pair: a float activation and the integer ids it came from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 8)
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.embed(ids).mean(1), ids
+
+
+class Mix(nn.Module):
+    """Consumes the pair and passes both on, transformed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, hidden: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tanh(self.linear(hidden)), ids
+
+
+class Join(nn.Module):
+    """Uses the integer ids again after crossing stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, CLASSES)
+
+    def forward(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.linear(hidden) + ids.float().mean(1, keepdim=True) * 0.01
+
+
+def tuple_model(seed: int = 0) -> nn.Sequential:
+    """Three layers whose boundaries carry (float, int64) tuples."""
+    torch.manual_seed(seed)
+    return nn.Sequential(Fork(), Mix(), Join())
+
+
+def batch(seed: int = 1, size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deterministic batch of features and class labels."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(size, FEATURES, generator=generator), torch.randint(0, CLASSES, (size,), generator=generator)
+
+
+def id_batch(seed: int = 1, size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deterministic batch of token ids and class labels."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 20, (size, 5), generator=generator), torch.randint(0, CLASSES, (size,), generator=generator)
+
+
+def grads(pipe: pipetrain.Pipeline) -> dict[str, torch.Tensor]:
+    """This rank's gradients by full-model name."""
+    return {name: p.grad.clone() for name, p in pipe.named_parameters() if p.grad is not None}
+
+
+def run_configs(configs: list[dict]) -> list[tuple[float, dict[str, torch.Tensor]]]:
+    """Run one train step per config; return (loss, this rank's gradients) for each."""
+    results = []
+    for config in configs:
+        config = dict(config)
+        make, data = (tuple_model, id_batch) if config.pop("tuple", False) else (mlp, batch)
+        size = config.pop("batch", BATCH)
+        x, y = data(size=size)
+        pipe = pipetrain.Pipeline(make(), loss_fn=nn.functional.cross_entropy, **config)
+        results.append((pipe.train_step(x, y), grads(pipe)))
+    return results
+
+
+def dropout_runs(checkpoints: list[str]) -> list[dict[str, torch.Tensor]]:
+    """Gradients of a dropout model under each checkpoint mode, from the same seed."""
+    results = []
+    for checkpoint in checkpoints:
+        pipe = pipetrain.Pipeline(mlp(dropout=0.5), balance=[2, 3], microbatches=3, schedule="1f1b",
+                                  loss_fn=nn.functional.cross_entropy, checkpoint=checkpoint)
+        torch.manual_seed(123)
+        x, y = batch()
+        pipe.train_step(x, y)
+        results.append(grads(pipe))
+    return results
+
+
+def optimizer_and_shapes() -> dict:
+    """Two SGD steps with batch sizes 10 then 7 (a change of shape), then eval and a timeline."""
+    pipe = pipetrain.Pipeline(mlp(), balance=[3, 2], microbatches=3, schedule="1f1b", loss_fn=nn.functional.cross_entropy,
+                              optimizer=lambda params: torch.optim.SGD(params, lr=0.5), record=True)
+    losses = [pipe.train_step(*batch(seed=1, size=10)), pipe.train_step(*batch(seed=2, size=7))]
+    timeline = pipe.timeline()
+    output = pipe.eval_step(batch(seed=3)[0])
+    return {
+        "losses": losses,
+        "state": {k: v.clone() for k, v in pipe.state_dict().items()},
+        "output": output,
+        "timeline": timeline.to_dict() if timeline is not None else None,
+    }
+
+
+def argument_errors() -> list[str]:
+    """Messages of the errors a user can cause when building or stepping a pipeline."""
+    messages = []
+    attempts = [
+        lambda: pipetrain.Pipeline(mlp(), balance=[2, 2], loss_fn=nn.functional.cross_entropy),
+        lambda: pipetrain.Pipeline(mlp(), balance=[2, 1, 2], loss_fn=nn.functional.cross_entropy),
+        lambda: pipetrain.Pipeline(mlp(), balance=[2, 3], loss_fn=nn.functional.cross_entropy, checkpoint="sometimes"),
+        lambda: pipetrain.Pipeline(mlp(), balance=[2, 3], loss_fn=None),
+        lambda: pipetrain.Pipeline(mlp(), balance=[2, 3], microbatches=12, loss_fn=nn.functional.cross_entropy).train_step(*batch()),
+    ]
+    for attempt in attempts:
+        try:
+            attempt()
+            messages.append("no error")
+        except (ValueError, TypeError) as error:
+            messages.append(f"{type(error).__name__}: {error}")
+    return messages
+
+
+class Explode(nn.Module):
+    """A layer that fails on its rank."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("bad shape on purpose")
+
+
+class NotATensor(nn.Module):
+    """A layer whose output cannot cross a stage boundary."""
+
+    def forward(self, x: torch.Tensor) -> str:
+        return "oops"
+
+
+def failing_step(layer: str, ranks: int) -> None:
+    """Train a model whose last layer (on the last rank) fails."""
+    torch.manual_seed(0)
+    broken = Explode() if layer == "explode" else NotATensor()
+    layers = [nn.Linear(FEATURES, FEATURES) for _ in range(ranks - 1)] + [broken]
+    pipe = pipetrain.Pipeline(nn.Sequential(*layers), balance=[1] * ranks, microbatches=2, schedule="1f1b",
+                              loss_fn=nn.functional.cross_entropy, timeout_s=60)
+    pipe.train_step(*batch())
+
+
+def failing_step_messages(ranks: int) -> str:
+    """Like :func:`failing_step` but returns each rank's error message instead of raising."""
+    try:
+        failing_step("explode", ranks)
+    except pipetrain.PipelineError as error:
+        return str(error)
+    return "no error"

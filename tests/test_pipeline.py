@@ -1,0 +1,145 @@
+"""Pipelined training equals unpipelined training, across schedules, balances and checkpointing."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import pipeline_cases as cases
+import pipetrain
+from pipetrain.layers import StageModule, to_layers
+
+
+def reference(make=cases.mlp, data=cases.batch, size: int = cases.BATCH) -> tuple[float, dict[str, torch.Tensor]]:
+    # the whole model as one stage: same tuple-unpacking rule, no pipeline
+    model = StageModule(to_layers(make()))
+    x, y = data(size=size)
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def merged(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    result: dict[str, torch.Tensor] = {}
+    for grads in per_rank:
+        assert not set(grads) & set(result), "two ranks own the same parameter"
+        result.update(grads)
+    return result
+
+
+def assert_transparent(configs: list[dict], results: list[list], ranks: int) -> None:
+    for index, config in enumerate(configs):
+        make, data = (cases.tuple_model, cases.id_batch) if config.get("tuple") else (cases.mlp, cases.batch)
+        expected_loss, expected_grads = reference(make, data, config.get("batch", cases.BATCH))
+        losses = [results[rank][index][0] for rank in range(ranks)]
+        assert losses == [losses[0]] * ranks, f"{config}: ranks disagree on the loss"
+        assert losses[0] == pytest.approx(expected_loss, rel=1e-5), config
+        got = merged([results[rank][index][1] for rank in range(ranks)])
+        assert sorted(got) == sorted(expected_grads), config
+        for name, grad in expected_grads.items():
+            torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-6, msg=f"{config}: {name}")
+
+
+TWO_RANK_CONFIGS = [
+    {"schedule": schedule, "balance": balance, "checkpoint": checkpoint, "microbatches": m}
+    for schedule, balance, checkpoint, m in itertools.product(
+        ["gpipe", "1f1b", "zb-h1"], [[1, 4], [3, 2], [4, 1]], ["never", "except_last", "always"], [1, 3, 5]
+    )
+] + [
+    {"schedule": "interleaved", "balance": balance, "checkpoint": checkpoint, "microbatches": m}
+    for balance, checkpoint, m in itertools.product([[1, 1, 2, 1], [2, 1, 1, 1]], ["never", "always"], [2, 4])
+] + [
+    {"schedule": schedule, "balance": [2, 1], "microbatches": m, "tuple": True}
+    for schedule, m in [("gpipe", 3), ("1f1b", 2), ("zb-h1", 4)]
+] + [
+    {"schedule": "1f1b", "balance": None, "microbatches": 2, "batch": 7},
+]
+
+THREE_RANK_CONFIGS = [
+    {"schedule": schedule, "balance": balance, "checkpoint": checkpoint, "microbatches": m}
+    for schedule, balance, checkpoint, m in itertools.product(
+        ["gpipe", "1f1b", "zb-h1"], [[1, 1, 3], [2, 2, 1]], ["never", "except_last"], [1, 4]
+    )
+]
+
+
+def test_every_schedule_balance_and_checkpoint_matches_the_unpipelined_model() -> None:
+    results = pipetrain.launch(cases.run_configs, 2, TWO_RANK_CONFIGS, timeout_s=60)
+    assert_transparent(TWO_RANK_CONFIGS, results, 2)
+
+
+def test_three_stages_match_the_unpipelined_model() -> None:
+    results = pipetrain.launch(cases.run_configs, 3, THREE_RANK_CONFIGS, timeout_s=60)
+    assert_transparent(THREE_RANK_CONFIGS, results, 3)
+
+
+def test_dropout_is_identical_with_and_without_recomputation() -> None:
+    never, always, except_last = zip(*pipetrain.launch(cases.dropout_runs, 2, ["never", "always", "except_last"]))
+    for rank_never, rank_always, rank_except in zip(never, always, except_last):
+        assert rank_never.keys() == rank_always.keys()
+        for name in rank_never:
+            torch.testing.assert_close(rank_always[name], rank_never[name], rtol=0, atol=0)
+            torch.testing.assert_close(rank_except[name], rank_never[name], rtol=0, atol=0)
+    # dropout really acted: without it the gradients differ
+    plain = merged(list(reference()[1:]))
+    first = merged(list(never))
+    assert any(not torch.allclose(first[name], plain[name]) for name in plain)
+
+
+def test_optimizer_steps_shape_changes_eval_and_timeline() -> None:
+    rank0, rank1 = pipetrain.launch(cases.optimizer_and_shapes, 2)
+    model = cases.mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for seed, size in [(1, 10), (2, 7)]:
+        x, y = cases.batch(seed=seed, size=size)
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert rank0["losses"] == pytest.approx(losses, rel=1e-5)
+    state = {**rank0["state"], **rank1["state"]}
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6)
+    assert rank0["output"] is None
+    torch.testing.assert_close(rank1["output"], model(cases.batch(seed=3)[0]), rtol=1e-5, atol=1e-6)
+    timeline = pipetrain.Timeline.from_dict(rank0["timeline"])
+    assert rank1["timeline"] is None
+    kinds = {(e.rank, e.kind) for e in timeline.events}
+    assert {(0, "F"), (0, "B"), (1, "F"), (1, "B"), (1, "RECV_F"), (0, "RECV_B"), (0, "STEP")} <= kinds
+    assert sum(e.kind == "F" for e in timeline.events) == 2 * 3
+
+
+def test_argument_errors_name_the_value() -> None:
+    messages = pipetrain.launch(cases.argument_errors, 2)[0]
+    assert messages[0].startswith("ValueError: balance [2, 2] sums to 4 but the model has 5 layers")
+    assert "balance [2, 1, 2] has 3 stages, but 1f1b on 2 ranks needs 2" in messages[1]
+    assert messages[2] == "ValueError: checkpoint must be one of never, except_last, always, got 'sometimes'"
+    assert messages[3].startswith("TypeError: loss_fn must be a callable")
+    assert "batch of 10 samples is smaller than microbatches=12" in messages[4]
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_failing_rank_stops_every_rank_with_its_name(ranks: int) -> None:
+    start = time.monotonic()
+    with pytest.raises(pipetrain.LaunchError, match=rf"rank {ranks - 1} \(stage {ranks - 1}\) failed at F{ranks - 1}.0: ValueError: bad shape on purpose") as error:
+        pipetrain.launch(cases.failing_step, ranks, "explode", ranks, timeout_s=60)
+    assert error.value.rank == ranks - 1
+    assert time.monotonic() - start < 30
+
+
+def test_other_ranks_name_the_rank_where_the_failure_began() -> None:
+    messages = pipetrain.launch(cases.failing_step_messages, 3, 3, timeout_s=60)
+    assert messages[2].startswith("rank 2 (stage 2) failed at F2.0: ValueError: bad shape on purpose")
+    for rank in (0, 1):
+        assert messages[rank].startswith(f"rank {rank} (stage {rank}) stopped because rank 2 (stage 2) failed first")
+
+
+def test_a_non_tensor_output_names_the_layer() -> None:
+    with pytest.raises(pipetrain.LaunchError, match="layer '1'.*str"):
+        pipetrain.launch(cases.failing_step, 2, "not-a-tensor", 2, timeout_s=60)
