@@ -1,0 +1,151 @@
+"""pipetrain vs torch.distributed.pipelining vs no pipeline, on the same model, split and schedule.
+
+Trains the built-in GPT (or another built-in model) split into 2 stages, with GPipe and
+1F1B, once with pipetrain and once with torch.distributed.pipelining (ScheduleGPipe /
+Schedule1F1B), each on 2 CPU worker processes with 1 thread; plus the unpipelined model in
+one process with 1 thread. For pipetrain it also simulates the schedule on the per-stage
+costs measured in the same run and prints the prediction beside the measured step time.
+
+    python benchmarks/bench_runtime.py [--model gpt] [--steps 30] [--microbatches 4] [--batch-size 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import pipetrain
+from pipetrain.layers import StageModule, stage_bounds, to_layers
+from pipetrain.data import BatchStream
+from pipetrain.models import build_model, loss_function
+from pipetrain.simulate import Costs, simulate
+from pipetrain.trace import Timeline
+
+WARMUP = 5
+
+
+def _batches(model_name: str, batch_size: int, steps: int) -> list:
+    stream = BatchStream(model_name, batch_size, seed=0)
+    return [next(stream) for _ in range(steps)]
+
+
+def measured_costs(timelines: list[Timeline], stages: int) -> Costs:
+    """Per-stage medians, over micro-batches and steps, of the busy time each action costs its rank."""
+    def median(kinds: tuple[str, ...], stage: int) -> float:
+        durations: dict[tuple[int, int | None], float] = {}
+        for index, timeline in enumerate(timelines):
+            for event in timeline.events:
+                if event.kind in kinds and event.stage == stage:
+                    key = (index, event.microbatch)
+                    durations[key] = durations.get(key, 0.0) + event.duration
+        return statistics.median(durations.values()) if durations else 0.0
+
+    # a send's packing runs on its rank after the compute it follows, so it counts there
+    forward = [median(("F", "SEND_F"), s) for s in range(stages)]
+    backward = [median(("B", "SEND_B"), s) for s in range(stages)]
+    step = [median(("STEP",), s) for s in range(stages)]
+    return Costs(forward_s=forward, backward_s=backward, step_s=step)
+
+
+def run_pipetrain(model_name: str, schedule: str, microbatches: int, batch_size: int, steps: int) -> dict:
+    """Worker: train with pipetrain; rank 0 returns step times and the last step's timeline."""
+    model = build_model(model_name)
+    batches = _batches(model_name, batch_size, steps)
+    pipe = pipetrain.Pipeline(model, microbatches=microbatches, schedule=schedule, loss_fn=loss_function(model_name),
+                              optimizer=lambda params: torch.optim.Adam(params, lr=1e-3))
+    times, timelines = [], []
+    for index, (x, y) in enumerate(batches):
+        # record every other steady step, so that recording costs no more than half the steps
+        pipe.recorder.enabled = index >= WARMUP and index % 2 == 1
+        dist.barrier()
+        start = time.perf_counter()
+        pipe.train_step(x, y)
+        times.append(time.perf_counter() - start)
+        if pipe.recorder.enabled:
+            timeline = pipe.timeline()
+            if timeline is not None:
+                timelines.append(timeline.to_dict())
+    unrecorded = [t for i, t in enumerate(times) if i >= WARMUP and i % 2 == 0]
+    return {"times": times, "unrecorded": unrecorded, "timelines": timelines}
+
+
+def run_torch(model_name: str, schedule: str, microbatches: int, batch_size: int, steps: int) -> dict:
+    """Worker: the same split and schedule with torch.distributed.pipelining."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layers = to_layers(build_model(model_name))
+    bounds = stage_bounds([len(layers) // world + (1 if i < len(layers) % world else 0) for i in range(world)])
+    module = StageModule(layers[slice(*bounds[rank])])
+    optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
+    stage = PipelineStage(module, rank, world, torch.device("cpu"))
+    kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+    runner = kind(stage, microbatches, loss_fn=loss_function(model_name))
+    times = []
+    for x, y in _batches(model_name, batch_size, steps):
+        dist.barrier()
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        if rank == 0:
+            runner.step(x)
+        elif rank == world - 1:
+            runner.step(target=y, losses=[])
+        else:
+            runner.step()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    return {"times": times}
+
+
+def run_unpipelined(model_name: str, batch_size: int, steps: int) -> list[float]:
+    """The whole model in this process, one thread."""
+    torch.set_num_threads(1)
+    model = StageModule(to_layers(build_model(model_name)))
+    loss_fn = loss_function(model_name)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    times = []
+    for x, y in _batches(model_name, batch_size, steps):
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def steady(times: list[float]) -> float:
+    """Median step time after warm-up."""
+    return statistics.median(times[WARMUP:])
+
+
+def main() -> None:
+    """Run every configuration and print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=32)
+    args = parser.parse_args()
+    common = (args.microbatches, args.batch_size, args.steps)
+    baseline = steady(run_unpipelined(args.model, args.batch_size, args.steps))
+    print(f"{args.model}, batch {args.batch_size}, {args.microbatches} micro-batches, 2 stages, 2 processes x 1 thread")
+    print(f"{'run':34} {'step ms':>9} {'vs unpipelined':>15} {'vs torch':>9} {'predicted ms':>13} {'pred/meas':>10}")
+    print(f"{'unpipelined (1 process)':34} {baseline * 1e3:9.2f} {1.0:15.2f}")
+    for schedule in ("gpipe", "1f1b"):
+        ours = pipetrain.launch(run_pipetrain, 2, args.model, schedule, *common, threads_per_worker=1)[0]
+        theirs = pipetrain.launch(run_torch, 2, args.model, schedule, *common, threads_per_worker=1)[0]
+        ours_s, theirs_s = statistics.median(ours["unrecorded"]), steady(theirs["times"])
+        timelines = [Timeline.from_dict(t) for t in ours["timelines"]]
+        predicted = simulate(pipetrain.schedules.build(schedule, 2, args.microbatches), measured_costs(timelines, 2)).makespan
+        print(f"{'pipetrain ' + schedule:34} {ours_s * 1e3:9.2f} {baseline / ours_s:15.2f} {theirs_s / ours_s:9.2f} "
+              f"{predicted * 1e3:13.2f} {predicted / ours_s:10.2f}")
+        print(f"{'torch.distributed.pipelining ' + schedule:34} {theirs_s * 1e3:9.2f} {baseline / theirs_s:15.2f} {1.0:9.2f}")
+    print("'vs unpipelined' and 'vs torch' are speedups (>1 means this run is faster).")
+
+
+if __name__ == "__main__":
+    main()
