@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from pipetrain.plan import Topology, plan, replicate
-from pipetrain.profile import LayerCost, Profile
+from pipetrain.profiler import LayerCost, Profile
 
 
 def synthetic_profile(layers: int, seed: int = 0) -> Profile:
@@ -66,7 +66,8 @@ def main() -> None:
     print(f"{args.layers} layers on {topology} ({topology.workers} workers)")
     print(f"replication planner: {replicate_s:.3f} s, {len(replication.stages)} stages")
     print(f"whole plan (layouts, memory, simulation): {plan_s:.3f} s (target < 2 s)")
-    print(chosen.describe())
+    print("\n".join(chosen.describe().splitlines()[:2]))
+    print(f"layers per stage {chosen.balance}, replicas {chosen.replicas}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,11 @@ Profile a model, plan how to split it over workers, simulate the plan, and run i
 torch.distributed with GPipe, 1F1B, interleaved, zero-bubble or PipeDream schedules.
 """
 
+from typing import Any
+
 from pipetrain import schedules
+from pipetrain.plan import Level, Plan, PlanStage, Topology, plan
+from pipetrain.profiler import LayerCost, Profile
 from pipetrain.simulate import Costs, simulate
 from pipetrain.trace import Event, Timeline, plot_timelines
 
@@ -14,20 +18,34 @@ __all__ = [
     "Costs",
     "Event",
     "LaunchError",
+    "LayerCost",
+    "Level",
     "Pipeline",
     "PipelineError",
+    "Plan",
+    "PlanStage",
+    "Profile",
     "Timeline",
+    "Topology",
     "launch",
+    "plan",
     "plot_timelines",
+    "profile",
     "schedules",
     "simulate",
 ]
 
+_RUNTIME = ("Pipeline", "PipelineError", "LaunchError", "launch")
 
-def __getattr__(name: str):
-    # the runtime imports torch; keep `import pipetrain` cheap for the pure parts
-    if name in ("Pipeline", "PipelineError", "LaunchError", "launch"):
+
+def __getattr__(name: str) -> Any:
+    """Import the torch-backed parts (runtime, profiler) on first use, so the pure parts stay cheap."""
+    if name in _RUNTIME:
         from pipetrain import runtime
 
         return getattr(runtime, name)
+    if name == "profile":
+        from pipetrain.profiler.measure import profile
+
+        return profile
     raise AttributeError(f"module 'pipetrain' has no attribute {name!r}")

@@ -9,14 +9,16 @@ and interleaved chunk ``c`` on rank ``c mod p``.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 from pipetrain.plan.memory import StageFootprint, worker_memory
 from pipetrain.plan.partition import partition
 from pipetrain.plan.replicate import replicate
 from pipetrain.plan.topology import Topology
-from pipetrain.profile.costs import Profile
+from pipetrain.profiler.costs import Profile
 from pipetrain.schedules import build
 from pipetrain.simulate import Costs, simulate
 from pipetrain.trace import Timeline
@@ -38,7 +40,7 @@ class Layout:
     stages: tuple[tuple[int, int, int], ...]
     virtual: int = 1
 
-    @property
+    @cached_property
     def replicas(self) -> list[int]:
         """Workers per stage."""
         return [replicas for _, _, replicas in self.stages]
@@ -50,10 +52,10 @@ class Layout:
             return len(self.stages) // self.virtual
         return sum(self.replicas)
 
-    @property
+    @cached_property
     def offsets(self) -> list[int]:
         """First rank of each stage (consecutive placement)."""
-        return [sum(self.replicas[:index]) for index in range(len(self.stages))]
+        return [0] + list(itertools.accumulate(self.replicas))[:-1]
 
     def runs(self, schedule: str, microbatches: int) -> bool:
         """Whether ``schedule`` can run this layout with ``microbatches`` micro-batches."""
@@ -194,21 +196,30 @@ class Candidate:
         return topology.span_bandwidth(min(ranks), max(ranks))
 
     def lower_bound(self, costs: Costs) -> float:
-        """A makespan no schedule can beat: a worker's own work after the first input reaches it."""
+        """A makespan no schedule can beat.
+
+        A worker of stage ``s`` idles until the first micro-batch has passed the forwards of
+        the stages before it, then does its own work (``⌈m / r_s⌉`` micro-batches and the
+        all-reduce); unless the backward is split, its last backward is then followed by the
+        backwards of the earlier stages. An interleaved rank ``r`` likewise waits for chunks
+        ``0..r-1`` before its first forward and after its last backward.
+        """
         count = len(self.layout.stages)
         forward = costs.per_stage("forward_s", count)
         backward = costs.per_stage("backward_s", count)
         weight = costs.per_stage("weight_s", count)
         allreduce = costs.per_stage("allreduce_s", count)
+        work = [f + b + w for f, b, w in zip(forward, backward, weight)]
         if self.layout.virtual > 1:
             ranks = self.layout.workers
-            work = [f + b + w for f, b, w in zip(forward, backward, weight)]
-            return max(self.microbatches * sum(work[rank::ranks]) for rank in range(ranks))
-        bound = 0.0
+            return max(self.microbatches * sum(work[rank::ranks]) + sum(work[:rank]) for rank in range(ranks))
+        split = self.schedule == "zb-h1"
+        bound = head = tail = 0.0
         for stage, replicas in enumerate(self.layout.replicas):
-            local = math.ceil(self.microbatches / replicas)
-            busy = local * (forward[stage] + backward[stage] + weight[stage]) + allreduce[stage]
-            bound = max(bound, sum(forward[:stage]) + busy)
+            busy = math.ceil(self.microbatches / replicas) * work[stage] + allreduce[stage]
+            bound = max(bound, head + busy + (0.0 if split else tail))
+            head += forward[stage]
+            tail += backward[stage] + weight[stage]
         return bound
 
     def build_and_simulate(self, costs: Costs) -> tuple[Timeline, int]:

@@ -36,7 +36,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipetrain.profile.costs import Profile
+from pipetrain.profiler.costs import Profile
 
 ONE_F_ONE_B_LIKE = ("1f1b", "zb-h1", "pipedream", "2bw")
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pipetrain.profile.costs import Profile
+from pipetrain.profiler.costs import Profile
 
 Bandwidth = float | Sequence[float]
 

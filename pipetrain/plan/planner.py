@@ -3,7 +3,9 @@
 :func:`plan` builds candidate layouts (PipeDream's replicated pipeline, a straight pipeline,
 an interleaved one), keeps the configurations whose per-worker memory fits, simulates them
 on the profiled costs with :mod:`pipetrain.simulate`, and returns the fastest as a
-:class:`Plan`.
+:class:`Plan`. The replication planner proposes layouts under PipeDream's cost model, in
+which an all-reduce overlaps compute; the simulation then prices every candidate as its
+schedule runs it (the all-reduce after the last backward), and decides.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from typing import Any
 
 from pipetrain.plan.candidates import Candidate, Layout, layouts, step_costs
 from pipetrain.plan.topology import Topology, resolve
-from pipetrain.profile.costs import Profile
+from pipetrain.profiler.costs import Profile
 from pipetrain.schedules import SCHEDULE_NAMES
+from pipetrain.simulate import Costs
 
 DEFAULT_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved")
 DEFAULT_MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -27,6 +30,8 @@ CHECKPOINT_MODES = ("never", "except_last", "always")
 
 FORMAT_VERSION = 1
 """Version of the JSON layout written by :meth:`Plan.save`."""
+
+_TIE = 1e-9  # relative difference below which two predicted throughputs count as equal
 
 
 @dataclass
@@ -43,9 +48,11 @@ class Plan:
     """A chosen pipeline configuration and its predicted speed and memory.
 
     ``stages`` are in pipeline order (for ``interleaved``, the ``virtual · workers`` model
-    chunks; chunk ``c`` runs on rank ``c mod workers``). ``stage_memory_bytes[i]`` is the
-    predicted peak on a worker holding stage ``i``. ``predicted_step_s`` covers one
-    optimizer step of ``microbatches`` micro-batches of ``microbatch_size`` samples.
+    chunks; chunk ``c`` runs on rank ``c mod workers``; ``virtual`` is the chunks per worker).
+    ``stage_memory_bytes[i]`` is the predicted peak on a worker holding stage ``i`` and
+    ``stage_compute_s[i]`` its forward and backward time for one micro-batch (recomputation
+    included). ``predicted_step_s`` covers one optimizer step of ``microbatches``
+    micro-batches of ``microbatch_size`` samples. Stages sit on consecutive ranks in order.
     """
 
     stages: list[PlanStage]
@@ -110,8 +117,9 @@ class Plan:
         """A readable summary and one table row per stage."""
         chunks = f", {self.virtual} chunks per worker" if self.virtual > 1 else ""
         lines = [
-            f"{self.schedule}: {len(self.stages)} stages on {self.workers} workers{chunks}, "
-            f"{self.microbatches} micro-batches of {self.microbatch_size}, recomputation {self.checkpoint}",
+            f"{self.schedule}: {_count(len(self.stages), 'stage')} on {_count(self.workers, 'worker')}{chunks}, "
+            f"{_count(self.microbatches, 'micro-batch', 'micro-batches')} of {self.microbatch_size}, "
+            f"recomputation {self.checkpoint}",
             f"predicted step {self.predicted_step_s:.4g} s, {self.predicted_throughput:.4g} samples/s",
             f"{'stage':>5}  {'layers':>11}  {'count':>5}  {'replicas':>8}  {'compute/mb':>10}  {'memory/worker':>13}",
         ]
@@ -119,9 +127,22 @@ class Plan:
         for index, (stage, compute, memory) in enumerate(zip(self.stages, computes, self.stage_memory_bytes)):
             lines.append(
                 f"{index:>5}  {f'{stage.start}..{stage.stop - 1}':>11}  {stage.stop - stage.start:>5}  "
-                f"{stage.replicas:>8}  {compute:>9.4g}s  {memory / 1e9:>10.4g} GB"
+                f"{stage.replicas:>8}  {compute:>9.4g}s  {_format_bytes(memory):>13}"
             )
         return "\n".join(lines)
+
+
+def _count(number: int, singular: str, plural: str | None = None) -> str:
+    """``"1 stage"``, ``"2 stages"``."""
+    return f"{number} {singular if number == 1 else plural or singular + 's'}"
+
+
+def _format_bytes(size: float) -> str:
+    """Bytes with a decimal unit: ``"1.5 GB"``."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.4g} {unit}"
+    return f"{size:.4g} B"
 
 
 def plan(
@@ -134,7 +155,7 @@ def plan(
     batch_size: int | None = None,
     replication: bool = True,
 ) -> Plan:
-    """The fastest plan whose every worker fits in ``memory_limit`` bytes.
+    """The fastest plan whose every worker fits in ``memory_limit`` bytes (None: no limit).
 
     ``topology`` (a :class:`Topology` or a string such as ``"4x16GB/s,4x10Gbit/s"``) gives
     the workers and links; without it ``workers`` workers share infinitely fast links.
@@ -229,27 +250,39 @@ def _fitting_candidates(
 
 
 def _fastest(fitting: list[tuple[Candidate, list[float]]], topology: Topology) -> Plan:
-    """Simulate candidates, most promising first, until none can beat the best so far."""
+    """Simulate candidates, most promising first, until none can beat the best so far.
+
+    A candidate's promise is its throughput at its makespan lower bound. Equal throughputs
+    (within a relative 1e-9) go to the smaller peak memory.
+    """
     bounded = []
     for candidate, memory in fitting:
         costs = candidate.costs(topology)
         samples = candidate.microbatches * candidate.profile.microbatch_size
-        bounded.append((samples / max(candidate.lower_bound(costs), 1e-300), candidate, memory, costs))
-    bounded.sort(key=lambda entry: -entry[0])
+        ceiling = samples / max(candidate.lower_bound(costs), 1e-300)
+        bounded.append((ceiling, max(memory), candidate, memory, costs))
+    bounded.sort(key=lambda entry: (-entry[0], entry[1]))
     best: Plan | None = None
-    for ceiling, candidate, memory, costs in bounded:
-        if best is not None and ceiling <= best.predicted_throughput:
+    for ceiling, peak, candidate, memory, costs in bounded:
+        if best is not None and ceiling < best.predicted_throughput * (1 - _TIE):
             break
         timeline, processed = candidate.build_and_simulate(costs)
         size = candidate.profile.microbatch_size
         throughput = processed * size / timeline.makespan if timeline.makespan > 0 else math.inf
-        if best is None or throughput > best.predicted_throughput:
+        if best is None or _better(throughput, peak, best.predicted_throughput, max(best.stage_memory_bytes)):
             best = _as_plan(candidate, memory, throughput, costs)
     assert best is not None
     return best
 
 
-def _as_plan(candidate: Candidate, memory: list[float], throughput: float, costs: Any) -> Plan:
+def _better(throughput: float, peak: float, best_throughput: float, best_peak: float) -> bool:
+    """Faster, or as fast (within :data:`_TIE`) with less memory."""
+    if throughput > best_throughput * (1 + _TIE):
+        return True
+    return throughput >= best_throughput * (1 - _TIE) and peak < best_peak
+
+
+def _as_plan(candidate: Candidate, memory: list[float], throughput: float, costs: Costs) -> Plan:
     """The public record of a simulated candidate."""
     layout = candidate.layout
     size = candidate.profile.microbatch_size
@@ -285,9 +318,9 @@ def _no_fit_message(
         )
     return (
         f"no candidate plan fits memory_limit={memory_limit:.4g} bytes per worker; the smallest needs "
-        f"{need:.4g} bytes ({candidate.schedule}, {candidate.microbatches} micro-batches, "
-        f"recomputation {candidate.checkpoint}). Raise memory_limit to at least {need:.4g}, or make stages "
-        "smaller: allow recomputation (checkpoint modes are tried already), use more micro-batches for "
-        "the same batch_size (smaller micro-batches hold less activation memory), or add workers "
-        "(fewer layers and weights per worker)."
+        f"{math.ceil(need)} bytes ({need / 1e9:.3g} GB: {candidate.schedule}, {candidate.microbatches} "
+        f"micro-batches, recomputation {candidate.checkpoint}). Raise memory_limit to at least that, or "
+        "make each worker hold less: allow recomputation (checkpoint modes are tried already), use more "
+        "micro-batches for the same batch_size (smaller micro-batches hold less activation memory), or "
+        "add workers (fewer layers and weights per worker)."
     )

@@ -33,7 +33,6 @@ is monotone in both), in O(n · m²) numpy operations per level.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -80,11 +79,15 @@ class _Node:
 class _Model:
     """Prefix sums and per-level feasibility tests for one problem instance."""
 
-    def __init__(self, compute, weight_bytes, activation_bytes, topology: Topology, sync: str) -> None:
+    def __init__(
+        self, compute: np.ndarray, weight_bytes: np.ndarray, activation_bytes: np.ndarray, topology: Topology, sync: str
+    ) -> None:
+        """Prefix sums of compute and weights; the bytes crossing a cut before each layer."""
         self.n = len(compute)
         self.compute = np.concatenate(([0.0], np.cumsum(compute)))
         self.weights = np.concatenate(([0.0], np.cumsum(weight_bytes)))
-        self.cut_bytes = np.concatenate(([math.inf], 2 * np.asarray(activation_bytes[:-1], dtype=float), [math.inf]))
+        self.cut_bytes = np.concatenate(([0.0], 2 * np.asarray(activation_bytes[:-1], dtype=float), [0.0]))
+        self.inner_positions = (np.arange(self.n + 1) > 0) & (np.arange(self.n + 1) < self.n)
         self.levels = topology.levels
         self.sync = sync
         self.starts = np.arange(self.n + 1)
@@ -113,22 +116,23 @@ class _Model:
 
     def last_cut(self, level: int, theta: float, share: float) -> np.ndarray:
         """``last[x]``: the largest allowed cut position ``c <= x`` (``-1`` if none)."""
-        allowed = share * self.cut_bytes / self.levels[level].bandwidth <= theta
+        allowed = self.inner_positions & (share * self.cut_bytes / self.levels[level].bandwidth <= theta)
         positions = np.where(allowed, self.starts, -1)
         return np.maximum.accumulate(positions)
 
     def pipeline_reach(self, level: int, theta: float, share: float) -> np.ndarray:
         """``reach[b - 1][s]``: furthest stop of a feasible pipeline from ``s`` on at most ``b`` components."""
         single = np.maximum.accumulate(self.stage_reach(level, theta, share), axis=0)
-        cuts = self.last_cut(level, theta, share)
+        # cut[f - 1][s]: where a first stage from s on at most f components ends (-1: nowhere).
+        cut = self.last_cut(level, theta, share)[single]
+        usable = cut > self.starts
+        cut = np.maximum(cut, 0)
         reach = np.empty_like(single)
-        for budget in range(1, len(single) + 1):
-            best = single[budget - 1].copy()
-            for first in range(1, budget):
-                cut = cuts[single[first - 1]]
-                further = np.where(cut > self.starts, reach[budget - first - 1][np.maximum(cut, 0)], self.starts)
-                np.maximum(best, further, out=best)
-            reach[budget - 1] = best
+        reach[0] = single[0]
+        for budget in range(2, len(single) + 1):
+            rest = np.arange(budget - 2, -1, -1)[:, None]  # budget left after the first stage
+            further = np.where(usable[: budget - 1], reach[rest, cut[: budget - 1]], self.starts)
+            reach[budget - 1] = np.maximum(single[budget - 1], further.max(axis=0))
         return reach
 
     def feasible(self, theta: float) -> bool:

@@ -92,6 +92,7 @@ class Pipeline:
                     "plan with replication=False"
                 )
             balance, schedule, microbatches, checkpoint = plan.balance, plan.schedule, plan.microbatches, plan.checkpoint
+            virtual = max(plan.virtual, 2) if schedule == "interleaved" else virtual
         if schedule not in SYNCHRONOUS:
             raise ValueError(f"Pipeline runs the synchronous schedules {', '.join(SYNCHRONOUS)}; got {schedule!r}")
         self.checkpoint = check_mode(checkpoint)

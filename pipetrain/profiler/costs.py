@@ -129,7 +129,7 @@ class Profile:
                 layers.append(LayerCost(**entry))
             except TypeError as error:
                 raise ValueError(f"profile layer {index} is incomplete: {error}") from None
-        return cls(layers, int(data.get("microbatch_size", 1)), float(data.get("input_bytes", 0.0)))
+        return cls(layers, data.get("microbatch_size", 1), data.get("input_bytes", 0.0))
 
     def save(self, path: str | PathLike[str]) -> None:
         """Write the profile as JSON."""

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from pipetrain.layers import to_layers
-from pipetrain.profile.costs import LayerCost, Profile
+from pipetrain.profiler.costs import LayerCost, Profile
 
 LossFn = Callable[[Any, Any], Tensor]
 
@@ -80,12 +80,14 @@ class _Timer:
     """Wall-clock timing that waits for queued device work before reading the clock."""
 
     def __init__(self, device: torch.device) -> None:
+        """Time work on ``device``."""
+        self.device = device
         self.cuda = device.type == "cuda"
 
     def now(self) -> float:
         """Seconds on a monotonic clock, after the device finished its queued work."""
         if self.cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
 
@@ -93,23 +95,30 @@ class _LayerRun:
     """One layer measured on fixed inputs: forward, full backward and input-only backward."""
 
     def __init__(self, module: nn.Module, arguments: tuple, targets: Any, loss_fn: LossFn, timer: _Timer) -> None:
+        """Measure ``module`` on ``arguments``; ``targets`` (not None) means it is the last layer."""
         self.module, self.arguments, self.targets = module, arguments, targets
         self.loss_fn, self.timer = loss_fn, timer
         self.parameters = [p for p in module.parameters() if p.requires_grad]
         self.output: tuple = ()
 
-    def _leaves(self) -> tuple:
-        """Fresh copies of the inputs; floating-point ones require a gradient."""
-        return tuple(
+    def _leaves(self) -> tuple[tuple, tuple]:
+        """Detached inputs (floating-point ones require a gradient) and what to feed the layer.
+
+        The layer gets copies of the floating-point leaves, so that in-place layers such
+        as ``ReLU(inplace=True)`` do not modify a leaf that requires a gradient.
+        """
+        leaves = tuple(
             x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, Tensor) else x
             for x in self.arguments
         )
+        fed = tuple(x.clone() if isinstance(x, Tensor) and x.requires_grad else x for x in leaves)
+        return leaves, fed
 
     def _forward(self) -> tuple[tuple, list[Tensor], float]:
         """Run the layer (and the loss on the last layer); return inputs, roots, seconds."""
-        leaves = self._leaves()
+        leaves, fed = self._leaves()
         start = self.timer.now()
-        output = self.module(*leaves)
+        output = self.module(*fed)
         roots = [self.loss_fn(output, self.targets)] if self.targets is not None else _tensors(output)
         elapsed = self.timer.now() - start
         self.output = tuple(output) if isinstance(output, (tuple, list)) else (output,)
@@ -163,12 +172,13 @@ class _LayerRun:
         """Peak allocation of one forward and backward on CUDA; ``estimate`` elsewhere."""
         if not self.timer.cuda:
             return estimate
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+        device = self.timer.device
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
         leaves, roots, _ = self._forward()
         differentiable = [x for x in leaves if isinstance(x, Tensor) and x.requires_grad]
         self._backward(roots, differentiable + self.parameters)
-        return float(max(torch.cuda.max_memory_allocated() - base, 0))
+        return float(max(torch.cuda.max_memory_allocated(device) - base, 0))
 
 
 @contextmanager

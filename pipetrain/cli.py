@@ -1,0 +1,376 @@
+"""The ``pipetrain`` command line: ``simulate`` a schedule, ``train`` a built-in model.
+
+Each command is a pair of functions, ``_add_<command>`` (its arguments) and
+``_run_<command>`` (its work and printing), listed in :data:`COMMANDS`. Errors a user can
+cause print one line on stderr and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import NoReturn
+
+from pipetrain.schedules import SCHEDULE_NAMES, SYNCHRONOUS, Schedule, ScheduleError, build
+from pipetrain.simulate import Costs, simulate
+from pipetrain.trace import Timeline, format_seconds
+
+USAGE_ERROR = 2
+RUN_FAILED = 1
+COST_FIELDS = tuple(f.name for f in fields(Costs))
+# time fields that, for interleaved, are given per rank and shared among its model chunks
+PER_RANK_TIME_FIELDS = ("forward_s", "backward_s", "weight_s", "step_s")
+# copies of pipetrain.models.MODEL_NAMES and runtime CHECKPOINT_MODES (tests keep them equal):
+# importing those modules loads torch, which `pipetrain simulate` does not need
+MODEL_NAMES = ("mlp", "cnn", "gpt", "uneven-mlp")
+CHECKPOINT_MODES = ("never", "except_last", "always")
+DEFAULT_COSTS = {"forward_s": 1.0, "backward_s": 2.0}
+ZERO_BUBBLE_DEFAULT_COSTS = {"forward_s": 1.0, "backward_s": 1.0, "weight_s": 1.0}
+
+
+class UsageError(ValueError):
+    """A bad command-line value found after parsing (file contents, combinations)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr, without the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``message`` on one line and exit with status 2."""
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    """Parse an integer >= 1 (an argparse ``type``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (1 or more), got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """Parse a finite float >= 0 (an argparse ``type``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def output_path(text: str) -> str:
+    """Accept a path ending in ``.png`` (Gantt chart) or ``.json`` (Chrome trace)."""
+    if not text.lower().endswith((".png", ".json")):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} must end in .png (Gantt chart) or .json (Chrome/Perfetto trace)"
+        )
+    return text
+
+
+def write_timeline(timeline: Timeline, path: str, title: str | None = None) -> None:
+    """Write ``timeline`` as a PNG chart or a Chrome trace, chosen by the extension of ``path``."""
+    if path.lower().endswith(".png"):
+        timeline.plot(path, title)
+    else:
+        timeline.to_chrome_trace(path)
+
+
+# simulate -------------------------------------------------------------------------------
+def _add_simulate(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "simulate",
+        help="play a schedule against per-stage costs and report makespan and bubble",
+        description=(
+            "Simulate one step of a schedule. Costs are seconds per micro-batch and stage "
+            "(for interleaved: per rank, shared equally by its chunks). Default: forward 1, "
+            "backward 2; for zb-h1 without given costs forward = backward = weight = 1, as "
+            "in the zero-bubble paper."
+        ),
+    )
+    parser.add_argument("--schedule", required=True, choices=SCHEDULE_NAMES, metavar="NAME",
+                        help=f"one of {', '.join(SCHEDULE_NAMES)}")
+    parser.add_argument("--stages", required=True, type=positive_int, metavar="P", help="pipeline ranks")
+    parser.add_argument("--microbatches", required=True, type=positive_int, metavar="M",
+                        help="micro-batches per step (pipedream: mini-batches in the window; 2bw: per update)")
+    parser.add_argument("--virtual", type=positive_int, default=2, metavar="V",
+                        help="model chunks per rank for interleaved (default 2)")
+    parser.add_argument("--forward", type=non_negative_float, metavar="T", help="forward time per micro-batch")
+    parser.add_argument("--backward", type=non_negative_float, metavar="T",
+                        help="backward (input-gradient) time per micro-batch")
+    parser.add_argument("--weight", type=non_negative_float, metavar="T",
+                        help="weight-gradient time per micro-batch (a separate W in zb-h1, else part of the backward)")
+    parser.add_argument("--costs", metavar="FILE.json",
+                        help=f"JSON object with Costs fields ({', '.join(COST_FIELDS)}); a number or one per stage")
+    parser.add_argument("--out", type=output_path, metavar="PATH", help="write the timeline: .png chart or .json Chrome trace")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def read_costs_file(path: str) -> dict[str, object]:
+    """The Costs fields in the JSON file at ``path``, checked for names."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            values = json.load(file)
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"cannot read costs file {path!r}: {error.strerror if isinstance(error, OSError) else error}") from None
+    except json.JSONDecodeError as error:
+        raise UsageError(f"costs file {path!r} is not valid JSON: {error}") from None
+    if not isinstance(values, dict):
+        raise UsageError(f"costs file {path!r} must hold a JSON object such as {{\"forward_s\": 1.0}}")
+    unknown = sorted(set(values) - set(COST_FIELDS))
+    if unknown:
+        raise UsageError(f"costs file {path!r} has unknown field(s) {unknown}; allowed: {', '.join(COST_FIELDS)}")
+    for name, value in values.items():
+        per_stage = name != "latency_s" and isinstance(value, list) and value and all(map(_is_number, value))
+        if not (_is_number(value) or per_stage):
+            expected = "a number" if name == "latency_s" else "a number or a list of numbers (one per stage)"
+            raise UsageError(f"costs file {path!r}: {name} is {value!r}; give {expected}")
+    return values
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def cost_fields(args: argparse.Namespace) -> dict[str, object]:
+    """The cost values asked for: defaults, then the costs file, then the flags."""
+    given = read_costs_file(args.costs) if args.costs else {}
+    flags = {"forward_s": args.forward, "backward_s": args.backward, "weight_s": args.weight}
+    given.update({name: value for name, value in flags.items() if value is not None})
+    compute_given = any(name in given for name in ZERO_BUBBLE_DEFAULT_COSTS)
+    defaults = ZERO_BUBBLE_DEFAULT_COSTS if args.schedule == "zb-h1" and not compute_given else DEFAULT_COSTS
+    return {**defaults, **given}
+
+
+def schedule_costs(schedule: Schedule, values: dict[str, object]) -> Costs:
+    """Costs for ``schedule`` from per-rank values: a rank's time is shared by the stages it holds.
+
+    A list with one value per model stage is taken as it is.
+    """
+    converted = dict(values)
+    for name in PER_RANK_TIME_FIELDS:
+        value = values.get(name)
+        if value is None or schedule.num_ranks == schedule.stages:
+            continue
+        if isinstance(value, (int, float)):
+            per_rank = [float(value)] * schedule.num_ranks
+        elif isinstance(value, list) and len(value) == schedule.num_ranks:
+            per_rank = value
+        else:
+            continue  # one value per model stage, or a length Costs will reject
+        converted[name] = [
+            per_rank[ranks[0]] / len(schedule.stages_of(ranks[0])) for ranks in schedule.stage_ranks
+        ]
+    try:
+        return Costs(**converted)
+    except TypeError as error:
+        raise UsageError(f"bad costs {values}: {error}") from None
+
+
+def textbook_bubble(schedule: Schedule, costs: Costs) -> tuple[str, float] | None:
+    """The closed-form bubble fraction for uniform costs without communication, if one applies."""
+    p, m = schedule.num_ranks, schedule.microbatches
+    stages = schedule.stages
+    forward, backward, weight = (costs.per_stage(f, stages) for f in ("forward_s", "backward_s", "weight_s"))
+    uniform = all(len(set(values)) == 1 for values in (forward, backward, weight))
+    no_transfers = costs.latency_s == 0 and all(
+        a == 0 or math.isinf(b)
+        for a, b in zip(costs.per_stage("activation_bytes", max(stages - 1, 1)), costs.per_stage("bandwidth", max(stages - 1, 1)))
+    )
+    no_steps = not any(costs.per_stage("step_s", stages))
+    if not (uniform and no_transfers and no_steps) or any(len(r) > 1 for r in schedule.stage_ranks):
+        return None
+    if schedule.name == "interleaved":
+        v = schedule.options["virtual"]
+        return "(p-1)/(v*m+p-1)", (p - 1) / (v * m + p - 1)
+    if schedule.name == "2bw":  # m micro-batches per update, r updates in the window
+        return "(p-1)/(r*m+p-1)", (p - 1) / (m + p - 1)
+    if schedule.name == "zb-h1":
+        f, b, w = forward[0], backward[0], weight[0]
+        if m < p or w > min(f, b):
+            return None
+        idle = (p - 1) * (f + b - w)
+        return "(p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W))", idle / (m * (f + b + w) + idle)
+    return "(p-1)/(m+p-1)", (p - 1) / (m + p - 1)
+
+
+@dataclass(frozen=True)
+class SimulateResult:
+    """What ``pipetrain simulate`` reports."""
+
+    schedule: Schedule
+    requested: dict[str, object]  # cost values as given: per stage, or per rank for interleaved
+    timeline: Timeline
+    textbook: tuple[str, float] | None
+
+    def to_json(self, args: argparse.Namespace) -> dict[str, object]:
+        """The JSON object printed by ``--json``."""
+        formula, value = self.textbook or (None, None)
+        return {
+            "schedule": args.schedule,
+            "stages": args.stages,
+            "microbatches": args.microbatches,
+            "model_stages": self.schedule.stages,
+            "makespan": self.timeline.makespan,
+            "bubble_fraction": self.timeline.bubble_fraction,
+            "peak_activations": self.timeline.peak_activations,
+            "textbook_formula": formula,
+            "textbook_bubble_fraction": value,
+            "costs": {name: _finite_or_none(value) for name, value in self.requested.items()},
+        }
+
+
+def _finite_or_none(value: object) -> object:
+    """JSON has no infinity: non-finite numbers become ``null``."""
+    if isinstance(value, list):
+        return [_finite_or_none(v) for v in value]
+    return value if not isinstance(value, float) or math.isfinite(value) else None
+
+
+def run_simulation(args: argparse.Namespace) -> SimulateResult:
+    """Build the schedule, simulate it on the requested costs, and compare with the textbook."""
+    options = {"virtual": args.virtual} if args.schedule == "interleaved" else {}
+    schedule = build(args.schedule, args.stages, args.microbatches, **options)
+    requested = cost_fields(args)
+    costs = schedule_costs(schedule, requested)
+    timeline = simulate(schedule, costs)
+    return SimulateResult(schedule, requested, timeline, textbook_bubble(schedule, costs))
+
+
+def _run_simulate(args: argparse.Namespace) -> None:
+    result = run_simulation(args)
+    if args.out:
+        write_timeline(result.timeline, args.out, f"{args.schedule}, {args.stages} stages, {args.microbatches} micro-batches")
+    if args.json:
+        print(json.dumps(result.to_json(args)))
+        return
+    timeline, schedule = result.timeline, result.schedule
+    chunks = f" ({schedule.stages} model stages)" if schedule.stages != schedule.num_ranks else ""
+    window = f" x {schedule.options['rounds']} rounds" if "rounds" in schedule.options else ""
+    bubble = f"{timeline.bubble_fraction:.1%}"
+    if result.textbook:
+        formula, value = result.textbook
+        bubble += f"   (textbook {formula} = {value:.1%})"
+    print(f"{args.schedule}: {args.stages} stages{chunks}, {args.microbatches} micro-batches{window}")
+    print(f"  costs             {_describe_costs(result.requested, schedule)}")
+    print(f"  makespan          {format_seconds(timeline.makespan)}")
+    print(f"  bubble fraction   {bubble}")
+    print(f"  peak activations  {timeline.peak_activations} (most (stage, micro-batch) activations held, per rank)")
+    if args.out:
+        print(f"  timeline written  {args.out}")
+
+
+def _describe_costs(values: dict[str, object], schedule: Schedule) -> str:
+    labels = {"forward_s": "F", "backward_s": "B", "weight_s": "W", "step_s": "step", "allreduce_s": "all-reduce",
+              "latency_s": "latency", "activation_bytes": "activation bytes", "bandwidth": "bandwidth"}
+    parts = [f"{label} {values[name]:g}" if isinstance(values[name], (int, float)) else f"{label} {values[name]}"
+             for name, label in labels.items() if values.get(name)]
+    if schedule.stages == schedule.num_ranks:
+        return ", ".join(parts) + " (times in seconds per micro-batch and stage)"
+    return ", ".join(parts) + f" (times in seconds per micro-batch and rank, shared by its {schedule.stages // schedule.num_ranks} chunks)"
+
+
+# train ----------------------------------------------------------------------------------
+def _add_train(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "train",
+        help="train a built-in model with a pipeline schedule and compare with the simulator",
+        description=(
+            "Train a built-in model on local worker processes (one per stage, gloo), or on the "
+            "existing process group when started by torchrun. Prints loss, step time, "
+            "throughput and the measured bubble beside the simulator's prediction."
+        ),
+    )
+    parser.add_argument("--model", required=True, choices=MODEL_NAMES, metavar="NAME", help=f"one of {', '.join(MODEL_NAMES)}")
+    parser.add_argument("--stages", type=positive_int, metavar="P",
+                        help="pipeline ranks (default 2; under torchrun, the world size)")
+    parser.add_argument("--schedule", default="1f1b", choices=SYNCHRONOUS, metavar="NAME",
+                        help=f"one of {', '.join(SYNCHRONOUS)} (default 1f1b)")
+    parser.add_argument("--microbatches", type=positive_int, default=4, metavar="M", help="micro-batches per step (default 4)")
+    parser.add_argument("--steps", type=positive_int, default=20, metavar="N", help="optimizer steps (default 20)")
+    parser.add_argument("--batch-size", type=positive_int, metavar="B", help="samples per step (default: 64, gpt 16)")
+    parser.add_argument("--balance", type=_balance, metavar="N,N,...", help="layers per stage, e.g. 2,3 (default: even)")
+    parser.add_argument("--checkpoint", default="never", choices=CHECKPOINT_MODES, metavar="MODE",
+                        help=f"re-materialization: {', '.join(CHECKPOINT_MODES)} (default never)")
+    parser.add_argument("--lr", type=_learning_rate, metavar="LR", help="Adam learning rate (default per model)")
+    parser.add_argument("--virtual", type=positive_int, default=2, metavar="V", help="model chunks per rank for interleaved (default 2)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
+    parser.add_argument("--threads", type=positive_int, default=1, metavar="N", help="torch threads per local worker (default 1)")
+    parser.add_argument("--trace", type=output_path, metavar="PATH",
+                        help="write the last step's timeline: .png (predicted and measured) or .json Chrome trace")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def _balance(text: str) -> tuple[int, ...]:
+    counts = tuple(positive_int(part) for part in text.split(","))
+    return counts
+
+
+def _learning_rate(text: str) -> float:
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be greater than 0")
+    return value
+
+
+def _run_train(args: argparse.Namespace) -> None:
+    from pipetrain.train_job import TrainConfig, run_training
+
+    config = TrainConfig(
+        model=args.model, stages=args.stages, schedule=args.schedule, microbatches=args.microbatches,
+        steps=args.steps, batch_size=args.batch_size, balance=args.balance, checkpoint=args.checkpoint,
+        lr=args.lr, virtual=args.virtual, seed=args.seed, threads=args.threads,
+    )
+    report = run_training(config)
+    if report is None:  # a torchrun rank other than 0: rank 0 reports
+        return
+    if args.trace:
+        report.write_trace(args.trace)
+    if args.json:
+        print(json.dumps(report.to_json()))
+        return
+    print(report.summary())
+    if args.trace:
+        print(f"  timeline written  {args.trace}")
+
+
+# entry point ----------------------------------------------------------------------------
+COMMANDS: dict[str, tuple[Callable[[argparse._SubParsersAction], None], Callable[[argparse.Namespace], None]]] = {
+    "simulate": (_add_simulate, _run_simulate),
+    "train": (_add_train, _run_train),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``pipetrain`` argument parser with every command."""
+    parser = _Parser(prog="pipetrain", description="Pipeline-parallel training for PyTorch: simulate and run schedules.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add_arguments, _ in COMMANDS.values():
+        add_arguments(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``pipetrain`` command line; return the exit status."""
+    args = build_parser().parse_args(argv)
+    _, run = COMMANDS[args.command]
+    prog = f"pipetrain {args.command}"
+    try:
+        run(args)
+    except (ValueError, TypeError, ScheduleError) as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return USAGE_ERROR
+    except (RuntimeError, OSError) as error:
+        print(f"{prog}: failed: {error}", file=sys.stderr)
+        return RUN_FAILED
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    return 0

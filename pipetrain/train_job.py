@@ -1,0 +1,304 @@
+"""A training run of a built-in model, as ``pipetrain train`` does it.
+
+:func:`run_training` checks the configuration, starts one local worker per stage with
+:func:`pipetrain.launch` (or joins the process group that ``torchrun`` started), trains with
+Adam, records a timeline of the last step, and compares it with the simulator's prediction
+for the same schedule on the stage costs measured in that timeline.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any, TextIO
+
+import torch
+import torch.distributed as dist
+
+from pipetrain.data import BatchStream
+from pipetrain.layers import check_balance, to_layers
+from pipetrain.models import build_model, loss_function
+from pipetrain.runtime import Pipeline, launch
+from pipetrain.runtime.checkpoint import check_mode
+from pipetrain.schedules import SYNCHRONOUS, Schedule, build
+from pipetrain.simulate import Costs, simulate
+from pipetrain.trace import Timeline, format_seconds, plot_timelines
+
+DEFAULT_LR = {"mlp": 3e-3, "uneven-mlp": 3e-3, "cnn": 3e-3, "gpt": 3e-3}
+DEFAULT_BATCH_SIZE = {"mlp": 64, "uneven-mlp": 64, "cnn": 64, "gpt": 16}
+DEFAULT_STAGES = 2
+WARMUP_STEPS = 2  # left out of the median step time: first steps pay for allocation and set-up
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What to train and how. ``None`` means the default (per model for ``batch_size`` and
+    ``lr``; for ``stages``, 2 local workers or the torchrun world size)."""
+
+    model: str
+    stages: int | None = None
+    schedule: str = "1f1b"
+    microbatches: int = 4
+    steps: int = 20
+    batch_size: int | None = None
+    balance: tuple[int, ...] | None = None
+    checkpoint: str = "never"
+    lr: float | None = None
+    virtual: int = 2
+    seed: int = 0
+    threads: int = 1
+
+    def resolved(self, world_size: int | None = None) -> TrainConfig:
+        """The configuration with defaults filled in and checked; raises ValueError if it cannot run."""
+        if self.model not in DEFAULT_LR:
+            raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(DEFAULT_LR)}")
+        stages = self.stages or world_size or DEFAULT_STAGES
+        if world_size is not None and stages != world_size:
+            raise ValueError(f"stages {stages} differs from the torchrun world size {world_size}; give --stages {world_size} or omit it")
+        config = replace(
+            self,
+            stages=stages,
+            batch_size=self.batch_size or DEFAULT_BATCH_SIZE[self.model],
+            lr=self.lr or DEFAULT_LR[self.model],
+        )
+        config.check()
+        return config
+
+    def check(self) -> None:
+        """Raise a ValueError naming the first setting that cannot run."""
+        if self.schedule not in SYNCHRONOUS:
+            raise ValueError(f"train runs the synchronous schedules {', '.join(SYNCHRONOUS)}; got {self.schedule!r}")
+        check_mode(self.checkpoint)
+        for name in ("microbatches", "steps", "batch_size", "virtual", "threads"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value}")
+        if self.batch_size < self.microbatches:
+            raise ValueError(f"batch size {self.batch_size} is smaller than microbatches {self.microbatches}; use a batch of at least {self.microbatches}")
+        model_stages = self.schedule_for().stages
+        layers = len(to_layers(build_model(self.model, seed=self.seed)))
+        if self.balance is not None:
+            check_balance(list(self.balance), layers)
+            if len(self.balance) != model_stages:
+                raise ValueError(f"balance {list(self.balance)} has {len(self.balance)} entries; {self.schedule} on {self.stages} stages needs {model_stages}")
+        elif layers < model_stages:
+            raise ValueError(f"model {self.model} has {layers} layers, fewer than the {model_stages} stages of {self.schedule} on {self.stages} ranks; use fewer stages")
+
+    def schedule_for(self) -> Schedule:
+        """The schedule this run executes (the same one the Pipeline builds)."""
+        options = {"virtual": self.virtual} if self.schedule == "interleaved" else {}
+        return build(self.schedule, self.stages, self.microbatches, **options)
+
+
+class Progress:
+    """Prints ``step i/N, loss, samples/s`` on a stream: rewritten in place on a terminal,
+    otherwise one line about every tenth of the run."""
+
+    def __init__(self, steps: int, batch_size: int, stream: TextIO = sys.stderr) -> None:
+        """Report on ``stream`` for a run of ``steps`` steps of ``batch_size`` samples."""
+        self.steps, self.batch_size, self.stream = steps, batch_size, stream
+        self.interactive = stream.isatty()
+        self.every = 1 if self.interactive else max(1, steps // 10)
+        self._last_step, self._last_time = 0, time.perf_counter()
+
+    def update(self, step: int, loss: float) -> None:
+        """Report that ``step`` (counted from 1) finished with ``loss``."""
+        if step % self.every and step != self.steps:
+            return
+        now = time.perf_counter()
+        rate = (step - self._last_step) * self.batch_size / max(now - self._last_time, 1e-9)
+        self._last_step, self._last_time = step, now
+        line = f"step {step}/{self.steps}  loss {loss:.4f}  {rate:,.0f} samples/s"
+        self.stream.write(f"\r{line}\033[K" if self.interactive else line + "\n")
+        if self.interactive and step == self.steps:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def train_worker(config: TrainConfig) -> dict[str, Any] | None:
+    """Train on this rank of the process group; rank 0 returns losses, step times and the
+    last step's timeline (as a dict), other ranks ``None``."""
+    model = build_model(config.model, seed=config.seed)
+    pipe = Pipeline(
+        model,
+        balance=config.balance,
+        microbatches=config.microbatches,
+        schedule=config.schedule,
+        loss_fn=loss_function(config.model),
+        checkpoint=config.checkpoint,
+        optimizer=partial(torch.optim.Adam, lr=config.lr),
+        virtual=config.virtual,
+    )
+    batches = BatchStream(config.model, config.batch_size, seed=config.seed)
+    progress = Progress(config.steps, config.batch_size) if pipe.rank == 0 else None
+    losses: list[float] = []
+    step_times: list[float] = []
+    for step in range(config.steps):
+        inputs, targets = next(batches)
+        # recording costs a barrier per step, so only the last step is recorded
+        pipe.recorder.enabled = step == config.steps - 1
+        start = time.perf_counter()
+        losses.append(pipe.train_step(inputs, targets))
+        step_times.append(time.perf_counter() - start)
+        if progress is not None:
+            progress.update(step + 1, losses[-1])
+    timeline = pipe.timeline()
+    if timeline is None:
+        return None
+    return {"losses": losses, "step_times_s": step_times, "timeline": timeline.to_dict()}
+
+
+def run_training(config: TrainConfig) -> TrainReport | None:
+    """Train as ``config`` says and report; ``None`` on torchrun ranks other than 0.
+
+    Under ``torchrun`` (``WORLD_SIZE`` set) it runs in this process on the existing process
+    group (a gloo group is started if none is); otherwise it launches one local worker per
+    stage with ``config.threads`` torch threads each.
+    """
+    if "WORLD_SIZE" in os.environ:
+        started_group = not dist.is_initialized()
+        if started_group:
+            dist.init_process_group("gloo")
+        try:
+            config = config.resolved(world_size=dist.get_world_size())
+            result = train_worker(config)
+        finally:
+            if started_group:
+                dist.destroy_process_group()
+    else:
+        config = config.resolved()
+        result = launch(train_worker, config.stages, config, threads_per_worker=config.threads)[0]
+    return None if result is None else TrainReport.build(config, result)
+
+
+def measured_costs(timeline: Timeline, stages: int) -> Costs:
+    """Per-stage mean durations of the timeline's F, B, W and STEP events as simulator costs.
+
+    A send's time on the sending rank (packing the message) is added to the compute it
+    follows; the transfer time is :func:`transfer_time`.
+    """
+    def mean(kind: str) -> list[float]:
+        durations: list[list[float]] = [[] for _ in range(stages)]
+        for event in timeline.events:
+            if event.kind == kind and event.stage is not None:
+                durations[event.stage].append(event.duration)
+        return [statistics.fmean(values) if values else 0.0 for values in durations]
+
+    def plus(a: list[float], b: list[float]) -> list[float]:
+        return [x + y for x, y in zip(a, b)]
+
+    return Costs(
+        forward_s=plus(mean("F"), mean("SEND_F")),
+        backward_s=plus(mean("B"), mean("SEND_B")),
+        weight_s=mean("W"),
+        step_s=mean("STEP"),
+        latency_s=transfer_time(timeline),
+    )
+
+
+def transfer_time(timeline: Timeline) -> float:
+    """Median time a message spends between the end of its send and the end of its receive.
+
+    Only the part of the receive that follows the send counts, so a receiver that arrives
+    late (the data already there) adds only its own copy time. 0 without transfers.
+    """
+    sends = {(e.kind, e.stage, e.microbatch): e for e in timeline.events if e.kind in ("SEND_F", "SEND_B")}
+    senders = {"RECV_F": ("SEND_F", -1), "RECV_B": ("SEND_B", +1)}  # receive kind -> send kind, stage offset
+    gaps = []
+    for event in timeline.events:
+        if event.kind not in senders or event.stage is None:
+            continue
+        kind, offset = senders[event.kind]
+        send = sends.get((kind, event.stage + offset, event.microbatch))
+        if send is not None:
+            gaps.append(max(0.0, event.end - max(send.end, event.start)))
+    return statistics.median(gaps) if gaps else 0.0
+
+
+@dataclass(frozen=True)
+class TrainReport:
+    """The outcome of a run: losses and step times, and the last step measured and predicted."""
+
+    config: TrainConfig
+    losses: list[float]
+    step_times_s: list[float]
+    measured: Timeline
+    predicted: Timeline
+    costs: Costs
+
+    @classmethod
+    def build(cls, config: TrainConfig, result: dict[str, Any]) -> TrainReport:
+        """Combine rank 0's result with the simulator's prediction on the measured costs."""
+        measured = Timeline.from_dict(result["timeline"])
+        schedule = config.schedule_for()
+        costs = measured_costs(measured, schedule.stages)
+        predicted = simulate(schedule, costs)
+        return cls(config, result["losses"], result["step_times_s"], measured, predicted, costs)
+
+    @property
+    def step_s(self) -> float:
+        """Median step time in seconds, leaving out the warm-up steps when there are more."""
+        steady = self.step_times_s[WARMUP_STEPS:] or self.step_times_s
+        return statistics.median(steady)
+
+    @property
+    def samples_per_s(self) -> float:
+        """Training samples per second at the median step time."""
+        return self.config.batch_size / self.step_s
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object printed by ``pipetrain train --json``."""
+        config = self.config
+        return {
+            "model": config.model,
+            "schedule": config.schedule,
+            "stages": config.stages,
+            "microbatches": config.microbatches,
+            "batch_size": config.batch_size,
+            "steps": config.steps,
+            "lr": config.lr,
+            "losses": self.losses,
+            "final_loss": self.losses[-1],
+            "step_times_s": self.step_times_s,
+            "step_s": self.step_s,
+            "samples_per_s": self.samples_per_s,
+            "bubble_fraction": self.measured.bubble_fraction,
+            "recorded_step_s": self.measured.makespan,
+            "predicted_step_s": self.predicted.makespan,
+            "predicted_bubble_fraction": self.predicted.bubble_fraction,
+        }
+
+    def summary(self) -> str:
+        """A few readable lines: loss, step time, throughput, measured against predicted."""
+        config, measured, predicted = self.config, self.measured, self.predicted
+        steady = f"steps {WARMUP_STEPS + 1}-{config.steps}" if config.steps > WARMUP_STEPS else "all steps"
+        per_micro = config.batch_size / config.microbatches
+        stage_costs = " | ".join(
+            f"{name} " + ", ".join(format_seconds(v) for v in getattr(self.costs, field))
+            for name, field in (("F", "forward_s"), ("B", "backward_s"), ("W", "weight_s"))
+            if any(getattr(self.costs, field))
+        )
+        return "\n".join([
+            f"{config.model} on {config.stages} stages, {config.schedule}, {config.microbatches} micro-batches "
+            f"of {per_micro:g} samples, {config.steps} steps (Adam, lr {config.lr:g})",
+            f"  loss              {self.losses[0]:.4f} -> {self.losses[-1]:.4f}",
+            f"  step time         {format_seconds(self.step_s)} (median of {steady})",
+            f"  throughput        {self.samples_per_s:,.0f} samples/s",
+            f"  last step         measured {format_seconds(measured.makespan)}, bubble {measured.bubble_fraction:.1%}",
+            f"  predicted         {format_seconds(predicted.makespan)}, bubble {predicted.bubble_fraction:.1%} "
+            f"({config.schedule} simulated on the measured stage costs)",
+            f"  stage costs       {stage_costs} (mean per micro-batch, by stage)",
+        ])
+
+    def write_trace(self, path: str) -> None:
+        """Write the last step: a PNG of predicted above measured, or the measured Chrome trace."""
+        name = self.config.schedule
+        if path.lower().endswith(".png"):
+            titles = [f"{name} predicted (simulated on measured stage costs)", f"{name} measured (last step)"]
+            plot_timelines([self.predicted, self.measured], path, titles)
+        else:
+            self.measured.shifted().to_chrome_trace(path)

@@ -1,0 +1,281 @@
+"""The ``pipetrain`` command line: simulate and train output, files, and one-line errors."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipetrain import cli
+from pipetrain.schedules import SCHEDULE_NAMES, build
+from pipetrain.simulate import Costs, simulate
+from pipetrain.trace import Event, Timeline
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m pipetrain ARGS`` from the repository root."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("WORLD_SIZE", None)  # never mistake the test run for a torchrun worker
+    return subprocess.run(
+        [sys.executable, "-m", "pipetrain", *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=100
+    )
+
+
+def simulate_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
+    assert cli.main(["simulate", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+# simulate -------------------------------------------------------------------------------
+def reference_costs(name: str) -> Costs:
+    """The documented default costs, written out by hand."""
+    if name == "zb-h1":
+        return Costs(forward_s=1.0, backward_s=1.0, weight_s=1.0)
+    if name == "interleaved":  # per rank, shared by its 2 chunks
+        return Costs(forward_s=0.5, backward_s=1.0)
+    return Costs(forward_s=1.0, backward_s=2.0)
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_simulate_json_equals_the_library(capsys: pytest.CaptureFixture[str], name: str) -> None:
+    result = simulate_json(capsys, "--schedule", name, "--stages", "4", "--microbatches", "8")
+    options = {"virtual": 2} if name == "interleaved" else {}
+    expected = simulate(build(name, 4, 8, **options), reference_costs(name))
+    assert result["makespan"] == pytest.approx(expected.makespan)
+    assert result["bubble_fraction"] == pytest.approx(expected.bubble_fraction)
+    assert result["peak_activations"] == expected.peak_activations
+    assert (result["schedule"], result["stages"], result["microbatches"]) == (name, 4, 8)
+
+
+def test_simulate_text_shows_the_textbook_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["simulate", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8"]) == 0
+    text = capsys.readouterr().out
+    # by hand: makespan (m + p - 1)(F + B) = 11 * 3, bubble (p - 1)/(m + p - 1) = 3/11
+    assert "33 s" in text
+    assert text.count("27.3%") == 2  # simulated, and the textbook value beside it
+    assert "[4, 3, 2, 1]" in text
+
+
+def test_simulate_costs_file_with_per_stage_lists_and_flag_override(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    costs_file = tmp_path / "costs.json"
+    costs_file.write_text(json.dumps({"forward_s": [1, 2, 1], "backward_s": 9, "activation_bytes": 1e6, "bandwidth": 1e7}))
+    result = simulate_json(
+        capsys, "--schedule", "gpipe", "--stages", "3", "--microbatches", "5", "--costs", str(costs_file), "--backward", "2"
+    )
+    costs = Costs(forward_s=[1, 2, 1], backward_s=2.0, activation_bytes=1e6, bandwidth=1e7)
+    expected = simulate(build("gpipe", 3, 5), costs)
+    assert result["makespan"] == pytest.approx(expected.makespan)
+    assert result["bubble_fraction"] == pytest.approx(expected.bubble_fraction)
+    assert result["textbook_bubble_fraction"] is None  # uneven costs and transfers: no closed form
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(SCHEDULE_NAMES),
+    p=st.integers(1, 5),
+    m=st.integers(1, 10),
+    costs=st.tuples(st.sampled_from([0.5, 1.0, 2.0]), st.sampled_from([0.5, 1.0, 3.0]), st.sampled_from([0.0, 0.5, 1.0])),
+)
+def test_textbook_formula_agrees_with_the_simulator_wherever_it_is_given(
+    name: str, p: int, m: int, costs: tuple[float, float, float]
+) -> None:
+    if name == "interleaved":
+        m = p * m
+    if name == "2bw":
+        m = max(m, p)
+    options = {"virtual": 2} if name == "interleaved" else {}
+    schedule = build(name, p, m, **options)
+    forward, backward, weight = costs
+    checked = Costs(forward_s=forward, backward_s=backward, weight_s=weight)
+    textbook = cli.textbook_bubble(schedule, checked)
+    if textbook is not None:
+        assert simulate(schedule, checked).bubble_fraction == pytest.approx(textbook[1])
+    if name in ("gpipe", "1f1b", "interleaved"):
+        assert textbook is not None  # uniform costs: these always have a closed form
+
+
+def test_simulate_writes_png_and_chrome_trace(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    png, trace = tmp_path / "t.png", tmp_path / "t.json"
+    for path in (png, trace):
+        assert cli.main(["simulate", "--schedule", "zb-h1", "--stages", "3", "--microbatches", "4", "--out", str(path)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    expected = simulate(build("zb-h1", 3, 4), Costs(1.0, 1.0, 1.0))
+    assert len(events) == len(expected.events)
+    assert str(trace) in capsys.readouterr().out
+
+
+BAD_ARGUMENTS = [
+    (["simulate", "--schedule", "1f1b", "--stages", "0", "--microbatches", "4"], "0"),
+    (["simulate", "--schedule", "1f1b", "--stages", "2", "--microbatches", "-3"], "-3"),
+    (["simulate", "--schedule", "interleaved", "--stages", "4", "--microbatches", "6"], "6"),
+    (["simulate", "--schedule", "zigzag", "--stages", "4", "--microbatches", "8"], "zigzag"),
+    (["simulate", "--schedule", "1f1b", "--stages", "2", "--microbatches", "2", "--costs", "no-such-file.json"], "no-such-file.json"),
+    (["simulate", "--schedule", "1f1b", "--stages", "2", "--microbatches", "2", "--out", "timeline.svg"], "timeline.svg"),
+    (["simulate", "--schedule", "1f1b", "--stages", "2", "--microbatches", "2", "--forward", "fast"], "fast"),
+    (["train", "--model", "transformer", "--stages", "2"], "transformer"),
+]
+
+
+@pytest.mark.parametrize(("args", "named"), BAD_ARGUMENTS)
+def test_bad_arguments_give_one_line_and_status_2(args: list[str], named: str) -> None:
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert named in result.stderr
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("content", "named"),
+    [("{not json", "not valid JSON"), ('{"forward": 1}', "forward_s"), ('{"forward_s": "slow"}', "slow"), ("[1, 2]", "JSON object")],
+)
+def test_bad_costs_files_give_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, content: str, named: str
+) -> None:
+    costs_file = tmp_path / "costs.json"
+    costs_file.write_text(content)
+    status = cli.main(["simulate", "--schedule", "gpipe", "--stages", "2", "--microbatches", "2", "--costs", str(costs_file)])
+    error = capsys.readouterr().err
+    assert status == 2
+    assert len(error.strip().splitlines()) == 1
+    assert named in error and str(costs_file) in error
+
+
+def test_python_m_pipetrain_help_lists_the_commands() -> None:
+    result = run_cli("--help")
+    assert result.returncode == 0
+    assert "simulate" in result.stdout and "train" in result.stdout
+
+
+def test_model_and_checkpoint_choices_match_the_library() -> None:
+    from pipetrain.models import MODEL_NAMES
+    from pipetrain.runtime.checkpoint import CHECKPOINT_MODES
+
+    assert cli.MODEL_NAMES == MODEL_NAMES
+    assert cli.CHECKPOINT_MODES == CHECKPOINT_MODES
+
+
+# train ----------------------------------------------------------------------------------
+def unpipelined_losses(model_name: str, steps: int, batch_size: int) -> list[float]:
+    """Losses of the same model, data and optimizer trained without a pipeline."""
+    import torch
+
+    from pipetrain.data import BatchStream
+    from pipetrain.models import build_model, loss_function
+    from pipetrain.train_job import DEFAULT_LR
+
+    model = build_model(model_name, seed=0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=DEFAULT_LR[model_name])
+    batches = BatchStream(model_name, batch_size, seed=0)
+    losses = []
+    for _ in range(steps):
+        inputs, targets = next(batches)
+        loss = loss_function(model_name)(model(inputs), targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_train_json_reports_every_key_and_the_unpipelined_losses(tmp_path: Path) -> None:
+    trace = tmp_path / "last-step.png"
+    result = run_cli(
+        "train", "--model", "mlp", "--stages", "2", "--steps", "3", "--microbatches", "2", "--json", "--trace", str(trace)
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    keys = {"losses", "final_loss", "step_s", "samples_per_s", "bubble_fraction", "predicted_step_s",
+            "model", "schedule", "stages", "microbatches", "batch_size"}
+    assert keys <= set(report)
+    assert len(report["losses"]) == 3
+    assert all(math.isfinite(report[k]) for k in ("final_loss", "step_s", "samples_per_s", "bubble_fraction", "predicted_step_s"))
+    assert report["final_loss"] == report["losses"][-1]
+    assert report["samples_per_s"] == pytest.approx(report["batch_size"] / report["step_s"])
+    assert report["losses"] == pytest.approx(unpipelined_losses("mlp", 3, report["batch_size"]), rel=1e-4)
+    assert trace.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "step 3/3" in result.stderr  # progress, on stderr only
+
+
+def test_train_rejects_a_schedule_that_cannot_split_the_batch_before_starting_workers() -> None:
+    result = run_cli("train", "--model", "mlp", "--stages", "2", "--schedule", "interleaved", "--microbatches", "3")
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "multiple of stages" in result.stderr and "3" in result.stderr
+
+
+# measured costs and the prediction --------------------------------------------------------
+@pytest.mark.parametrize(("name", "costs"), [
+    ("1f1b", Costs(forward_s=[1.0, 2.0, 1.5], backward_s=[2.0, 3.0, 2.5], step_s=0.5)),
+    ("zb-h1", Costs(forward_s=[1.0, 2.0, 1.5], backward_s=1.0, weight_s=[0.5, 1.0, 0.5])),
+    ("gpipe", Costs(forward_s=1.0, backward_s=2.0)),
+])
+def test_measured_costs_recover_the_costs_a_timeline_was_made_with(name: str, costs: Costs) -> None:
+    from pipetrain.train_job import measured_costs
+
+    schedule = build(name, 3, 5)
+    original = simulate(schedule, costs)
+    recovered = measured_costs(original, schedule.stages)
+    assert simulate(schedule, recovered).makespan == pytest.approx(original.makespan)
+    assert recovered.forward_s == pytest.approx(costs.per_stage("forward_s", 3))
+    assert recovered.latency_s == 0.0
+
+
+def test_transfer_time_counts_only_what_follows_the_send() -> None:
+    from pipetrain.train_job import measured_costs, transfer_time
+
+    events = [
+        Event(0, "F", 0, 0, 0.0, 0.9),
+        Event(0, "SEND_F", 0, 0, 1.0, 1.1),
+        Event(1, "RECV_F", 1, 0, 0.5, 1.4),  # waited: 1.4 - 1.1 = 0.3
+        Event(0, "SEND_F", 0, 1, 2.0, 2.1),
+        Event(1, "RECV_F", 1, 1, 2.5, 2.6),  # data already there: its copy, 0.1
+        Event(1, "SEND_B", 1, 0, 3.0, 3.05),
+        Event(0, "RECV_B", 0, 0, 2.0, 3.25),  # waited: 0.2
+    ]
+    timeline = Timeline(events, 2)
+    assert transfer_time(timeline) == pytest.approx(0.2)
+    costs = measured_costs(timeline, 2)
+    assert costs.forward_s == pytest.approx([0.9 + 0.1, 0.0])  # the send's packing joins the forward
+    assert costs.backward_s == pytest.approx([0.0, 0.05])
+
+
+def test_progress_prints_about_every_tenth_step_when_not_on_a_terminal() -> None:
+    from pipetrain.train_job import Progress
+
+    stream = io.StringIO()
+    progress = Progress(steps=25, batch_size=8, stream=stream)
+    for step in range(1, 26):
+        progress.update(step, 1.0 / step)
+    lines = stream.getvalue().splitlines()
+    assert [line.split()[1] for line in lines] == [f"{s}/25" for s in (2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 25)]
+    assert "\r" not in stream.getvalue()
+
+
+def test_train_report_writes_measured_chrome_trace(tmp_path: Path) -> None:
+    from pipetrain.train_job import TrainConfig, TrainReport
+
+    config = TrainConfig(model="mlp", stages=2, microbatches=2, steps=4, batch_size=8, lr=1e-3)
+    measured = simulate(build("1f1b", 2, 2), Costs(forward_s=[1.0, 1.5], backward_s=2.0))
+    result = {"losses": [4.0, 3.0, 2.0, 1.0], "step_times_s": [9.0, 8.0, 2.0, 4.0], "timeline": measured.to_dict()}
+    report = TrainReport.build(config, result)
+    assert report.step_s == 3.0  # median of the steps after the 2 warm-up steps
+    assert report.to_json()["predicted_step_s"] == pytest.approx(measured.makespan)
+    report.write_trace(str(tmp_path / "t.json"))
+    events = [e for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    assert len(events) == len(measured.events)
+    assert "4.0000 -> 1.0000" in report.summary()

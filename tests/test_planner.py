@@ -1,0 +1,253 @@
+"""The planner picks the fastest configuration that fits, with hand-checkable predictions."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from planning_cases import VGG16_CONVOLUTIONS, resnet_like_profile, vgg16_profile
+
+from pipetrain.plan import Plan, PlanStage, StageFootprint, plan, worker_memory
+from pipetrain.plan.memory import in_flight
+from pipetrain.profiler import LayerCost, Profile
+from pipetrain.schedules import build
+from pipetrain.simulate import Costs, simulate
+
+
+def uniform(layers: int, forward: float = 1.0, backward: float = 2.0, **sizes: float) -> Profile:
+    """``layers`` identical layers."""
+    return Profile([LayerCost(forward_s=forward, backward_s=backward, **sizes) for _ in range(layers)])
+
+
+# ---- memory model -------------------------------------------------------------------------
+
+TWO_LAYERS = Profile(
+    [
+        LayerCost(1.0, 2.0, activation_bytes=10, parameter_bytes=100, optimizer_bytes=200),
+        LayerCost(1.0, 2.0, activation_bytes=20, parameter_bytes=50, optimizer_bytes=100),
+    ],
+    input_bytes=5,
+)
+FIRST = StageFootprint.of(TWO_LAYERS, 0, 1)
+SECOND = StageFootprint.of(TWO_LAYERS, 1, 2)
+
+
+def test_footprint_holds_the_stage_input_and_every_output() -> None:
+    assert FIRST == StageFootprint(parameter_bytes=100, optimizer_bytes=200, activation_bytes=15, input_bytes=5)
+    assert SECOND == StageFootprint(parameter_bytes=50, optimizer_bytes=100, activation_bytes=30, input_bytes=10)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "stage", "microbatches", "replicas", "recompute", "expected"),
+    [
+        # weights + gradients + optimizer = 400 (stage 0) or 200 (stage 1), then activations
+        ("gpipe", 0, 4, [1, 1], False, 400 + 4 * 15),
+        ("gpipe", 0, 4, [1, 1], True, 400 + 4 * 5 + 15),
+        ("1f1b", 0, 4, [1, 1], False, 400 + 2 * 15),
+        ("1f1b", 1, 4, [1, 1], False, 200 + 1 * 30),
+        ("zb-h1", 0, 4, [1, 1], True, 400 + 2 * 5 + 15),
+        ("pipedream", 0, 4, [1, 1], False, 2 * 100 + 100 + 200 + 2 * 15),
+        ("2bw", 1, 4, [1, 1], False, 2 * 50 + 50 + 100 + 30),
+        ("gpipe", 0, 4, [2, 1], False, 400 + 2 * 15),
+        ("1f1b", 0, 8, [2, 1], False, 400 + 2 * 15),
+        ("1f1b", 0, 1, [1, 1], False, 400 + 15),
+    ],
+)
+def test_worker_memory_by_hand(
+    schedule: str, stage: int, microbatches: int, replicas: list[int], recompute: bool, expected: float
+) -> None:
+    footprint = [FIRST, SECOND][stage]
+    assert worker_memory([footprint], [recompute], schedule, stage, microbatches, replicas) == expected
+
+
+def test_interleaved_memory_by_hand() -> None:
+    # Rank 0 of 2 holds two chunks; Megatron's warm-up keeps (2-0-1)*2 + (2-1)*2 + 1 = 5 chunk micro-batches.
+    both = [FIRST, SECOND]
+    assert worker_memory(both, [False, False], "interleaved", 0, 4, [1, 1]) == 600 + 5 * (15 + 30) / 2
+    assert worker_memory(both, [True, False], "interleaved", 0, 4, [1, 1]) == 600 + 5 * (5 + 30) / 2 + 15
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(["gpipe", "1f1b", "zb-h1", "interleaved", "pipedream"]),
+    stages=st.integers(1, 5),
+    groups=st.integers(1, 4),
+)
+def test_in_flight_counts_match_the_simulated_peaks(name: str, stages: int, groups: int) -> None:
+    microbatches = stages * groups
+    virtual = 2 if name == "interleaved" else 1
+    timeline = simulate(build(name, stages, microbatches), Costs(1.0, 1.0, weight_s=1.0))
+    expected = [in_flight(name, rank, microbatches, [1] * stages, virtual) for rank in range(stages)]
+    assert timeline.peak_activations == expected
+
+
+@settings(max_examples=30, deadline=None)
+@given(replicas=st.lists(st.integers(1, 3), min_size=1, max_size=3), microbatches=st.integers(1, 9))
+def test_replicated_in_flight_counts_match_the_simulated_peaks(replicas: list[int], microbatches: int) -> None:
+    for name in ("gpipe", "1f1b"):
+        peaks = simulate(build(name, len(replicas), microbatches, replicas=replicas), Costs(1.0, 1.0)).peak_activations
+        first = 0
+        for stage, count in enumerate(replicas):
+            assert max(peaks[first : first + count]) == in_flight(name, stage, microbatches, replicas)
+            first += count
+
+
+# ---- choosing a plan ----------------------------------------------------------------------
+
+
+def test_straight_1f1b_step_time_is_the_textbook_formula() -> None:
+    chosen = plan(uniform(4), workers=4, schedules=("1f1b",), microbatches=(8,), replication=False)
+    assert chosen.balance == [1, 1, 1, 1] and chosen.replicas == [1, 1, 1, 1]
+    assert chosen.predicted_step_s == pytest.approx(3 * (8 + 4 - 1))
+    assert chosen.predicted_throughput == pytest.approx(8 / 33)
+
+
+def test_zero_bubble_wins_when_the_weight_gradient_can_be_deferred() -> None:
+    profile = Profile([LayerCost(forward_s=1.0, backward_s=2.0, weight_backward_s=1.0) for _ in range(4)])
+    chosen = plan(profile, workers=4, microbatches=(8,), replication=False)
+    assert chosen.schedule == "zb-h1"
+    assert chosen.predicted_step_s == pytest.approx(3 * 8 + 4 - 1)
+
+
+def test_interleaving_wins_with_few_microbatches() -> None:
+    chosen = plan(uniform(8), workers=4, schedules=("1f1b", "interleaved"), microbatches=(4,), replication=False)
+    assert (chosen.schedule, chosen.virtual, chosen.workers) == ("interleaved", 2, 4)
+    assert chosen.balance == [1] * 8
+    # bubble (p - 1) / (v·m + p - 1) with chunks of F = 1, B = 2
+    assert chosen.predicted_step_s == pytest.approx(3 * (2 * 4 + 4 - 1))
+
+
+def test_vgg16_on_4x4_gpus_plans_15_1() -> None:
+    """PipeDream's VGG-16 result: convolutions on 15 GPUs, the classifier on one."""
+    profile = vgg16_profile()
+    chosen = plan(profile, topology="4x16GB/s,4x10Gbit/s", batch_size=1024)
+    assert chosen.balance == [VGG16_CONVOLUTIONS, 3]
+    assert chosen.replicas == [15, 1]
+    weights = sum(layer.parameter_bytes for layer in profile.layers)
+    compute = sum(layer.compute_s for layer in profile.layers) * 1024 / 64 / 16
+    data_parallel_step = compute + 2 * 15 / 16 * weights / 1.25e9
+    assert chosen.predicted_throughput > 2 * 1024 / data_parallel_step
+
+
+def test_small_weights_on_one_fast_level_give_data_parallelism() -> None:
+    chosen = plan(resnet_like_profile(), topology="8x300GB/s")
+    assert chosen.balance == [50] and chosen.replicas == [8]
+
+
+def test_predicted_step_is_the_simulated_makespan() -> None:
+    profile = uniform(6, activation_bytes=1e6, parameter_bytes=1e6)
+    chosen = plan(profile, topology="2x1GB/s,2x0.1GB/s", schedules=("gpipe",), microbatches=(4,), replication=False)
+    assert chosen.balance == [2, 2, 1, 1]  # the least bottleneck, earlier stages fuller
+    layer = profile.layers[0]
+    bounds = [(s.start, s.stop) for s in chosen.stages]
+    costs = Costs(
+        forward_s=[layer.forward_s * (stop - start) for start, stop in bounds],
+        backward_s=[layer.backward_s / 2 * (stop - start) for start, stop in bounds],
+        weight_s=[layer.backward_s / 2 * (stop - start) for start, stop in bounds],
+        activation_bytes=1e6,
+        bandwidth=[1e9, 1e8, 1e9],
+    )
+    makespan = simulate(build("gpipe", 4, 4), costs).makespan
+    assert chosen.predicted_step_s == pytest.approx(makespan)
+
+
+# ---- memory limits ------------------------------------------------------------------------
+
+
+def heavy_activations() -> Profile:
+    return uniform(8, activation_bytes=1e9, parameter_bytes=1e8, optimizer_bytes=2e8)
+
+
+def test_recomputation_is_chosen_when_only_it_fits() -> None:
+    free = plan(heavy_activations(), workers=4, schedules=("gpipe",), microbatches=(8,), replication=False)
+    assert free.checkpoint == "never"
+    limit = max(free.stage_memory_bytes) / 2
+    tight = plan(heavy_activations(), workers=4, schedules=("gpipe",), microbatches=(8,), replication=False, memory_limit=limit)
+    assert tight.checkpoint in ("except_last", "always")
+    assert max(tight.stage_memory_bytes) <= limit
+    assert tight.predicted_step_s > free.predicted_step_s
+
+
+@pytest.mark.parametrize("limit", [3e9, 6e9, 12e9, 40e9])
+def test_the_chosen_plan_fits(limit: float) -> None:
+    try:
+        chosen = plan(heavy_activations(), workers=4, memory_limit=limit)
+    except ValueError as error:
+        assert "smallest needs" in str(error)
+    else:
+        assert max(chosen.stage_memory_bytes) <= limit
+
+
+def test_an_infeasible_limit_names_the_smallest_fit_and_the_knobs() -> None:
+    with pytest.raises(ValueError) as error:
+        plan(heavy_activations(), workers=4, memory_limit=1e6)
+    message = str(error.value)
+    for knob in ("recomputation", "micro-batches", "workers"):
+        assert knob in message
+    needed = int(re.search(r"smallest needs (\d+) bytes", message).group(1))
+    assert needed > 1e6
+    just_enough = plan(heavy_activations(), workers=4, memory_limit=needed)
+    assert max(just_enough.stage_memory_bytes) <= needed
+    with pytest.raises(ValueError, match="smallest needs"):
+        plan(heavy_activations(), workers=4, memory_limit=needed * (1 - 1e-6))
+
+
+# ---- options and errors -------------------------------------------------------------------
+
+
+def test_batch_size_sets_the_microbatch_size() -> None:
+    profile = Profile([LayerCost(1.0, 2.0, activation_bytes=8.0) for _ in range(4)], microbatch_size=8)
+    chosen = plan(profile, workers=2, batch_size=64, microbatches=(1, 2, 4, 8, 3))
+    assert chosen.microbatch_size * chosen.microbatches == 64 == chosen.batch_size
+    with pytest.raises(ValueError, match="divides batch_size=64"):
+        plan(profile, workers=2, batch_size=64, microbatches=(3, 5))
+
+
+def test_replication_false_gives_one_worker_per_stage() -> None:
+    chosen = plan(resnet_like_profile(), topology="8x300GB/s", replication=False, schedules=("1f1b",))
+    assert chosen.replicas == [1] * 8 and len(chosen.stages) == 8
+    with pytest.raises(ValueError, match="at least one layer per worker"):
+        plan(uniform(3), workers=4, replication=False)
+
+
+def test_argument_errors() -> None:
+    with pytest.raises(ValueError, match="schedules"):
+        plan(uniform(2), workers=2, schedules=("fast",))
+    with pytest.raises(ValueError, match="memory_limit"):
+        plan(uniform(2), workers=2, memory_limit=0)
+    with pytest.raises(ValueError, match="microbatches"):
+        plan(uniform(2), workers=2, microbatches=(0,))
+    with pytest.raises(TypeError, match="Profile"):
+        plan([1, 2], workers=2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="does not match"):
+        plan(uniform(2), workers=3, topology="2x1GB/s")
+
+
+def test_plan_json_round_trip_and_description(tmp_path) -> None:
+    chosen = plan(vgg16_profile(), topology="4x16GB/s,4x10Gbit/s", batch_size=1024)
+    path = tmp_path / "plan.json"
+    chosen.save(path)
+    assert Plan.load(path) == chosen
+    text = chosen.describe()
+    assert chosen.schedule in text and "0..12" in text and "samples/s" in text
+    data = chosen.to_dict()
+    data["format_version"] = 99
+    with pytest.raises(ValueError, match="format_version 99"):
+        Plan.from_dict(data)
+
+
+def test_plan_stage_accessors() -> None:
+    manual = Plan(
+        stages=[PlanStage(0, 3, 2), PlanStage(3, 4, 1)],
+        schedule="1f1b",
+        microbatches=4,
+        checkpoint="never",
+        predicted_step_s=1.0,
+        predicted_throughput=4.0,
+        stage_memory_bytes=[1.0, 1.0],
+        workers=3,
+        microbatch_size=1,
+    )
+    assert manual.balance == [3, 1] and manual.replicas == [2, 1] and manual.batch_size == 4

@@ -1,0 +1,192 @@
+"""Profiles validate, round-trip through JSON and rescale; profile() measures without side effects."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from pipetrain.profiler import LayerCost, Profile, profile
+
+# ---- the Profile type ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field", ["forward_s", "backward_s", "activation_bytes", "parameter_bytes", "optimizer_bytes", "peak_memory_bytes"]
+)
+def test_negative_values_name_the_layer_and_field(field: str) -> None:
+    bad = LayerCost(forward_s=1.0, backward_s=1.0, name="head")
+    setattr(bad, field, -1.0)
+    with pytest.raises(ValueError, match=rf"layer 1 \(head\): {field} = -1.0 is negative"):
+        Profile([LayerCost(1.0, 1.0), bad])
+
+
+def test_other_invalid_profiles() -> None:
+    with pytest.raises(ValueError, match="non-empty list"):
+        Profile([])
+    with pytest.raises(ValueError, match="layer 0: forward_s = nan"):
+        Profile([LayerCost(float("nan"), 1.0)])
+    with pytest.raises(ValueError, match="weight_backward_s = 3.0 exceeds backward_s"):
+        Profile([LayerCost(1.0, 2.0, weight_backward_s=3.0)])
+    with pytest.raises(ValueError, match="microbatch_size"):
+        Profile([LayerCost(1.0, 2.0)], microbatch_size=0)
+    with pytest.raises(TypeError, match="LayerCost"):
+        Profile([(1.0, 2.0)])  # type: ignore[list-item]
+
+
+def sample_profile() -> Profile:
+    return Profile(
+        [
+            LayerCost(0.5, 1.0, 400.0, 1000.0, 0.25, 2000.0, 1500.0, "embed"),
+            LayerCost(1.5, 3.0, 800.0, 0.0, None, 0.0, 800.0, "act"),
+        ],
+        microbatch_size=4,
+        input_bytes=64.0,
+    )
+
+
+def test_json_round_trip(tmp_path) -> None:
+    path = tmp_path / "profile.json"
+    original = sample_profile()
+    original.save(path)
+    assert json.loads(path.read_text())["format_version"] == 1
+    assert Profile.load(path) == original
+
+
+def test_unknown_format_versions_are_rejected(tmp_path) -> None:
+    data = sample_profile().to_dict()
+    for version in (None, 0, 2, "1"):
+        data["format_version"] = version
+        with pytest.raises(ValueError, match=f"format_version {version!r} is not supported"):
+            Profile.from_dict(data)
+    data["format_version"] = 1
+    data["layers"][0]["colour"] = "red"
+    with pytest.raises(ValueError, match="unknown fields"):
+        Profile.from_dict(data)
+
+
+def test_scaled_by_hand() -> None:
+    double = sample_profile().scaled(8)
+    assert double.microbatch_size == 8 and double.input_bytes == 128.0
+    first, second = double.layers
+    assert (first.forward_s, first.backward_s, first.weight_backward_s) == (1.0, 2.0, 0.5)
+    assert (first.activation_bytes, first.parameter_bytes, first.optimizer_bytes) == (800.0, 1000.0, 2000.0)
+    assert first.peak_memory_bytes == 1000.0 + 2 * 500.0
+    assert second.weight_backward_s is None and second.peak_memory_bytes == 1600.0
+    assert sample_profile().scaled(4) == sample_profile()
+
+
+def test_weight_share_defaults_to_half_the_backward() -> None:
+    assert LayerCost(1.0, 3.0).weight_share_s == 1.5
+    assert LayerCost(1.0, 3.0, weight_backward_s=1.0).weight_share_s == 1.0
+
+
+# ---- measuring ----------------------------------------------------------------------------
+
+
+def model_with_batchnorm() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.5), nn.Linear(8, 3))
+
+
+def snapshot(model: nn.Module) -> dict[str, object]:
+    return {
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "grads": {k: None if p.grad is None else p.grad.clone() for k, p in model.named_parameters()},
+        "modes": [m.training for m in model.modules()],
+        "devices": {p.device for p in model.parameters()},
+        "identity": [id(p) for p in model.parameters()],
+    }
+
+
+def assert_same(before: dict, after: dict) -> None:
+    assert before["modes"] == after["modes"]
+    assert before["devices"] == after["devices"]
+    assert before["identity"] == after["identity"]
+    assert before["state"].keys() == after["state"].keys()
+    for key, value in before["state"].items():
+        assert torch.equal(value, after["state"][key]), key
+    for key, grad in before["grads"].items():
+        if grad is None:
+            assert after["grads"][key] is None, key
+        else:
+            assert torch.equal(grad, after["grads"][key]), key
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_profile_leaves_the_model_unchanged(train: bool) -> None:
+    model = model_with_batchnorm().train(train)
+    model[0].weight.grad = torch.full_like(model[0].weight, 0.5)  # an existing gradient must survive
+    inputs, targets = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    before = snapshot(model)
+    rng_before = torch.random.get_rng_state()
+    profile(model, inputs, targets, nn.CrossEntropyLoss(), repeats=2, warmup=1)
+    assert_same(before, snapshot(model))
+    assert torch.equal(rng_before, torch.random.get_rng_state())
+
+
+def test_profile_measures_a_small_sequential() -> None:
+    model = model_with_batchnorm()
+    result = profile(
+        model, torch.randn(16, 6), torch.randint(0, 3, (16,)), nn.CrossEntropyLoss(), microbatch_size=4, repeats=3
+    )
+    assert result.microbatch_size == 4
+    assert result.input_bytes == 4 * 6 * 4
+    assert [layer.name for layer in result.layers] == ["0", "1", "2", "3", "4"]
+    assert [layer.parameter_bytes for layer in result.layers] == [4 * (6 * 8 + 8), 4 * 16, 0, 0, 4 * (8 * 3 + 3)]
+    assert [layer.optimizer_bytes for layer in result.layers] == [2 * 4 * 56, 2 * 4 * 16, 0, 0, 2 * 4 * 27]
+    assert [layer.activation_bytes for layer in result.layers] == [4 * 4 * 8] * 4 + [4 * 4 * 3]
+    for layer in result.layers:
+        assert layer.forward_s > 0 and layer.backward_s > 0
+        assert 0 <= layer.weight_backward_s <= layer.backward_s
+        assert layer.peak_memory_bytes == layer.activation_bytes + layer.parameter_bytes
+    assert result.layers[2].weight_backward_s == 0.0  # ReLU has no weights
+
+
+class Split(nn.Module):
+    """Returns a tuple, which the next layer receives unpacked."""
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return x[:, :2], x[:, 2:]
+
+
+class Join(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, left: Tensor, right: Tensor) -> Tensor:
+        return self.scale * torch.cat([left, right], dim=1)
+
+
+def test_tuple_outputs_and_integer_inputs() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), Split(), Join(), nn.Linear(12, 2))
+    tokens = torch.randint(0, 10, (5, 3))
+    result = profile(model, tokens, torch.randn(5, 2), nn.MSELoss(), repeats=1, warmup=0)
+    embedding, _, split, join, _ = result.layers
+    assert embedding.weight_backward_s == embedding.backward_s  # token ids carry no gradient
+    assert split.activation_bytes == 4 * 5 * 12
+    assert join.parameter_bytes == 4
+    assert result.input_bytes == 8 * 5 * 3
+
+
+def test_argument_errors() -> None:
+    model = model_with_batchnorm()
+    inputs, targets, loss = torch.randn(4, 6), torch.randint(0, 3, (4,)), nn.CrossEntropyLoss()
+    with pytest.raises(ValueError, match="microbatch_size 5"):
+        profile(model, inputs, targets, loss, microbatch_size=5)
+    with pytest.raises(ValueError, match="repeats"):
+        profile(model, inputs, targets, loss, repeats=0)
+    with pytest.raises(ValueError, match="warmup"):
+        profile(model, inputs, targets, loss, warmup=-1)
+    with pytest.raises(TypeError, match="cannot split"):
+        profile(nn.Linear(6, 3), inputs, targets, loss)
+
+
+def test_in_place_layers_can_be_profiled() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 2), nn.ReLU(inplace=True))
+    result = profile(model, torch.randn(8, 4), torch.randn(8, 2), nn.MSELoss(), repeats=1, warmup=0)
+    assert all(layer.backward_s > 0 for layer in result.layers)
