@@ -165,3 +165,14 @@ def failing_step_messages(ranks: int) -> str:
     except pipetrain.PipelineError as error:
         return str(error)
     return "no error"
+
+
+def replicated_runs(configs: list[dict]) -> list[tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+    """One SGD step per config: (loss, gradients, weights after the step) on this rank."""
+    results = []
+    for config in configs:
+        pipe = pipetrain.Pipeline(mlp(), loss_fn=nn.functional.cross_entropy,
+                                  optimizer=lambda params: torch.optim.SGD(params, lr=0.1), **config)
+        loss = pipe.train_step(*batch())
+        results.append((loss, grads(pipe), {k: v.clone() for k, v in pipe.state_dict().items()}))
+    return results

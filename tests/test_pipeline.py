@@ -143,3 +143,32 @@ def test_other_ranks_name_the_rank_where_the_failure_began() -> None:
 def test_a_non_tensor_output_names_the_layer() -> None:
     with pytest.raises(pipetrain.LaunchError, match="layer '1'.*str"):
         pipetrain.launch(cases.failing_step, 2, "not-a-tensor", 2, timeout_s=60)
+
+
+REPLICATED_CONFIGS = [
+    {"schedule": schedule, "balance": balance, "replicas": replicas, "microbatches": m, "checkpoint": checkpoint}
+    for schedule, (balance, replicas), m, checkpoint in itertools.product(
+        ["gpipe", "1f1b"], [([2, 3], [2, 1]), ([4, 1], [1, 2]), ([5], [3])], [3, 4], ["never", "always"]
+    )
+]
+
+
+def test_replicated_stages_match_the_unpipelined_model_and_stay_identical() -> None:
+    results = pipetrain.launch(cases.replicated_runs, 3, REPLICATED_CONFIGS, timeout_s=60)
+    for index, config in enumerate(REPLICATED_CONFIGS):
+        expected_loss, expected_grads = reference()
+        model = cases.mlp()
+        stepped = {name: p.detach() - 0.1 * expected_grads[name] for name, p in model.named_parameters()}
+        for rank in range(3):
+            loss, grads, weights = results[rank][index]
+            assert loss == pytest.approx(expected_loss, rel=1e-5), config
+            for name, grad in grads.items():
+                torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-6, msg=f"{config}: {name}")
+                torch.testing.assert_close(weights[name], stepped[name], rtol=1e-5, atol=1e-6)
+        # replicas of a stage hold bit-identical weights after the step
+        for stage_ranks in pipetrain.schedules.build(config["schedule"], len(config["balance"]), config["microbatches"],
+                                                     replicas=config["replicas"]).stage_ranks:
+            first = results[stage_ranks[0]][index][2]
+            for other in stage_ranks[1:]:
+                for name, value in results[other][index][2].items():
+                    assert torch.equal(value, first[name]), f"{config}: replica {other} differs on {name}"

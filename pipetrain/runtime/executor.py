@@ -66,8 +66,10 @@ class Executor:
         checkpoint: str,
         recorder: Recorder,
         step: Callable[[int], None],
+        allreduce: Callable[[int], None],
     ) -> None:
-        """Prepare to run; ``step(stage)`` applies the optimizer to one stage's weights."""
+        """Prepare to run; ``step(stage)`` applies the optimizer to one stage's weights and
+        ``allreduce(stage)`` sums a replicated stage's gradients over its replicas."""
         self.schedule, self.rank, self.modules = schedule, rank, modules
         self.transport, self.loss_fn, self.checkpoint = transport, loss_fn, checkpoint
         self.recorder, self.step = recorder, step
@@ -81,6 +83,7 @@ class Executor:
             Kind.RECV_F: self._receive_activation,
             Kind.RECV_B: self._receive_gradient,
             Kind.STEP: lambda action: self.step(action.stage),
+            Kind.ALLREDUCE: lambda action: allreduce(action.stage),
         }
 
     def run(self, inputs: Sequence[Tensors] | None, targets: Sequence[torch.Tensor] | None, scales: Sequence[float] | None) -> torch.Tensor | None:

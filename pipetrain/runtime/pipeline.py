@@ -69,6 +69,7 @@ class Pipeline:
         optimizer: OptimizerArg = None,
         *,
         plan=None,
+        replicas: Sequence[int] | None = None,
         virtual: int = 2,
         device: torch.device | str | None = None,
         group: dist.ProcessGroup | None = None,
@@ -86,11 +87,7 @@ class Pipeline:
         if plan is not None:
             if balance is not None:
                 raise ValueError("give either balance or plan, not both")
-            if any(stage.replicas > 1 for stage in plan.stages):
-                raise NotImplementedError(
-                    f"plan replicates stages {plan.replicas}; replicated stages are not supported by Pipeline yet, "
-                    "plan with replication=False"
-                )
+            replicas = plan.replicas if any(r > 1 for r in plan.replicas) else None
             balance, schedule, microbatches, checkpoint = plan.balance, plan.schedule, plan.microbatches, plan.checkpoint
             virtual = max(plan.virtual, 2) if schedule == "interleaved" else virtual
         if schedule not in SYNCHRONOUS:
@@ -105,13 +102,25 @@ class Pipeline:
             balance = _even_balance(len(layers), world * stages_per_rank)
         self.balance = check_balance(balance, len(layers))
         options = {"virtual": virtual} if schedule == "interleaved" else {}
-        ranks = len(self.balance) // stages_per_rank
-        if len(self.balance) != ranks * stages_per_rank or ranks != world:
+        if replicas is not None:
+            replicas = list(replicas)
+            if len(replicas) != len(self.balance) or sum(replicas) != world:
+                raise ValueError(
+                    f"replicas {replicas} must give one count per stage ({len(self.balance)}) and add up to the "
+                    f"{world} ranks of the process group"
+                )
+            options["replicas"] = replicas
+        elif len(self.balance) != world * stages_per_rank:
             raise ValueError(
                 f"balance {self.balance} has {len(self.balance)} stages, but {schedule} on {world} ranks needs "
                 f"{world * stages_per_rank}; give one entry per stage"
             )
-        self.schedule: Schedule = build(schedule, world, microbatches, **options)
+        self.schedule: Schedule = build(schedule, len(self.balance) // stages_per_rank, microbatches, **options)
+        # every rank creates every replica group, in the same order, as torch.distributed requires
+        self._replica_groups = {
+            stage: dist.new_group([self._global_rank(r) for r in ranks])
+            for stage, ranks in enumerate(self.schedule.stage_ranks) if len(ranks) > 1
+        }
         self.microbatches = microbatches
         self.device = torch.device(device) if device is not None else default_device(group)
         bounds = stage_bounds(self.balance)
@@ -123,8 +132,12 @@ class Pipeline:
         self.recorder = Recorder(self.rank, self.device, enabled=record)
         self._steps_taken = 0
         self._executor = Executor(
-            self.schedule, self.rank, dict(self.stages), self.transport, loss_fn, self.checkpoint, self.recorder, self._step
+            self.schedule, self.rank, dict(self.stages), self.transport, loss_fn, self.checkpoint, self.recorder,
+            self._step, self._allreduce,
         )
+
+    def _global_rank(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
     # parameters -----------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -155,6 +168,18 @@ class Pipeline:
         self._steps_taken += 1
         if self.optimizer is not None and self._steps_taken == len(self.stages):
             self.optimizer.step()
+
+    def _allreduce(self, stage: int) -> None:
+        """Sum a replicated stage's gradients over its replicas, as one flat buffer."""
+        parameters = [p for p in self.stages[stage].parameters() if p.requires_grad]
+        for parameter in parameters:
+            if parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
+        grads = [p.grad for p in parameters]
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self._replica_groups[stage])
+        for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            grad.copy_(reduced)
 
     def _holds(self, stage: int) -> bool:
         return stage in self.stages
