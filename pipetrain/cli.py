@@ -12,28 +12,19 @@ import json
 import math
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
-from typing import NoReturn
+from typing import Any, NoReturn
 
-from pipetrain.schedules import SCHEDULE_NAMES, SYNCHRONOUS, Schedule, ScheduleError, build
-from pipetrain.simulate import Costs, simulate
+from pipetrain.schedules import SCHEDULE_NAMES, SYNCHRONOUS, Schedule, ScheduleError
+from pipetrain.simulate_job import COST_FIELDS, run_simulation
 from pipetrain.trace import Timeline, format_seconds
 
 USAGE_ERROR = 2
 RUN_FAILED = 1
-COST_FIELDS = tuple(f.name for f in fields(Costs))
-# time fields that, for interleaved, are given per rank and shared among its model chunks
-PER_RANK_TIME_FIELDS = ("forward_s", "backward_s", "weight_s", "step_s")
+INTERRUPTED = 130
 # copies of pipetrain.models.MODEL_NAMES and runtime CHECKPOINT_MODES (tests keep them equal):
 # importing those modules loads torch, which `pipetrain simulate` does not need
 MODEL_NAMES = ("mlp", "cnn", "gpt", "uneven-mlp")
 CHECKPOINT_MODES = ("never", "except_last", "always")
-DEFAULT_COSTS = {"forward_s": 1.0, "backward_s": 2.0}
-ZERO_BUBBLE_DEFAULT_COSTS = {"forward_s": 1.0, "backward_s": 1.0, "weight_s": 1.0}
-
-
-class UsageError(ValueError):
-    """A bad command-line value found after parsing (file contents, combinations)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -90,9 +81,9 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:
         help="play a schedule against per-stage costs and report makespan and bubble",
         description=(
             "Simulate one step of a schedule. Costs are seconds per micro-batch and stage "
-            "(for interleaved: per rank, shared equally by its chunks). Default: forward 1, "
-            "backward 2; for zb-h1 without given costs forward = backward = weight = 1, as "
-            "in the zero-bubble paper."
+            "(for interleaved: per rank, shared equally by its chunks). Defaults: forward 1, "
+            "backward 2, weight 0; for zb-h1 forward = backward = weight = 1, as in the "
+            "zero-bubble paper. Flags override a costs file."
         ),
     )
     parser.add_argument("--schedule", required=True, choices=SCHEDULE_NAMES, metavar="NAME",
@@ -113,143 +104,15 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
-def read_costs_file(path: str) -> dict[str, object]:
-    """The Costs fields in the JSON file at ``path``, checked for names."""
-    try:
-        with open(path, encoding="utf-8") as file:
-            values = json.load(file)
-    except (OSError, UnicodeDecodeError) as error:
-        raise UsageError(f"cannot read costs file {path!r}: {error.strerror if isinstance(error, OSError) else error}") from None
-    except json.JSONDecodeError as error:
-        raise UsageError(f"costs file {path!r} is not valid JSON: {error}") from None
-    if not isinstance(values, dict):
-        raise UsageError(f"costs file {path!r} must hold a JSON object such as {{\"forward_s\": 1.0}}")
-    unknown = sorted(set(values) - set(COST_FIELDS))
-    if unknown:
-        raise UsageError(f"costs file {path!r} has unknown field(s) {unknown}; allowed: {', '.join(COST_FIELDS)}")
-    for name, value in values.items():
-        per_stage = name != "latency_s" and isinstance(value, list) and value and all(map(_is_number, value))
-        if not (_is_number(value) or per_stage):
-            expected = "a number" if name == "latency_s" else "a number or a list of numbers (one per stage)"
-            raise UsageError(f"costs file {path!r}: {name} is {value!r}; give {expected}")
-    return values
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def cost_fields(args: argparse.Namespace) -> dict[str, object]:
-    """The cost values asked for: defaults, then the costs file, then the flags."""
-    given = read_costs_file(args.costs) if args.costs else {}
-    flags = {"forward_s": args.forward, "backward_s": args.backward, "weight_s": args.weight}
-    given.update({name: value for name, value in flags.items() if value is not None})
-    compute_given = any(name in given for name in ZERO_BUBBLE_DEFAULT_COSTS)
-    defaults = ZERO_BUBBLE_DEFAULT_COSTS if args.schedule == "zb-h1" and not compute_given else DEFAULT_COSTS
-    return {**defaults, **given}
-
-
-def schedule_costs(schedule: Schedule, values: dict[str, object]) -> Costs:
-    """Costs for ``schedule`` from per-rank values: a rank's time is shared by the stages it holds.
-
-    A list with one value per model stage is taken as it is.
-    """
-    converted = dict(values)
-    for name in PER_RANK_TIME_FIELDS:
-        value = values.get(name)
-        if value is None or schedule.num_ranks == schedule.stages:
-            continue
-        if isinstance(value, (int, float)):
-            per_rank = [float(value)] * schedule.num_ranks
-        elif isinstance(value, list) and len(value) == schedule.num_ranks:
-            per_rank = value
-        else:
-            continue  # one value per model stage, or a length Costs will reject
-        converted[name] = [
-            per_rank[ranks[0]] / len(schedule.stages_of(ranks[0])) for ranks in schedule.stage_ranks
-        ]
-    try:
-        return Costs(**converted)
-    except TypeError as error:
-        raise UsageError(f"bad costs {values}: {error}") from None
-
-
-def textbook_bubble(schedule: Schedule, costs: Costs) -> tuple[str, float] | None:
-    """The closed-form bubble fraction for uniform costs without communication, if one applies."""
-    p, m = schedule.num_ranks, schedule.microbatches
-    stages = schedule.stages
-    forward, backward, weight = (costs.per_stage(f, stages) for f in ("forward_s", "backward_s", "weight_s"))
-    uniform = all(len(set(values)) == 1 for values in (forward, backward, weight))
-    no_transfers = costs.latency_s == 0 and all(
-        a == 0 or math.isinf(b)
-        for a, b in zip(costs.per_stage("activation_bytes", max(stages - 1, 1)), costs.per_stage("bandwidth", max(stages - 1, 1)))
-    )
-    no_steps = not any(costs.per_stage("step_s", stages))
-    if not (uniform and no_transfers and no_steps) or any(len(r) > 1 for r in schedule.stage_ranks):
-        return None
-    if schedule.name == "interleaved":
-        v = schedule.options["virtual"]
-        return "(p-1)/(v*m+p-1)", (p - 1) / (v * m + p - 1)
-    if schedule.name == "2bw":  # m micro-batches per update, r updates in the window
-        return "(p-1)/(r*m+p-1)", (p - 1) / (m + p - 1)
-    if schedule.name == "zb-h1":
-        f, b, w = forward[0], backward[0], weight[0]
-        if m < p or w > min(f, b):
-            return None
-        idle = (p - 1) * (f + b - w)
-        return "(p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W))", idle / (m * (f + b + w) + idle)
-    return "(p-1)/(m+p-1)", (p - 1) / (m + p - 1)
-
-
-@dataclass(frozen=True)
-class SimulateResult:
-    """What ``pipetrain simulate`` reports."""
-
-    schedule: Schedule
-    requested: dict[str, object]  # cost values as given: per stage, or per rank for interleaved
-    timeline: Timeline
-    textbook: tuple[str, float] | None
-
-    def to_json(self, args: argparse.Namespace) -> dict[str, object]:
-        """The JSON object printed by ``--json``."""
-        formula, value = self.textbook or (None, None)
-        return {
-            "schedule": args.schedule,
-            "stages": args.stages,
-            "microbatches": args.microbatches,
-            "model_stages": self.schedule.stages,
-            "makespan": self.timeline.makespan,
-            "bubble_fraction": self.timeline.bubble_fraction,
-            "peak_activations": self.timeline.peak_activations,
-            "textbook_formula": formula,
-            "textbook_bubble_fraction": value,
-            "costs": {name: _finite_or_none(value) for name, value in self.requested.items()},
-        }
-
-
-def _finite_or_none(value: object) -> object:
-    """JSON has no infinity: non-finite numbers become ``null``."""
-    if isinstance(value, list):
-        return [_finite_or_none(v) for v in value]
-    return value if not isinstance(value, float) or math.isfinite(value) else None
-
-
-def run_simulation(args: argparse.Namespace) -> SimulateResult:
-    """Build the schedule, simulate it on the requested costs, and compare with the textbook."""
-    options = {"virtual": args.virtual} if args.schedule == "interleaved" else {}
-    schedule = build(args.schedule, args.stages, args.microbatches, **options)
-    requested = cost_fields(args)
-    costs = schedule_costs(schedule, requested)
-    timeline = simulate(schedule, costs)
-    return SimulateResult(schedule, requested, timeline, textbook_bubble(schedule, costs))
-
-
 def _run_simulate(args: argparse.Namespace) -> None:
-    result = run_simulation(args)
+    result = run_simulation(
+        args.schedule, args.stages, args.microbatches, virtual=args.virtual, costs_file=args.costs,
+        forward_s=args.forward, backward_s=args.backward, weight_s=args.weight,
+    )
     if args.out:
         write_timeline(result.timeline, args.out, f"{args.schedule}, {args.stages} stages, {args.microbatches} micro-batches")
     if args.json:
-        print(json.dumps(result.to_json(args)))
+        print(json.dumps(result.to_json()))
         return
     timeline, schedule = result.timeline, result.schedule
     chunks = f" ({schedule.stages} model stages)" if schedule.stages != schedule.num_ranks else ""
@@ -267,7 +130,7 @@ def _run_simulate(args: argparse.Namespace) -> None:
         print(f"  timeline written  {args.out}")
 
 
-def _describe_costs(values: dict[str, object], schedule: Schedule) -> str:
+def _describe_costs(values: dict[str, Any], schedule: Schedule) -> str:
     labels = {"forward_s": "F", "backward_s": "B", "weight_s": "W", "step_s": "step", "allreduce_s": "all-reduce",
               "latency_s": "latency", "activation_bytes": "activation bytes", "bandwidth": "bandwidth"}
     parts = [f"{label} {values[name]:g}" if isinstance(values[name], (int, float)) else f"{label} {values[name]}"
@@ -309,8 +172,7 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
 
 
 def _balance(text: str) -> tuple[int, ...]:
-    counts = tuple(positive_int(part) for part in text.split(","))
-    return counts
+    return tuple(positive_int(part) for part in text.split(","))
 
 
 def _learning_rate(text: str) -> float:
@@ -372,5 +234,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return RUN_FAILED
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     return 0

@@ -298,7 +298,7 @@ class TrainReport:
         """Write the last step: a PNG of predicted above measured, or the measured Chrome trace."""
         name = self.config.schedule
         if path.lower().endswith(".png"):
-            titles = [f"{name} predicted (simulated on measured stage costs)", f"{name} measured (last step)"]
+            titles = [f"{name} predicted (measured costs)", f"{name} measured"]
             plot_timelines([self.predicted, self.measured], path, titles)
         else:
             self.measured.shifted().to_chrome_trace(path)

@@ -176,3 +176,13 @@ def replicated_runs(configs: list[dict]) -> list[tuple[float, dict[str, torch.Te
         loss = pipe.train_step(*batch())
         results.append((loss, grads(pipe), {k: v.clone() for k, v in pipe.state_dict().items()}))
     return results
+
+
+def asynchronous_runs(schedule: str, balance: list[int], microbatches: int, windows: int, options: dict) -> dict[str, torch.Tensor]:
+    """Train ``windows`` calls of an asynchronous schedule with SGD; return this rank's weights."""
+    pipe = pipetrain.Pipeline(mlp(), balance=balance, microbatches=microbatches, schedule=schedule,
+                              loss_fn=nn.functional.cross_entropy, optimizer=lambda params: torch.optim.SGD(params, lr=0.2),
+                              **options)
+    for window in range(windows):
+        pipe.train_step(*batch(seed=10 + window, size=pipe.microbatches * 2))
+    return {k: v.clone() for k, v in pipe.state_dict().items()}

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from pipetrain import cli
 from pipetrain.schedules import SCHEDULE_NAMES, build
 from pipetrain.simulate import Costs, simulate
+from pipetrain.simulate_job import textbook_bubble
 from pipetrain.trace import Event, Timeline
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,7 +100,7 @@ def test_textbook_formula_agrees_with_the_simulator_wherever_it_is_given(
     schedule = build(name, p, m, **options)
     forward, backward, weight = costs
     checked = Costs(forward_s=forward, backward_s=backward, weight_s=weight)
-    textbook = cli.textbook_bubble(schedule, checked)
+    textbook = textbook_bubble(schedule, checked)
     if textbook is not None:
         assert simulate(schedule, checked).bubble_fraction == pytest.approx(textbook[1])
     if name in ("gpipe", "1f1b", "interleaved"):
@@ -279,3 +280,19 @@ def test_train_report_writes_measured_chrome_trace(tmp_path: Path) -> None:
     events = [e for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e["ph"] == "X"]
     assert len(events) == len(measured.events)
     assert "4.0000 -> 1.0000" in report.summary()
+
+
+def test_interleaved_costs_per_rank_are_shared_by_its_chunks(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    costs_file = tmp_path / "costs.json"
+    costs_file.write_text(json.dumps({"forward_s": [1.0, 2.0], "backward_s": 4.0}))
+    result = simulate_json(capsys, "--schedule", "interleaved", "--stages", "2", "--microbatches", "4", "--costs", str(costs_file))
+    # model stages 0..3 sit on ranks 0, 1, 0, 1; each rank's time is split over its 2 chunks
+    by_model_stage = Costs(forward_s=[0.5, 1.0, 0.5, 1.0], backward_s=2.0)
+    expected = simulate(build("interleaved", 2, 4, virtual=2), by_model_stage)
+    assert result["makespan"] == pytest.approx(expected.makespan)
+
+
+def test_zero_bubble_fills_unspecified_costs_with_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    result = simulate_json(capsys, "--schedule", "zb-h1", "--stages", "3", "--microbatches", "6", "--forward", "2")
+    expected = simulate(build("zb-h1", 3, 6), Costs(forward_s=2.0, backward_s=1.0, weight_s=1.0))
+    assert result["makespan"] == pytest.approx(expected.makespan)

@@ -15,6 +15,7 @@ from torch import nn
 
 from pipetrain.runtime.checkpoint import RandomState, recompute, recomputes
 from pipetrain.runtime.recorder import Recorder
+from pipetrain.runtime.stash import WeightStash
 from pipetrain.runtime.transport import PeerError, Transport
 from pipetrain.schedules import Action, Kind, Schedule
 
@@ -37,6 +38,7 @@ class _Slot:
 
     inputs: Tensors
     outputs: Tensors | None  # None while checkpointed (recomputed at the backward)
+    version: int | None = None  # absolute weight version (asynchronous schedules)
     random_state: RandomState | None = None
     loss: torch.Tensor | None = None
     # set by a split backward for the weight-gradient pass
@@ -67,12 +69,15 @@ class Executor:
         recorder: Recorder,
         step: Callable[[int], None],
         allreduce: Callable[[int], None],
+        stashes: dict[int, WeightStash] | None = None,
     ) -> None:
         """Prepare to run; ``step(stage)`` applies the optimizer to one stage's weights and
-        ``allreduce(stage)`` sums a replicated stage's gradients over its replicas."""
+        ``allreduce(stage)`` sums a replicated stage's gradients over its replicas; ``stashes``
+        hold each stage's weight versions when the schedule is asynchronous."""
         self.schedule, self.rank, self.modules = schedule, rank, modules
         self.transport, self.loss_fn, self.checkpoint = transport, loss_fn, checkpoint
         self.recorder, self.step = recorder, step
+        self.stashes = stashes or {}
         self.last_stage = schedule.stages - 1
         self._handlers = {
             Kind.FORWARD: self._forward,
@@ -82,7 +87,7 @@ class Executor:
             Kind.SEND_B: self._send_gradient,
             Kind.RECV_F: self._receive_activation,
             Kind.RECV_B: self._receive_gradient,
-            Kind.STEP: lambda action: self.step(action.stage),
+            Kind.STEP: self._step,
             Kind.ALLREDUCE: lambda action: allreduce(action.stage),
         }
 
@@ -96,6 +101,7 @@ class Executor:
         self._input_grads: dict[tuple[int, int], Tensors] = {}  # gradients of (stage, mb)'s inputs
         self._loss: torch.Tensor | None = None
         self.outputs: dict[int, Tensors] = {}  # last stage's outputs by micro-batch, kept when there are no targets
+        self._prepare_versions()
         recorder = self.recorder
         for action in self.schedule.ranks[self.rank]:
             start = recorder.now() if recorder.enabled else 0.0
@@ -109,6 +115,39 @@ class Executor:
                 recorder.add(action.kind.value, action.stage, action.microbatch, start, recorder.now())
         return self._loss
 
+    # weight versions ------------------------------------------------------------------
+    def _prepare_versions(self) -> None:
+        """Schedule versions count from this window's start; note which each update must keep."""
+        self._stashing = self.schedule.asynchronous and bool(self.stashes)
+        if not self._stashing:
+            return
+        self._base = {stage: stash.newest for stage, stash in self.stashes.items()}
+        self._steps_done = dict.fromkeys(self.stashes, 0)
+        # needed[stage][j]: absolute versions used after the stage's j-th update in this window
+        self._needed: dict[int, list[set[int]]] = {stage: [] for stage in self.stashes}
+        for action in reversed(self.schedule.ranks[self.rank]):
+            needed = self._needed[action.stage]
+            if action.kind is Kind.STEP:
+                needed.insert(0, set(needed[0]) if needed else set())
+            elif action.version is not None and action.kind in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT):
+                if not needed:
+                    needed.insert(0, set())
+                needed[0].add(self._base[action.stage] + action.version)
+
+    def _step(self, action: Action) -> None:
+        stage = action.stage
+        if not self._stashing:
+            self.step(stage)
+            return
+        stash = self.stashes[stage]
+        stash.load_gradients()
+        self.step(stage)
+        stash.advance()
+        self._steps_done[stage] += 1
+        later = self._needed[stage]
+        index = self._steps_done[stage]
+        stash.keep_only(later[index] if index < len(later) else ())
+
     # forward --------------------------------------------------------------------------
     def _stage_inputs(self, stage: int, microbatch: int) -> Tensors:
         if stage == 0:
@@ -118,8 +157,11 @@ class Executor:
             return as_leaves(self._activations.pop(key))
         return as_leaves(self._received.pop((stage, microbatch)))
 
-    def _run_stage(self, stage: int, microbatch: int, inputs: Tensors) -> tuple[Tensors, torch.Tensor | None]:
-        outputs = as_tuple(self.modules[stage](*inputs))
+    def _run_stage(self, stage: int, microbatch: int, inputs: Tensors, version: int | None) -> tuple[Tensors, torch.Tensor | None]:
+        if version is None:
+            outputs = as_tuple(self.modules[stage](*inputs))
+        else:
+            outputs = as_tuple(self.stashes[stage].run(version, *inputs))
         if stage != self.last_stage or self._targets is None:
             return outputs, None
         output = outputs[0] if len(outputs) == 1 else outputs
@@ -129,14 +171,15 @@ class Executor:
     def _forward(self, action: Action) -> None:
         stage, mb = action.stage, action.microbatch
         inputs = self._stage_inputs(stage, mb)
+        version = self._base[stage] + action.version if self._stashing else None
         if recomputes(self.checkpoint, mb, self.schedule.microbatches):
             random_state = RandomState(inputs[0].device if inputs else torch.device("cpu"))
             with torch.no_grad():
-                outputs, loss = self._run_stage(stage, mb, inputs)
-            slot = _Slot(inputs, None, random_state)
+                outputs, loss = self._run_stage(stage, mb, inputs, version)
+            slot = _Slot(inputs, None, version, random_state)
         else:
-            outputs, loss = self._run_stage(stage, mb, inputs)
-            slot = _Slot(inputs, outputs, loss=loss)
+            outputs, loss = self._run_stage(stage, mb, inputs, version)
+            slot = _Slot(inputs, outputs, version, loss=loss)
         self._slots[(stage, mb)] = slot
         if loss is not None:
             self._loss = loss.detach() if self._loss is None else self._loss + loss.detach()
@@ -149,7 +192,9 @@ class Executor:
     def _differentiable(self, stage: int, microbatch: int, slot: _Slot) -> tuple[Tensors, Tensors]:
         """The tensors to differentiate and their incoming gradients."""
         if slot.outputs is None:
-            slot.outputs, slot.loss = recompute(lambda: self._run_stage(stage, microbatch, slot.inputs), slot.random_state)
+            slot.outputs, slot.loss = recompute(
+                lambda: self._run_stage(stage, microbatch, slot.inputs, slot.version), slot.random_state
+            )
         if stage == self.last_stage:
             return (slot.loss,), (torch.ones_like(slot.loss),)
         key = (stage + 1, microbatch)
@@ -181,7 +226,10 @@ class Executor:
 
     def _weight(self, action: Action) -> None:
         slot = self._slots.pop((action.stage, action.microbatch))
-        parameters = [p for p in self.modules[action.stage].parameters() if p.requires_grad]
+        if slot.version is None:
+            parameters = [p for p in self.modules[action.stage].parameters() if p.requires_grad]
+        else:
+            parameters = [p for p in self.stashes[action.stage].versions[slot.version].values() if p.requires_grad]
         if parameters and slot.differentiable:
             torch.autograd.backward(slot.differentiable, slot.output_grads, inputs=parameters)
 

@@ -15,8 +15,9 @@ from pipetrain.runtime.checkpoint import check_mode
 from pipetrain.runtime.executor import ActionFailed, Executor, Tensors
 from pipetrain.runtime.failure import explain_peer_failure, report_origin
 from pipetrain.runtime.recorder import Recorder
+from pipetrain.runtime.stash import WeightStash
 from pipetrain.runtime.transport import PeerError, Transport
-from pipetrain.schedules import SYNCHRONOUS, Kind, Schedule, build
+from pipetrain.schedules import SCHEDULE_NAMES, Kind, Schedule, build
 from pipetrain.trace import Timeline
 
 OptimizerArg = torch.optim.Optimizer | Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer] | None
@@ -71,6 +72,8 @@ class Pipeline:
         plan=None,
         replicas: Sequence[int] | None = None,
         virtual: int = 2,
+        vertical_sync: bool = False,
+        rounds: int = 2,
         device: torch.device | str | None = None,
         group: dist.ProcessGroup | None = None,
         timeout_s: float = 300.0,
@@ -90,8 +93,10 @@ class Pipeline:
             replicas = plan.replicas if any(r > 1 for r in plan.replicas) else None
             balance, schedule, microbatches, checkpoint = plan.balance, plan.schedule, plan.microbatches, plan.checkpoint
             virtual = max(plan.virtual, 2) if schedule == "interleaved" else virtual
-        if schedule not in SYNCHRONOUS:
-            raise ValueError(f"Pipeline runs the synchronous schedules {', '.join(SYNCHRONOUS)}; got {schedule!r}")
+        if schedule not in SCHEDULE_NAMES:
+            raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
+        if schedule in ("pipedream", "2bw") and optimizer is None:
+            raise ValueError(f"{schedule} updates the weights inside the step, so it needs an optimizer; pass optimizer=...")
         self.checkpoint = check_mode(checkpoint)
         self.group = group
         self.rank = dist.get_rank(group)
@@ -101,7 +106,7 @@ class Pipeline:
         if balance is None:
             balance = _even_balance(len(layers), world * stages_per_rank)
         self.balance = check_balance(balance, len(layers))
-        options = {"virtual": virtual} if schedule == "interleaved" else {}
+        options = {"interleaved": {"virtual": virtual}, "pipedream": {"vertical_sync": vertical_sync}, "2bw": {"rounds": rounds}}.get(schedule, {})
         if replicas is not None:
             replicas = list(replicas)
             if len(replicas) != len(self.balance) or sum(replicas) != world:
@@ -121,19 +126,25 @@ class Pipeline:
             stage: dist.new_group([self._global_rank(r) for r in ranks])
             for stage, ranks in enumerate(self.schedule.stage_ranks) if len(ranks) > 1
         }
-        self.microbatches = microbatches
+        self.microbatches = self.schedule.microbatches
+        # micro-batches whose gradients make one update: all (synchronous), one (pipedream), m (2bw)
+        self._per_update = {"pipedream": 1, "2bw": microbatches}.get(schedule, self.microbatches)
         self.device = torch.device(device) if device is not None else default_device(group)
         bounds = stage_bounds(self.balance)
         self.stages: dict[int, StageModule] = {
             stage: StageModule(layers[slice(*bounds[stage])]).to(self.device) for stage in self.schedule.stages_of(self.rank)
         }
-        self.optimizer = optimizer(self.parameters()) if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer) else optimizer
+        if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+            # a stage of parameter-free layers (activations, pooling) has nothing to optimize
+            optimizer = optimizer(self.parameters()) if any(True for _ in self.parameters()) else None
+        self.optimizer = optimizer
         self.transport = Transport(self.device, group, timeout_s)
         self.recorder = Recorder(self.rank, self.device, enabled=record)
         self._steps_taken = 0
+        stashes = {stage: WeightStash(module) for stage, module in self.stages.items()} if self.schedule.asynchronous else None
         self._executor = Executor(
             self.schedule, self.rank, dict(self.stages), self.transport, loss_fn, self.checkpoint, self.recorder,
-            self._step, self._allreduce,
+            self._step, self._allreduce, stashes,
         )
 
     def _global_rank(self, rank: int) -> int:
@@ -166,7 +177,8 @@ class Pipeline:
     # steps ----------------------------------------------------------------------------
     def _step(self, stage: int) -> None:
         self._steps_taken += 1
-        if self.optimizer is not None and self._steps_taken == len(self.stages):
+        # a synchronous step updates once all of this rank's stages are done; an asynchronous one at once
+        if self.optimizer is not None and (self.schedule.asynchronous or self._steps_taken == len(self.stages)):
             self.optimizer.step()
 
     def _allreduce(self, stage: int) -> None:
@@ -200,7 +212,10 @@ class Pipeline:
             if size < m:
                 raise ValueError(f"batch of {size} samples is smaller than microbatches={m}; use a larger batch or fewer micro-batches")
             micro_targets = [t.to(self.device) if isinstance(t, torch.Tensor) else tuple(x.to(self.device) for x in t) for t in _split(targets, m)]
-            scales = [_batch_size(t, "targets") / size for t in micro_targets]
+            sizes = [_batch_size(t, "targets") for t in micro_targets]
+            # each loss is weighted by its share of the samples of the update it belongs to
+            update_sizes = [sum(sizes[k - k % self._per_update:k - k % self._per_update + self._per_update]) for k in range(m)]
+            scales = [size_k / update_k for size_k, update_k in zip(sizes, update_sizes)]
         return micro_inputs, micro_targets, scales
 
     def _run(self, schedule: Schedule, micro_inputs, micro_targets, scales):
@@ -223,9 +238,13 @@ class Pipeline:
     def train_step(self, inputs=None, targets=None) -> float:
         """Run one mini-batch through the schedule and return its mean loss (same float on every rank).
 
-        Leaves each parameter's accumulated gradient in ``.grad`` as the unpipelined model
-        would get from ``loss_fn(model(inputs), targets)``, and steps the optimizer if one
-        was given. Only the first stage's rank reads ``inputs``, only the last's ``targets``.
+        Synchronous schedules leave each parameter's accumulated gradient in ``.grad`` as the
+        unpipelined model would get from ``loss_fn(model(inputs), targets)``, and step the
+        optimizer once if one was given. ``pipedream`` splits the batch into ``microbatches``
+        mini-batches and updates after each one's backward (weight stashing); ``2bw`` runs
+        ``rounds`` updates of ``microbatches`` micro-batches each. The pipeline drains at the
+        end of the call; the loss returned is then the mean over updates. Only the first
+        stage's rank reads ``inputs``, only the last's ``targets``.
         """
         last = self.schedule.stages - 1
         if self._holds(last) and targets is None:
@@ -239,7 +258,7 @@ class Pipeline:
         if loss is not None:
             total += loss
         dist.all_reduce(total, group=self.group)
-        return float(total)
+        return float(total) * self._per_update / self.microbatches
 
     def eval_step(self, inputs=None) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
         """Forward only, without gradients: the model's output on the last stage's rank, ``None`` elsewhere."""
@@ -275,5 +294,7 @@ def _even_balance(layers: int, stages: int) -> list[int]:
 
 
 def _forward_only(schedule: Schedule) -> Schedule:
+    """The forwards and their transfers only, on the newest weights."""
     keep = (Kind.FORWARD, Kind.SEND_F, Kind.RECV_F)
-    return replace(schedule, ranks=tuple(tuple(a for a in actions if a.kind in keep) for actions in schedule.ranks))
+    ranks = tuple(tuple(a._replace(version=None) for a in actions if a.kind in keep) for actions in schedule.ranks)
+    return replace(schedule, ranks=ranks, asynchronous=False)

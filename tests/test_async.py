@@ -1,0 +1,88 @@
+"""Asynchronous schedules apply exactly PipeDream's, vertical sync's and 2BW's update rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import pipeline_cases as cases
+import pipetrain
+from pipetrain.layers import StageModule, stage_bounds, to_layers
+
+LR = 0.2
+
+
+def stage_of(balance: list[int]) -> dict[str, int]:
+    """Parameter name -> stage index, from the balance."""
+    owner = {}
+    for stage, (start, stop) in enumerate(stage_bounds(balance)):
+        for index in range(start, stop):
+            for name, _ in cases.mlp()[index].named_parameters():
+                owner[f"{index}.{name}"] = stage
+    return owner
+
+
+def reference(balance: list[int], rule, per_update: int, updates: int, windows: int) -> dict[str, torch.Tensor]:
+    """Replay the rule in one process: update u of every stage uses the gradient of the
+    mini-batch made of micro-batches u·per_update … (u+1)·per_update − 1, computed with
+    stage s on weight version ``rule(s, u)`` (counted from the window's start)."""
+    model = StageModule(to_layers(cases.mlp()))
+    owner = stage_of(balance)
+    versions = [{name: p.detach().clone() for name, p in model.named_parameters()}]  # versions[v][name]
+    for window in range(windows):
+        base = len(versions) - 1
+        x, y = cases.batch(seed=10 + window, size=per_update * updates * 2)
+        inputs, targets = torch.tensor_split(x, updates), torch.tensor_split(y, updates)
+        for update in range(updates):
+            weights = {name: versions[base + rule(owner[name], update)][name].clone().requires_grad_(True) for name in owner}
+            loss = nn.functional.cross_entropy(torch.func.functional_call(model, weights, (inputs[update],)), targets[update])
+            grads = dict(zip(weights, torch.autograd.grad(loss, list(weights.values()))))
+            versions.append({name: versions[-1][name] - LR * grads[name] for name in owner})
+    return versions[-1]
+
+
+def run(schedule: str, balance: list[int], microbatches: int, windows: int, **options) -> dict[str, torch.Tensor]:
+    states = pipetrain.launch(cases.asynchronous_runs, len(balance), schedule, balance, microbatches, windows, options, timeout_s=60)
+    merged = {}
+    for state in states:
+        merged.update(state)
+    return merged
+
+
+def assert_equal_weights(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(expected)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("balance", [[2, 3], [1, 2, 2]])
+def test_pipedream_weight_stashing(balance: list[int]) -> None:
+    p, window = len(balance), 5
+    # stage s runs mini-batch k on the weights after k − (p − s) + 1 updates: the newest it has
+    expected = reference(balance, lambda s, k: max(0, k - (p - s) + 1), 1, window, windows=2)
+    assert_equal_weights(run("pipedream", balance, window, 2), expected)
+
+
+@pytest.mark.parametrize("balance", [[2, 3], [1, 2, 2]])
+def test_pipedream_vertical_sync(balance: list[int]) -> None:
+    p, window = len(balance), 5
+    # every stage uses the version the input stage used: k − p + 1
+    expected = reference(balance, lambda s, k: max(0, k - p + 1), 1, window, windows=2)
+    assert_equal_weights(run("pipedream", balance, window, 2, vertical_sync=True), expected)
+
+
+@pytest.mark.parametrize("balance, per_update", [([2, 3], 2), ([1, 2, 2], 3)])
+def test_2bw_one_step_delay(balance: list[int], per_update: int) -> None:
+    rounds = 3
+    # W(t+1) = W(t) − ν·∇f(W(t−1)), with W(−1) = W(0) at the window's start
+    expected = reference(balance, lambda s, t: max(0, t - 1), per_update, rounds, windows=2)
+    assert_equal_weights(run("2bw", balance, per_update, 2, rounds=rounds), expected)
+
+
+def test_stale_rules_differ_from_plain_sgd() -> None:
+    """The rules above are not all the same update: the test would catch a wrong version."""
+    balance = [2, 3]
+    stashed = reference(balance, lambda s, k: max(0, k - (2 - s) + 1), 1, 5, windows=1)
+    synchronous = reference(balance, lambda s, k: k, 1, 5, windows=1)
+    assert any(not torch.allclose(stashed[n], synchronous[n]) for n in stashed)
