@@ -1,7 +1,7 @@
 """Does the planner's split beat an equal-layer split, and does its prediction hold?
 
-Profiles the built-in ``uneven-mlp`` (layers of very different cost) in this process with
-one thread, plans a straight 2-stage pipeline for it, then trains with the planner's
+Profiles the built-in ``uneven-mlp`` (layers of very different cost) in 2 processes at
+once with one thread each (as the workers will run), plans a straight 2-stage pipeline for it, then trains with the planner's
 balance and with an equal layer-count balance, each on 2 CPU worker processes with one
 thread, and prints measured step times, their ratio, and the plan's predicted step time
 beside the measured one.
@@ -21,6 +21,7 @@ import torch.distributed as dist
 import pipetrain
 from pipetrain.data import BatchStream
 from pipetrain.models import build_model, loss_function
+from pipetrain.plan_job import profile_builtin
 
 MODEL = "uneven-mlp"
 WARMUP = 5
@@ -30,7 +31,7 @@ def train(balance: list[int], schedule: str, microbatches: int, batch_size: int,
     """Worker: step times of training ``MODEL`` split by ``balance``."""
     stream = BatchStream(MODEL, batch_size, seed=0)
     pipe = pipetrain.Pipeline(build_model(MODEL), balance=balance, microbatches=microbatches, schedule=schedule,
-                              loss_fn=loss_function(MODEL), optimizer=lambda params: torch.optim.SGD(params, lr=0.01))
+                              loss_fn=loss_function(MODEL), optimizer=lambda params: torch.optim.Adam(params, lr=1e-3))
     times = []
     for _ in range(steps):
         x, y = next(stream)
@@ -48,12 +49,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--microbatches", type=int, default=4)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    model = build_model(MODEL)
-    x, y = next(BatchStream(MODEL, args.batch_size, seed=0))
-    size = args.batch_size // args.microbatches
     started = time.perf_counter()
-    profile = pipetrain.profile(model, x[:size], y[:size], loss_function(MODEL), microbatch_size=size, repeats=20)
+    profile = profile_builtin(MODEL, args.batch_size, args.microbatches, workers=2)
     plan = pipetrain.plan(profile, workers=2, replication=False, schedules=("1f1b",),
                           microbatches=(args.microbatches,), batch_size=args.batch_size)
     print(f"profiled and planned in {time.perf_counter() - started:.2f} s")

@@ -22,7 +22,7 @@ import pipetrain
 from pipetrain.layers import StageModule, stage_bounds, to_layers
 from pipetrain.data import BatchStream
 from pipetrain.models import build_model, loss_function
-from pipetrain.simulate import Costs, simulate
+from pipetrain.simulate import measured_costs, simulate
 from pipetrain.trace import Timeline
 
 WARMUP = 5
@@ -31,24 +31,6 @@ WARMUP = 5
 def _batches(model_name: str, batch_size: int, steps: int) -> list:
     stream = BatchStream(model_name, batch_size, seed=0)
     return [next(stream) for _ in range(steps)]
-
-
-def measured_costs(timelines: list[Timeline], stages: int) -> Costs:
-    """Per-stage medians, over micro-batches and steps, of the busy time each action costs its rank."""
-    def median(kinds: tuple[str, ...], stage: int) -> float:
-        durations: dict[tuple[int, int | None], float] = {}
-        for index, timeline in enumerate(timelines):
-            for event in timeline.events:
-                if event.kind in kinds and event.stage == stage:
-                    key = (index, event.microbatch)
-                    durations[key] = durations.get(key, 0.0) + event.duration
-        return statistics.median(durations.values()) if durations else 0.0
-
-    # a send's packing runs on its rank after the compute it follows, so it counts there
-    forward = [median(("F", "SEND_F"), s) for s in range(stages)]
-    backward = [median(("B", "SEND_B"), s) for s in range(stages)]
-    step = [median(("STEP",), s) for s in range(stages)]
-    return Costs(forward_s=forward, backward_s=backward, step_s=step)
 
 
 def run_pipetrain(model_name: str, schedule: str, microbatches: int, batch_size: int, steps: int) -> dict:

@@ -1,4 +1,5 @@
-"""The ``pipetrain`` command line: ``simulate`` a schedule, ``train`` a built-in model.
+"""The ``pipetrain`` command line: ``simulate`` a schedule, ``profile`` and ``plan`` a model,
+``train`` a built-in model.
 
 Each command is a pair of functions, ``_add_<command>`` (its arguments) and
 ``_run_<command>`` (its work and printing), listed in :data:`COMMANDS`. Errors a user can
@@ -14,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from pipetrain.schedules import SCHEDULE_NAMES, SYNCHRONOUS, Schedule, ScheduleError
+from pipetrain.schedules import SCHEDULE_NAMES, Schedule, ScheduleError
 from pipetrain.simulate_job import COST_FIELDS, run_simulation
 from pipetrain.trace import Timeline, format_seconds
 
@@ -154,8 +155,9 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", required=True, choices=MODEL_NAMES, metavar="NAME", help=f"one of {', '.join(MODEL_NAMES)}")
     parser.add_argument("--stages", type=positive_int, metavar="P",
                         help="pipeline ranks (default 2; under torchrun, the world size)")
-    parser.add_argument("--schedule", default="1f1b", choices=SYNCHRONOUS, metavar="NAME",
-                        help=f"one of {', '.join(SYNCHRONOUS)} (default 1f1b)")
+    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULE_NAMES, metavar="NAME",
+                        help=f"one of {', '.join(SCHEDULE_NAMES)} (default 1f1b); pipedream splits each batch into "
+                             "--microbatches mini-batches with an update each, 2bw makes 2 updates per step")
     parser.add_argument("--microbatches", type=positive_int, default=4, metavar="M", help="micro-batches per step (default 4)")
     parser.add_argument("--steps", type=positive_int, default=20, metavar="N", help="optimizer steps (default 20)")
     parser.add_argument("--batch-size", type=positive_int, metavar="B", help="samples per step (default: 64, gpt 16)")
@@ -164,6 +166,11 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
                         help=f"re-materialization: {', '.join(CHECKPOINT_MODES)} (default never)")
     parser.add_argument("--lr", type=_learning_rate, metavar="LR", help="Adam learning rate (default per model)")
     parser.add_argument("--virtual", type=positive_int, default=2, metavar="V", help="model chunks per rank for interleaved (default 2)")
+    parser.add_argument("--replicas", type=_balance, metavar="N,N,...",
+                        help="workers per stage, e.g. 2,1 (gpipe and 1f1b; default one each)")
+    parser.add_argument("--vertical-sync", action="store_true", help="pipedream: every stage uses the input stage's weight version")
+    parser.add_argument("--plan", metavar="auto|PLAN.json",
+                        help="take split, replication, schedule and micro-batches from a plan; auto profiles and plans first")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
     parser.add_argument("--threads", type=positive_int, default=1, metavar="N", help="torch threads per local worker (default 1)")
     parser.add_argument("--trace", type=output_path, metavar="PATH",
@@ -188,7 +195,8 @@ def _run_train(args: argparse.Namespace) -> None:
     config = TrainConfig(
         model=args.model, stages=args.stages, schedule=args.schedule, microbatches=args.microbatches,
         steps=args.steps, batch_size=args.batch_size, balance=args.balance, checkpoint=args.checkpoint,
-        lr=args.lr, virtual=args.virtual, seed=args.seed, threads=args.threads,
+        lr=args.lr, virtual=args.virtual, seed=args.seed, threads=args.threads, replicas=args.replicas,
+        vertical_sync=args.vertical_sync, plan=_train_plan(args),
     )
     report = run_training(config)
     if report is None:  # a torchrun rank other than 0: rank 0 reports
@@ -203,9 +211,111 @@ def _run_train(args: argparse.Namespace) -> None:
         print(f"  timeline written  {args.trace}")
 
 
+def _train_plan(args: argparse.Namespace):
+    if args.plan is None:
+        return None
+    from pipetrain.plan import Plan
+    from pipetrain.plan_job import auto_plan
+    from pipetrain.train_job import DEFAULT_BATCH_SIZE
+
+    if args.plan != "auto":
+        return Plan.load(args.plan)
+    chosen = auto_plan(args.model, args.stages or 2, args.batch_size or DEFAULT_BATCH_SIZE[args.model], args.seed, args.threads)
+    if not args.json:
+        print(chosen.describe() + "\n")
+    return chosen
+
+
+# profile --------------------------------------------------------------------------------
+def _add_profile(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "profile", help="measure each layer of a built-in model",
+        description="Measure forward and backward time, activation, parameter and optimizer bytes per layer "
+                    "on one micro-batch of the model's data, and save the profile as JSON.",
+    )
+    parser.add_argument("--model", required=True, choices=MODEL_NAMES, metavar="NAME", help=f"one of {', '.join(MODEL_NAMES)}")
+    parser.add_argument("--batch-size", type=positive_int, default=64, metavar="B", help="samples per step (default 64)")
+    parser.add_argument("--microbatches", type=positive_int, default=4, metavar="M",
+                        help="micro-batches per step: the profile is taken at B/M samples (default 4)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
+    parser.add_argument("--threads", type=positive_int, default=1, metavar="N", help="torch threads while measuring (default 1)")
+    parser.add_argument("-o", "--out", metavar="FILE.json", help="write the profile here")
+    parser.add_argument("--json", action="store_true", help="print the profile as one JSON object")
+
+
+def _run_profile(args: argparse.Namespace) -> None:
+    from pipetrain.plan_job import profile_builtin
+
+    measured = profile_builtin(args.model, args.batch_size, args.microbatches, args.seed, args.threads)
+    if args.out:
+        measured.save(args.out)
+    if args.json:
+        print(json.dumps(measured.to_dict()))
+        return
+    print(f"{args.model}: {len(measured.layers)} layers, micro-batch of {measured.microbatch_size}")
+    print(f"{'layer':>5}  {'name':16} {'forward':>10} {'backward':>10} {'activation':>11} {'parameters':>11}")
+    for index, layer in enumerate(measured.layers):
+        print(f"{index:>5}  {layer.name[:16]:16} {format_seconds(layer.forward_s):>10} {format_seconds(layer.backward_s):>10} "
+              f"{_bytes(layer.activation_bytes):>11} {_bytes(layer.parameter_bytes):>11}")
+    if args.out:
+        print(f"  profile written  {args.out}")
+
+
+def _bytes(size: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.3g} {unit}"
+        size /= 1000
+    return f"{size:.3g} GB"
+
+
+# plan -----------------------------------------------------------------------------------
+def _add_plan(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "plan", help="choose stages, replication, schedule and micro-batches from a profile",
+        description="Plan a profiled model for a number of workers over a network: the split, the replicas of "
+                    "each stage, the schedule, the micro-batch count and recomputation, by simulating candidates.",
+    )
+    parser.add_argument("--profile", required=True, metavar="FILE.json", help="a profile from pipetrain profile")
+    parser.add_argument("--workers", type=positive_int, metavar="N", help="workers (default: all of the topology)")
+    parser.add_argument("--topology", metavar="LEVELS",
+                        help="count x bandwidth per level, lowest first, e.g. 4x16GB/s,4x10Gbit/s (default: N workers, fast links)")
+    parser.add_argument("--memory", metavar="SIZE", help="memory per worker, e.g. 16GiB (default: no limit)")
+    parser.add_argument("--batch-size", type=positive_int, metavar="B", help="samples per step (default: grows with micro-batches)")
+    parser.add_argument("--schedules", metavar="A,B", help=f"schedules to consider (default gpipe,1f1b,zb-h1,interleaved)")
+    parser.add_argument("--no-replication", action="store_true", help="a straight pipeline, one worker per stage")
+    parser.add_argument("-o", "--out", metavar="FILE.json", help="write the plan here (for train --plan)")
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+
+
+def _run_plan(args: argparse.Namespace) -> None:
+    from pipetrain.plan import plan
+    from pipetrain.plan_job import parse_bytes
+    from pipetrain.profiler import Profile
+
+    if args.workers is None and args.topology is None:
+        raise ValueError("give --workers N or --topology LEVELS")
+    options = {"schedules": tuple(args.schedules.split(","))} if args.schedules else {}
+    chosen = plan(
+        Profile.load(args.profile), workers=args.workers, topology=args.topology,
+        memory_limit=parse_bytes(args.memory) if args.memory else None, batch_size=args.batch_size,
+        replication=not args.no_replication, **options,
+    )
+    if args.out:
+        chosen.save(args.out)
+    if args.json:
+        print(json.dumps(chosen.to_dict()))
+        return
+    print(chosen.describe())
+    if args.out:
+        print(f"  plan written  {args.out}")
+
+
 # entry point ----------------------------------------------------------------------------
 COMMANDS: dict[str, tuple[Callable[[argparse._SubParsersAction], None], Callable[[argparse.Namespace], None]]] = {
     "simulate": (_add_simulate, _run_simulate),
+    "profile": (_add_profile, _run_profile),
+    "plan": (_add_plan, _run_plan),
     "train": (_add_train, _run_train),
 }
 

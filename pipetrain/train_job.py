@@ -24,8 +24,9 @@ from pipetrain.layers import check_balance, to_layers
 from pipetrain.models import build_model, loss_function
 from pipetrain.runtime import Pipeline, launch
 from pipetrain.runtime.checkpoint import check_mode
-from pipetrain.schedules import SYNCHRONOUS, Schedule, build
-from pipetrain.simulate import Costs, simulate
+from pipetrain.plan import Plan
+from pipetrain.schedules import SCHEDULE_NAMES, Schedule, build
+from pipetrain.simulate import Costs, measured_costs, simulate
 from pipetrain.trace import Timeline, format_seconds, plot_timelines
 
 DEFAULT_LR = {"mlp": 3e-3, "uneven-mlp": 3e-3, "cnn": 3e-3, "gpt": 3e-3}
@@ -51,12 +52,17 @@ class TrainConfig:
     virtual: int = 2
     seed: int = 0
     threads: int = 1
+    replicas: tuple[int, ...] | None = None
+    vertical_sync: bool = False
+    plan: Plan | None = None
 
     def resolved(self, world_size: int | None = None) -> TrainConfig:
         """The configuration with defaults filled in and checked; raises ValueError if it cannot run."""
         if self.model not in DEFAULT_LR:
             raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(DEFAULT_LR)}")
-        stages = self.stages or world_size or DEFAULT_STAGES
+        if self.plan is not None:
+            return replace(self.from_plan(self.plan), lr=self.lr or DEFAULT_LR[self.model]).resolved(world_size)
+        stages = self.stages or (sum(self.replicas) if self.replicas else world_size) or DEFAULT_STAGES
         if world_size is not None and stages != world_size:
             raise ValueError(f"stages {stages} differs from the torchrun world size {world_size}; give --stages {world_size} or omit it")
         config = replace(
@@ -68,10 +74,21 @@ class TrainConfig:
         config.check()
         return config
 
+    def from_plan(self, plan: Plan) -> TrainConfig:
+        """This configuration with the plan's split, replication, schedule and micro-batches."""
+        replicas = tuple(plan.replicas) if max(plan.replicas) > 1 else None
+        return replace(
+            self, plan=None, stages=plan.workers, schedule=plan.schedule, microbatches=plan.microbatches,
+            balance=tuple(plan.balance), replicas=replicas, checkpoint=plan.checkpoint,
+            virtual=max(plan.virtual, 2), batch_size=self.batch_size or plan.batch_size,
+        )
+
     def check(self) -> None:
         """Raise a ValueError naming the first setting that cannot run."""
-        if self.schedule not in SYNCHRONOUS:
-            raise ValueError(f"train runs the synchronous schedules {', '.join(SYNCHRONOUS)}; got {self.schedule!r}")
+        if self.schedule not in SCHEDULE_NAMES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
+        if self.replicas is not None and sum(self.replicas) != self.stages:
+            raise ValueError(f"replicas {list(self.replicas)} add up to {sum(self.replicas)} workers, but --stages is {self.stages}")
         check_mode(self.checkpoint)
         for name in ("microbatches", "steps", "batch_size", "virtual", "threads"):
             value = getattr(self, name)
@@ -90,7 +107,9 @@ class TrainConfig:
 
     def schedule_for(self) -> Schedule:
         """The schedule this run executes (the same one the Pipeline builds)."""
-        options = {"virtual": self.virtual} if self.schedule == "interleaved" else {}
+        options = {"interleaved": {"virtual": self.virtual}, "pipedream": {"vertical_sync": self.vertical_sync}}.get(self.schedule, {})
+        if self.replicas is not None:
+            return build(self.schedule, len(self.replicas), self.microbatches, replicas=list(self.replicas), **options)
         return build(self.schedule, self.stages, self.microbatches, **options)
 
 
@@ -132,13 +151,17 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
         checkpoint=config.checkpoint,
         optimizer=partial(torch.optim.Adam, lr=config.lr),
         virtual=config.virtual,
+        replicas=config.replicas,
+        vertical_sync=config.vertical_sync,
+        targets_on_first_stage=True,
     )
-    batches = BatchStream(config.model, config.batch_size, seed=config.seed)
+    # only the input stage's ranks load data; the targets travel to the last stage
+    batches = BatchStream(config.model, config.batch_size, seed=config.seed) if 0 in pipe.stages else None
     progress = Progress(config.steps, config.batch_size) if pipe.rank == 0 else None
     losses: list[float] = []
     step_times: list[float] = []
     for step in range(config.steps):
-        inputs, targets = next(batches)
+        inputs, targets = next(batches) if batches is not None else (None, None)
         # recording costs a barrier per step, so only the last step is recorded
         pipe.recorder.enabled = step == config.steps - 1
         start = time.perf_counter()
@@ -173,50 +196,6 @@ def run_training(config: TrainConfig) -> TrainReport | None:
         config = config.resolved()
         result = launch(train_worker, config.stages, config, threads_per_worker=config.threads)[0]
     return None if result is None else TrainReport.build(config, result)
-
-
-def measured_costs(timeline: Timeline, stages: int) -> Costs:
-    """Per-stage mean durations of the timeline's F, B, W and STEP events as simulator costs.
-
-    A send's time on the sending rank (packing the message) is added to the compute it
-    follows; the transfer time is :func:`transfer_time`.
-    """
-    def mean(kind: str) -> list[float]:
-        durations: list[list[float]] = [[] for _ in range(stages)]
-        for event in timeline.events:
-            if event.kind == kind and event.stage is not None:
-                durations[event.stage].append(event.duration)
-        return [statistics.fmean(values) if values else 0.0 for values in durations]
-
-    def plus(a: list[float], b: list[float]) -> list[float]:
-        return [x + y for x, y in zip(a, b)]
-
-    return Costs(
-        forward_s=plus(mean("F"), mean("SEND_F")),
-        backward_s=plus(mean("B"), mean("SEND_B")),
-        weight_s=mean("W"),
-        step_s=mean("STEP"),
-        latency_s=transfer_time(timeline),
-    )
-
-
-def transfer_time(timeline: Timeline) -> float:
-    """Median time a message spends between the end of its send and the end of its receive.
-
-    Only the part of the receive that follows the send counts, so a receiver that arrives
-    late (the data already there) adds only its own copy time. 0 without transfers.
-    """
-    sends = {(e.kind, e.stage, e.microbatch): e for e in timeline.events if e.kind in ("SEND_F", "SEND_B")}
-    senders = {"RECV_F": ("SEND_F", -1), "RECV_B": ("SEND_B", +1)}  # receive kind -> send kind, stage offset
-    gaps = []
-    for event in timeline.events:
-        if event.kind not in senders or event.stage is None:
-            continue
-        kind, offset = senders[event.kind]
-        send = sends.get((kind, event.stage + offset, event.microbatch))
-        if send is not None:
-            gaps.append(max(0.0, event.end - max(send.end, event.start)))
-    return statistics.median(gaps) if gaps else 0.0
 
 
 @dataclass(frozen=True)

@@ -186,3 +186,11 @@ def asynchronous_runs(schedule: str, balance: list[int], microbatches: int, wind
     for window in range(windows):
         pipe.train_step(*batch(seed=10 + window, size=pipe.microbatches * 2))
     return {k: v.clone() for k, v in pipe.state_dict().items()}
+
+
+def targets_from_first_stage() -> float:
+    """Only rank 0 is given data; the last stage gets its targets from it."""
+    pipe = pipetrain.Pipeline(mlp(), balance=[1, 2, 2], microbatches=3, schedule="1f1b",
+                              loss_fn=nn.functional.cross_entropy, targets_on_first_stage=True)
+    x, y = batch()
+    return pipe.train_step(x, y) if pipe.rank == 0 else pipe.train_step()

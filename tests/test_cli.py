@@ -226,7 +226,7 @@ def test_train_rejects_a_schedule_that_cannot_split_the_batch_before_starting_wo
     ("gpipe", Costs(forward_s=1.0, backward_s=2.0)),
 ])
 def test_measured_costs_recover_the_costs_a_timeline_was_made_with(name: str, costs: Costs) -> None:
-    from pipetrain.train_job import measured_costs
+    from pipetrain.simulate import measured_costs
 
     schedule = build(name, 3, 5)
     original = simulate(schedule, costs)
@@ -237,7 +237,7 @@ def test_measured_costs_recover_the_costs_a_timeline_was_made_with(name: str, co
 
 
 def test_transfer_time_counts_only_what_follows_the_send() -> None:
-    from pipetrain.train_job import measured_costs, transfer_time
+    from pipetrain.simulate import measured_costs, transfer_time
 
     events = [
         Event(0, "F", 0, 0, 0.0, 0.9),

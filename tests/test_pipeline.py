@@ -172,3 +172,8 @@ def test_replicated_stages_match_the_unpipelined_model_and_stay_identical() -> N
             for other in stage_ranks[1:]:
                 for name, value in results[other][index][2].items():
                     assert torch.equal(value, first[name]), f"{config}: replica {other} differs on {name}"
+
+
+def test_targets_travel_from_the_input_stage_to_the_last() -> None:
+    losses = pipetrain.launch(cases.targets_from_first_stage, 3)
+    assert losses == pytest.approx([reference()[0]] * 3, rel=1e-5)

@@ -183,7 +183,8 @@ class Candidate:
         boundaries = range(len(layout.stages) - 1)
         sizes = [layers[layout.stages[b][1] - 1].activation_bytes for b in boundaries] or [0.0]
         links = [self._link(topology, b) for b in boundaries] or [math.inf]
-        return Costs(forward, [max(b, 0.0) for b in backward], weight, sizes, links, allreduce_s=allreduce)
+        steps = [sum(layer.optimizer_s for layer in layers[start:stop]) for start, stop, _ in layout.stages]
+        return Costs(forward, [max(b, 0.0) for b in backward], weight, sizes, links, step_s=steps, allreduce_s=allreduce)
 
     def _link(self, topology: Topology, boundary: int) -> float:
         """Bandwidth across ``boundary``: the slowest link among both stages' workers."""

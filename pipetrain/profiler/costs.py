@@ -28,7 +28,8 @@ class LayerCost:
     (``None`` otherwise). ``activation_bytes`` is the size of the layer's output,
     ``parameter_bytes`` of its weights, ``optimizer_bytes`` of its optimizer state, and
     ``peak_memory_bytes`` the most memory the layer's forward and backward allocate beyond
-    its inputs and weights.
+    its inputs and weights. ``optimizer_s`` is one optimizer step over the layer's weights:
+    it happens once per update, so it does not scale with the micro-batch size.
     """
 
     forward_s: float
@@ -39,6 +40,7 @@ class LayerCost:
     optimizer_bytes: float = 0.0
     peak_memory_bytes: float = 0.0
     name: str = ""
+    optimizer_s: float = 0.0
 
     @property
     def compute_s(self) -> float:

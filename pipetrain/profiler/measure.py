@@ -32,6 +32,7 @@ def profile(
     repeats: int = 5,
     warmup: int = 2,
     optimizer_state_factor: float = 2.0,
+    optimizer: Callable[[list[Tensor]], torch.optim.Optimizer] | None = None,
 ) -> Profile:
     """Measure forward and backward time, activation, weight and memory sizes of every layer.
 
@@ -49,6 +50,8 @@ def profile(
       gradient, such as token ids).
     - ``optimizer_bytes`` assumes Adam: ``optimizer_state_factor`` (2) times the bytes of
       the trainable parameters (two moment estimates).
+    - ``optimizer_s`` times one step of ``optimizer`` (a function from parameters to an
+      optimizer; default Adam) on copies of the layer's trainable parameters.
     - ``peak_memory_bytes`` on CUDA is the rise of ``torch.cuda.max_memory_allocated``
       over one forward and backward; on other devices it is an estimate, the output
       activation plus the weight gradients.
@@ -68,12 +71,67 @@ def profile(
         timer = _Timer(target_device)
         container.train()
         costs = []
+        first_arguments = arguments
         for index, (name, module) in enumerate(layers):
             is_last = index == len(layers) - 1
             measured = _LayerRun(module, arguments, targets if is_last else None, loss_fn, timer)
             costs.append(measured.cost(name, repeats, warmup, optimizer_state_factor))
             arguments = measured.output
+        timed = _in_sequence(layers, first_arguments, targets, loss_fn, timer, repeats, warmup, optimizer or torch.optim.Adam)
+        for cost, (forward_s, backward_s, optimizer_s) in zip(costs, timed):
+            share = cost.weight_backward_s / cost.backward_s if cost.weight_backward_s and cost.backward_s else 0.0
+            cost.forward_s, cost.backward_s, cost.optimizer_s = forward_s, backward_s, optimizer_s
+            if cost.weight_backward_s is not None:
+                cost.weight_backward_s = share * backward_s
     return Profile(costs, microbatch_size=size, input_bytes=_bytes(inputs, size))
+
+
+def _in_sequence(
+    layers: Sequence[tuple[str, nn.Module]], arguments: tuple, targets: Any, loss_fn: LossFn, timer: _Timer,
+    repeats: int, warmup: int, optimizer: Callable,
+) -> list[tuple[float, float, float]]:
+    """Per layer, median forward, backward and optimizer-step times with the layers run in
+    turn, as a stage runs them: all forwards, then the backwards in reverse order with the
+    weight gradients accumulating, then an optimizer step per layer (on copies of its
+    weights). Timing a layer alone, over and over, keeps its weights in cache and comes out
+    faster than what a pipeline sees.
+    """
+    count = len(layers)
+    times: list[list[list[float]]] = [[[], [], []] for _ in range(count)]
+    steppers = []
+    for _, module in layers:
+        copies = [p.detach().clone().requires_grad_(True) for p in module.parameters() if p.requires_grad]
+        for copy in copies:
+            copy.grad = torch.randn_like(copy)
+        steppers.append(optimizer(copies) if copies else None)
+    for run in range(warmup + repeats):
+        saved, inputs = [], arguments
+        for index, (_, module) in enumerate(layers):
+            leaves = tuple(x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, Tensor) else x for x in inputs)
+            fed = tuple(x.clone() if isinstance(x, Tensor) and x.is_floating_point() else x for x in leaves)
+            start = timer.now()
+            output = module(*fed)
+            if index == count - 1:
+                output = loss_fn(output, targets)
+            times[index][0].append(timer.now() - start)
+            outputs = tuple(output) if isinstance(output, (tuple, list)) else (output,)
+            saved.append((leaves, outputs))
+            inputs = outputs
+        incoming: list[Tensor | None] = [torch.ones_like(saved[-1][1][0])]
+        for index in reversed(range(count)):
+            leaves, outputs = saved[index]
+            pairs = [(o, g) for o, g in zip(outputs, incoming) if isinstance(o, Tensor) and o.requires_grad and g is not None]
+            start = timer.now()
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            times[index][1].append(timer.now() - start)
+            incoming = [x.grad if isinstance(x, Tensor) else None for x in leaves]
+        for index, stepper in enumerate(steppers):
+            start = timer.now()
+            if stepper is not None:
+                stepper.step()
+            times[index][2].append(timer.now() - start)
+    return [tuple(statistics.median(kind[warmup:]) for kind in layer) for layer in times]
 
 
 class _Timer:

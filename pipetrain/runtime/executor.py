@@ -16,8 +16,8 @@ from torch import nn
 from pipetrain.runtime.checkpoint import RandomState, recompute, recomputes
 from pipetrain.runtime.recorder import Recorder
 from pipetrain.runtime.stash import WeightStash
-from pipetrain.runtime.transport import PeerError, Transport
-from pipetrain.schedules import Action, Kind, Schedule
+from pipetrain.runtime.transport import PeerError, PendingReceive, Transport
+from pipetrain.schedules import RECV_KINDS, Action, Kind, Schedule
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -102,8 +102,14 @@ class Executor:
         self._loss: torch.Tensor | None = None
         self.outputs: dict[int, Tensors] = {}  # last stage's outputs by micro-batch, kept when there are no targets
         self._prepare_versions()
+        actions = self.schedule.ranks[self.rank]
+        self._receives = [a for a in actions if a.kind in RECV_KINDS]
+        self._next_receive = 0
+        self._posted: dict[tuple[Kind, int, int], PendingReceive] = {}
+        self._busy_peers: set[int] = set()
+        self._post_receives()
         recorder = self.recorder
-        for action in self.schedule.ranks[self.rank]:
+        for action in actions:
             start = recorder.now() if recorder.enabled else 0.0
             try:
                 self._handlers[action.kind](action)
@@ -242,8 +248,33 @@ class Executor:
         grads = self._input_grads.pop((action.stage, action.microbatch))
         self.transport.send(grads, action.peer, ("B", action.stage - 1))
 
+    @staticmethod
+    def _channel(action: Action) -> tuple:
+        return ("F", action.stage - 1) if action.kind is Kind.RECV_F else ("B", action.stage)
+
+    def _post_receives(self) -> None:
+        """Post upcoming receives early, in order, one outstanding per peer: the data then
+        lands while this rank computes, and a receive action only waits. Messages from one
+        peer are matched in order, and a first message on a channel is two (shapes, then
+        data), so a second receive from the same peer could take the wrong one."""
+        while self._next_receive < len(self._receives):
+            action = self._receives[self._next_receive]
+            if action.peer in self._busy_peers:
+                return
+            self._busy_peers.add(action.peer)
+            self._posted[(action.kind, action.stage, action.microbatch)] = self.transport.post_receive(
+                action.peer, self._channel(action)
+            )
+            self._next_receive += 1
+
+    def _take(self, action: Action) -> Tensors:
+        tensors = self._posted.pop((action.kind, action.stage, action.microbatch)).wait()
+        self._busy_peers.discard(action.peer)
+        self._post_receives()
+        return tensors
+
     def _receive_activation(self, action: Action) -> None:
-        self._received[(action.stage, action.microbatch)] = self.transport.receive(action.peer, ("F", action.stage - 1))
+        self._received[(action.stage, action.microbatch)] = self._take(action)
 
     def _receive_gradient(self, action: Action) -> None:
-        self._output_grads[(action.stage, action.microbatch)] = self.transport.receive(action.peer, ("B", action.stage))
+        self._output_grads[(action.stage, action.microbatch)] = self._take(action)

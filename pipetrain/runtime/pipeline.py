@@ -56,7 +56,9 @@ class Pipeline:
     balance, schedule, micro-batches and checkpointing from a :class:`pipetrain.Plan`.
     ``optimizer`` is an optimizer or a function from this rank's parameters to one; it is
     stepped once per :meth:`train_step`. ``record=True`` records a measured timeline of
-    every step (see :meth:`timeline`).
+    every step (see :meth:`timeline`). With ``targets_on_first_stage=True`` the first
+    stage's rank is given the targets too and sends them to the last stage, so only the
+    input stage's ranks need to load data.
     """
 
     def __init__(
@@ -74,6 +76,7 @@ class Pipeline:
         virtual: int = 2,
         vertical_sync: bool = False,
         rounds: int = 2,
+        targets_on_first_stage: bool = False,
         device: torch.device | str | None = None,
         group: dist.ProcessGroup | None = None,
         timeout_s: float = 300.0,
@@ -104,7 +107,7 @@ class Pipeline:
         layers = to_layers(model)
         stages_per_rank = virtual if schedule == "interleaved" else 1
         if balance is None:
-            balance = _even_balance(len(layers), world * stages_per_rank)
+            balance = _even_balance(len(layers), len(replicas) if replicas is not None else world * stages_per_rank)
         self.balance = check_balance(balance, len(layers))
         options = {"interleaved": {"virtual": virtual}, "pipedream": {"vertical_sync": vertical_sync}, "2bw": {"rounds": rounds}}.get(schedule, {})
         if replicas is not None:
@@ -141,6 +144,7 @@ class Pipeline:
         self.transport = Transport(self.device, group, timeout_s)
         self.recorder = Recorder(self.rank, self.device, enabled=record)
         self._steps_taken = 0
+        self.targets_on_first_stage = targets_on_first_stage
         stashes = {stage: WeightStash(module) for stage, module in self.stages.items()} if self.schedule.asynchronous else None
         self._executor = Executor(
             self.schedule, self.rank, dict(self.stages), self.transport, loss_fn, self.checkpoint, self.recorder,
@@ -247,6 +251,8 @@ class Pipeline:
         stage's rank reads ``inputs``, only the last's ``targets``.
         """
         last = self.schedule.stages - 1
+        if self.targets_on_first_stage:
+            targets = self._ship_targets(targets)
         if self._holds(last) and targets is None:
             raise ValueError(f"rank {self.rank} holds the last stage and needs the targets; got None")
         micro_inputs, micro_targets, scales = self._prepare(inputs, targets)
@@ -259,6 +265,25 @@ class Pipeline:
             total += loss
         dist.all_reduce(total, group=self.group)
         return float(total) * self._per_update / self.microbatches
+
+    def _ship_targets(self, targets):
+        """Send the targets from the first input-stage rank to every last-stage rank."""
+        source, sinks = self.schedule.stage_ranks[0][0], self.schedule.stage_ranks[-1]
+        if self.rank == source:
+            if targets is None:
+                raise ValueError(f"rank {self.rank} holds the first stage and, with targets_on_first_stage, needs the targets; got None")
+            parts = (targets,) if isinstance(targets, torch.Tensor) else tuple(targets)
+            for sink in sinks:
+                if sink != source:
+                    self.transport.send(tuple(t.to(self.device) for t in parts), sink, ("targets",))
+            return targets
+        if self.rank in sinks:
+            try:
+                parts = self.transport.receive(source, ("targets",))
+            except PeerError as error:
+                raise explain_peer_failure(self.rank, min(self.stages), str(error)) from error
+            return parts[0] if len(parts) == 1 else parts
+        return targets
 
     def eval_step(self, inputs=None) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
         """Forward only, without gradients: the model's output on the last stage's rank, ``None`` elsewhere."""

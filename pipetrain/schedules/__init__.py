@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipetrain.schedules import generators
-from pipetrain.schedules.actions import COMPUTE_KINDS, Action, Kind, Schedule
+from pipetrain.schedules.actions import COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, Action, Kind, Schedule
 from pipetrain.schedules.connect import connect
 from pipetrain.schedules.validate import ScheduleError, validate
 
@@ -25,6 +25,8 @@ __all__ = [
     "SCHEDULE_NAMES",
     "SYNCHRONOUS",
     "COMPUTE_KINDS",
+    "RECV_KINDS",
+    "SEND_KINDS",
     "build",
     "validate",
 ]
