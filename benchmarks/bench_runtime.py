@@ -6,7 +6,10 @@ Schedule1F1B), each on 2 CPU worker processes with 1 thread; plus the unpipeline
 one process with 1 thread. For pipetrain it also simulates the schedule on the per-stage
 costs measured in the same run and prints the prediction beside the measured step time.
 
-    python benchmarks/bench_runtime.py [--model gpt] [--steps 30] [--microbatches 4] [--batch-size 32]
+Machine load drifts over minutes, so the runs alternate (pipetrain, torch, pipetrain,
+...) for ``--rounds`` rounds and each figure is the median over its rounds.
+
+    python benchmarks/bench_runtime.py [--model gpt] [--steps 30] [--microbatches 4] [--batch-size 32] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -111,20 +114,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     common = (args.microbatches, args.batch_size, args.steps)
-    baseline = steady(run_unpipelined(args.model, args.batch_size, args.steps))
-    print(f"{args.model}, batch {args.batch_size}, {args.microbatches} micro-batches, 2 stages, 2 processes x 1 thread")
+    baseline = statistics.median(steady(run_unpipelined(args.model, args.batch_size, args.steps)) for _ in range(args.rounds))
+    print(f"{args.model}, batch {args.batch_size}, {args.microbatches} micro-batches, 2 stages, 2 processes x 1 thread, "
+          f"median of {args.rounds} alternating rounds")
     print(f"{'run':34} {'step ms':>9} {'vs unpipelined':>15} {'vs torch':>9} {'predicted ms':>13} {'pred/meas':>10}")
     print(f"{'unpipelined (1 process)':34} {baseline * 1e3:9.2f} {1.0:15.2f}")
     for schedule in ("gpipe", "1f1b"):
-        ours = pipetrain.launch(run_pipetrain, 2, args.model, schedule, *common, threads_per_worker=1)[0]
-        theirs = pipetrain.launch(run_torch, 2, args.model, schedule, *common, threads_per_worker=1)[0]
-        ours_s, theirs_s = statistics.median(ours["unrecorded"]), steady(theirs["times"])
-        timelines = [Timeline.from_dict(t) for t in ours["timelines"]]
-        predicted = simulate(pipetrain.schedules.build(schedule, 2, args.microbatches), measured_costs(timelines, 2)).makespan
+        ours_runs, theirs_runs, predictions = [], [], []
+        for _ in range(args.rounds):
+            ours = pipetrain.launch(run_pipetrain, 2, args.model, schedule, *common, threads_per_worker=1)[0]
+            theirs = pipetrain.launch(run_torch, 2, args.model, schedule, *common, threads_per_worker=1)[0]
+            ours_runs.append(statistics.median(ours["unrecorded"]))
+            theirs_runs.append(steady(theirs["times"]))
+            timelines = [Timeline.from_dict(t) for t in ours["timelines"]]
+            costs = measured_costs(timelines, 2)
+            predictions.append(simulate(pipetrain.schedules.build(schedule, 2, args.microbatches), costs).makespan / ours_runs[-1])
+        ours_s, theirs_s, ratio = (statistics.median(v) for v in (ours_runs, theirs_runs, predictions))
         print(f"{'pipetrain ' + schedule:34} {ours_s * 1e3:9.2f} {baseline / ours_s:15.2f} {theirs_s / ours_s:9.2f} "
-              f"{predicted * 1e3:13.2f} {predicted / ours_s:10.2f}")
+              f"{ratio * ours_s * 1e3:13.2f} {ratio:10.2f}")
         print(f"{'torch.distributed.pipelining ' + schedule:34} {theirs_s * 1e3:9.2f} {baseline / theirs_s:15.2f} {1.0:9.2f}")
     print("'vs unpipelined' and 'vs torch' are speedups (>1 means this run is faster).")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import torch
+import torch.distributed as dist
 
 from pipetrain.data import BatchStream
 from pipetrain.models import build_model, loss_function
@@ -13,6 +14,7 @@ from pipetrain.profiler import Profile
 from pipetrain.profiler.measure import profile
 from pipetrain.runtime import launch
 
+_PROFILED = "pipetrain/profiled"
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKMGT]?)(i?)B?\s*$")
 _POWERS = {"": 0, "k": 1, "K": 1, "M": 2, "G": 3, "T": 4}
 
@@ -31,20 +33,36 @@ def profile_builtin(model: str, batch_size: int, microbatches: int, seed: int = 
     """Profile a built-in model on one micro-batch of its data, with ``threads`` torch
     threads as a local worker has.
 
-    With ``workers`` > 1 the profile is taken in that many local processes at once and the
-    first one's is returned: in a running pipeline every worker computes at the same time,
-    and workers that share a machine slow each other down (memory bandwidth, caches), so
-    costs measured alone would be optimistic.
+    With ``workers`` > 1 the profile is taken while ``workers − 1`` other local processes
+    train the same model as background load: in a running pipeline every worker computes
+    at the same time, and workers that share a machine slow each other down (memory
+    bandwidth, caches), so costs measured on an idle machine would be optimistic.
     """
     if batch_size < microbatches:
         raise ValueError(f"batch size {batch_size} is smaller than microbatches {microbatches}")
     if workers > 1:
-        return launch(profile_builtin, workers, model, batch_size, microbatches, seed, threads, threads_per_worker=threads)[0]
+        return launch(_profile_under_load, workers, model, batch_size, microbatches, seed, threads, threads_per_worker=threads)[0]
     torch.set_num_threads(threads)
     network = build_model(model, seed=seed)
     inputs, targets = next(BatchStream(model, batch_size, seed=seed))
     size = batch_size // microbatches
     return profile(network, inputs[:size], targets[:size], loss_function(model), microbatch_size=size, repeats=15, warmup=3)
+
+
+def _profile_under_load(model: str, batch_size: int, microbatches: int, seed: int, threads: int) -> Profile | None:
+    """Rank 0 profiles; the other ranks run forward and backward passes until it is done."""
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 0:
+        try:
+            return profile_builtin(model, batch_size, microbatches, seed, threads)
+        finally:
+            store.set(_PROFILED, "1")
+    network, loss_fn = build_model(model, seed=seed), loss_function(model)
+    inputs, targets = next(BatchStream(model, batch_size, seed=seed))
+    size = batch_size // microbatches
+    while not store.check([_PROFILED]):
+        loss_fn(network(inputs[:size]), targets[:size]).backward()
+    return None
 
 
 def auto_plan(model: str, workers: int, batch_size: int, seed: int = 0, threads: int = 1) -> Plan:

@@ -30,7 +30,8 @@ class Costs:
     float for every stage or one value per stage. ``activation_bytes`` and ``bandwidth``
     (bytes/s) are a float or one value per stage boundary (boundary s joins stage s and
     s + 1); a transfer costs ``latency_s + bytes / bandwidth``, and gradients are as large
-    as the activations they belong to.
+    as the activations they belong to. ``receive_s`` is the time a receive keeps the
+    receiving rank busy once the data is there (copying it in), as on CPU backends.
     """
 
     forward_s: PerStage
@@ -41,6 +42,7 @@ class Costs:
     latency_s: float = 0.0
     step_s: PerStage = 0.0
     allreduce_s: PerStage = 0.0
+    receive_s: float = 0.0
 
     def per_stage(self, field: str, count: int) -> list[float]:
         """The named field expanded to ``count`` values, checked for length and sign."""
@@ -66,6 +68,9 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
     bandwidth = costs.per_stage("bandwidth", boundaries)
     if any(b == 0 for b in bandwidth):
         raise ValueError("Costs.bandwidth must be positive")
+    for name in ("latency_s", "receive_s"):
+        if not getattr(costs, name) >= 0:
+            raise ValueError(f"Costs.{name} must be a non-negative number of seconds, got {getattr(costs, name)!r}")
     duration = {
         Kind.FORWARD: forward,
         Kind.BACKWARD: backward if schedule.split_backward else [b + w for b, w in zip(backward, weight)],
@@ -116,9 +121,8 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
                 if key not in arrival:
                     waiting_on[key] = rank
                     break
-                end = max(now, arrival.pop(key))
-                if end > now:
-                    record(rank, kind, stage, mb, now, end)
+                end = max(now, arrival.pop(key)) + costs.receive_s
+                record(rank, kind, stage, mb, now, end)
                 clock[rank] = end
             elif kind is Kind.ALLREDUCE:
                 group = schedule.stage_ranks[stage]
@@ -146,10 +150,10 @@ def measured_costs(timelines: Timeline | Sequence[Timeline], stages: int) -> Cos
     """Simulator costs from measured timelines: per stage, the median F, B, W and STEP durations.
 
     A send's time on the sending rank (packing the message) is added to the compute it
-    follows; receives are posted ahead by the runtime, so a measured receive is waiting,
-    as in the simulator. The transfer time itself is :func:`transfer_time`. Several timelines
-    (steps) may be given: medians are then over all of them, which steadies noisy
-    measurements.
+    follows. A measured receive is waiting plus copying the data in; the shortest receive
+    (one whose data was already there) gives ``receive_s``. The transfer time is
+    :func:`transfer_time`. Several timelines (steps) may be given: medians are then over
+    all of them, which steadies noisy measurements.
     """
     runs = [timelines] if isinstance(timelines, Timeline) else list(timelines)
 
@@ -171,6 +175,7 @@ def measured_costs(timelines: Timeline | Sequence[Timeline], stages: int) -> Cos
         weight_s=per_stage("W", median),
         step_s=per_stage("STEP", median),
         allreduce_s=per_stage("ALLREDUCE", median),
+        receive_s=min((e.duration for t in runs for e in t.events if e.kind in ("RECV_F", "RECV_B")), default=0.0),
         latency_s=statistics.median(transfer_time(timeline) for timeline in runs) if runs else 0.0,
     )
 

@@ -78,6 +78,7 @@ class Executor:
         self.transport, self.loss_fn, self.checkpoint = transport, loss_fn, checkpoint
         self.recorder, self.step = recorder, step
         self.stashes = stashes or {}
+        self._prefetch = transport.device.type == "cuda"
         self.last_stage = schedule.stages - 1
         self._handlers = {
             Kind.FORWARD: self._forward,
@@ -256,8 +257,12 @@ class Executor:
         """Post upcoming receives early, in order, one outstanding per peer: the data then
         lands while this rank computes, and a receive action only waits. Messages from one
         peer are matched in order, and a first message on a channel is two (shapes, then
-        data), so a second receive from the same peer could take the wrong one."""
-        while self._next_receive < len(self._receives):
+        data), so a second receive from the same peer could take the wrong one.
+
+        Only on GPUs: on a CPU whose cores all compute, an early receive is served by the
+        backend's I/O thread only when the scheduler preempts a compute thread, which
+        delays the data by milliseconds; posted when needed, it runs at once."""
+        while self._prefetch and self._next_receive < len(self._receives):
             action = self._receives[self._next_receive]
             if action.peer in self._busy_peers:
                 return
@@ -268,7 +273,10 @@ class Executor:
             self._next_receive += 1
 
     def _take(self, action: Action) -> Tensors:
-        tensors = self._posted.pop((action.kind, action.stage, action.microbatch)).wait()
+        key = (action.kind, action.stage, action.microbatch)
+        if key not in self._posted:
+            return self.transport.receive(action.peer, self._channel(action))
+        tensors = self._posted.pop(key).wait()
         self._busy_peers.discard(action.peer)
         self._post_receives()
         return tensors

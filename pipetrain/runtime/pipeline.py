@@ -309,7 +309,8 @@ class Pipeline:
         dist.gather_object(self.recorder.events, gathered, dst=0, group=self.group)
         if self.rank != 0:
             return None
-        return Timeline([e for events in gathered for e in events], len(gathered), label=f"{self.schedule.name} (measured)")
+        timeline = Timeline([e for events in gathered for e in events], len(gathered), label=f"{self.schedule.name} (measured)")
+        return timeline.shifted()
 
 
 def _even_balance(layers: int, stages: int) -> list[int]:

@@ -10,10 +10,12 @@ from pipetrain.trace import Event
 
 
 class Recorder:
-    """Collects one rank's events; times are seconds since :meth:`reset`.
+    """Collects one rank's events, timed by the wall clock.
 
-    On CUDA the clock reads wait for the device, so events measure the work, not its launch;
-    a disabled recorder does neither.
+    Every process on a host reads the same wall clock, so the ranks' events line up
+    without any exchange (across hosts, as well as the hosts' clocks agree). On CUDA the
+    clock reads wait for the device, so events measure the work, not its launch; a
+    disabled recorder does neither.
     """
 
     def __init__(self, rank: int, device: torch.device, enabled: bool = True) -> None:
@@ -21,19 +23,17 @@ class Recorder:
         self.rank = rank
         self.enabled = enabled
         self._sync = device.type == "cuda"
-        self._origin = time.perf_counter()
         self.events: list[Event] = []
 
     def reset(self) -> None:
-        """Forget recorded events and restart the clock (call after a barrier)."""
+        """Forget recorded events."""
         self.events = []
-        self._origin = time.perf_counter()
 
     def now(self) -> float:
-        """Seconds since the origin."""
+        """Seconds since the epoch."""
         if self._sync:
             torch.cuda.synchronize()
-        return time.perf_counter() - self._origin
+        return time.time()
 
     def add(self, kind: str, stage: int | None, microbatch: int | None, start: float, end: float) -> None:
         """Append one event."""
