@@ -127,9 +127,11 @@ def _in_sequence(
             times[index][1].append(timer.now() - start)
             incoming = [x.grad if isinstance(x, Tensor) else None for x in leaves]
         for index, stepper in enumerate(steppers):
+            if stepper is None:
+                times[index][2].append(0.0)
+                continue
             start = timer.now()
-            if stepper is not None:
-                stepper.step()
+            stepper.step()
             times[index][2].append(timer.now() - start)
     return [tuple(statistics.median(kind[warmup:]) for kind in layer) for layer in times]
 

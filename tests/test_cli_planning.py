@@ -1,0 +1,102 @@
+"""`pipetrain profile`, `plan`, and `train` with plans, replicas and asynchronous schedules."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipetrain.plan import Plan
+from pipetrain.plan_job import parse_bytes
+from pipetrain.profiler import Profile
+from test_cli import ROOT, run_cli
+
+
+def last_json(output: str) -> dict:
+    return json.loads(output.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def mlp_profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("profile") / "mlp.json"
+    done = run_cli("profile", "--model", "mlp", "--batch-size", "32", "--microbatches", "2", "-o", str(path), "--json")
+    assert done.returncode == 0, done.stderr
+    printed = last_json(done.stdout)
+    assert len(printed["layers"]) == 5
+    assert Profile.load(path).microbatch_size == 16
+    return path
+
+
+def test_profile_measures_every_layer(mlp_profile: Path) -> None:
+    profile = Profile.load(mlp_profile)
+    linear_bytes = [(64 * 128 + 128) * 4, 0, (128 * 128 + 128) * 4, 0, (128 * 10 + 10) * 4]
+    assert [layer.parameter_bytes for layer in profile.layers] == linear_bytes
+    assert all(layer.forward_s > 0 and layer.backward_s > 0 for layer in profile.layers)
+    assert all((layer.optimizer_s > 0) == (layer.parameter_bytes > 0) for layer in profile.layers)
+
+
+def test_plan_prints_a_plan_and_saves_it(mlp_profile: Path, tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    done = run_cli("plan", "--profile", str(mlp_profile), "--workers", "2", "--batch-size", "32", "--no-replication", "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    plan = Plan.load(out)
+    assert plan.workers == 2 and sum(plan.balance) == 5 and plan.replicas == [1] * len(plan.stages)
+    assert f"predicted step {plan.predicted_step_s:.4g} s" in done.stdout
+
+
+def test_plan_memory_error_names_the_smallest_fit(mlp_profile: Path) -> None:
+    done = run_cli("plan", "--profile", str(mlp_profile), "--workers", "2", "--memory", "1kB")
+    assert done.returncode == 2
+    assert "no candidate plan fits memory_limit=1000 bytes" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_train_follows_a_saved_plan(mlp_profile: Path, tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    assert run_cli("plan", "--profile", str(mlp_profile), "--workers", "2", "--batch-size", "32", "--no-replication",
+                   "--schedules", "gpipe", "-o", str(out)).returncode == 0
+    done = run_cli("train", "--model", "mlp", "--plan", str(out), "--steps", "3", "--json")
+    assert done.returncode == 0, done.stderr
+    report = last_json(done.stdout)
+    plan = Plan.load(out)
+    assert report["schedule"] == "gpipe" and report["microbatches"] == plan.microbatches
+    assert len(report["losses"]) == 3 and all(math.isfinite(x) for x in report["losses"])
+
+
+@pytest.mark.parametrize("extra", [["--schedule", "pipedream", "--microbatches", "4"],
+                                   ["--schedule", "pipedream", "--vertical-sync"],
+                                   ["--schedule", "2bw", "--microbatches", "2"]])
+def test_train_runs_asynchronous_schedules(extra: list[str]) -> None:
+    done = run_cli("train", "--model", "mlp", "--steps", "3", "--batch-size", "32", "--json", *extra)
+    assert done.returncode == 0, done.stderr
+    report = last_json(done.stdout)
+    assert len(report["losses"]) == 3 and report["predicted_step_s"] > 0
+
+
+def test_replicated_plan_runs_under_torchrun() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", "-m", "pipetrain",
+         "train", "--model", "mlp", "--replicas", "2,1", "--balance", "3,2", "--steps", "3", "--json"],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = last_json(done.stdout)
+    assert report["stages"] == 3 and len(report["losses"]) == 3
+
+
+@pytest.mark.parametrize("text, expected", [("16GiB", 16 * 1024**3), ("500MB", 5e8), ("1024", 1024.0), ("1.5kB", 1500.0)])
+def test_memory_sizes_parse(text: str, expected: float) -> None:
+    assert parse_bytes(text) == expected
+
+
+def test_a_bad_memory_size_is_named() -> None:
+    with pytest.raises(ValueError, match="memory size '16 gigs' is not a size"):
+        parse_bytes("16 gigs")
