@@ -67,6 +67,16 @@ def output_path(text: str) -> str:
     return text
 
 
+def emit(args: argparse.Namespace, as_json: dict[str, Any], text: str, written: tuple[str, str] | None = None) -> None:
+    """Print one JSON object with ``--json``, else ``text`` and which file was written."""
+    if args.json:
+        print(json.dumps(as_json))
+        return
+    print(text)
+    if written is not None:
+        print(f"  {written[0]} written  {written[1]}")
+
+
 def write_timeline(timeline: Timeline, path: str, title: str | None = None) -> None:
     """Write ``timeline`` as a PNG chart or a Chrome trace, chosen by the extension of ``path``."""
     if path.lower().endswith(".png"):
@@ -203,12 +213,7 @@ def _run_train(args: argparse.Namespace) -> None:
         return
     if args.trace:
         report.write_trace(args.trace)
-    if args.json:
-        print(json.dumps(report.to_json()))
-        return
-    print(report.summary())
-    if args.trace:
-        print(f"  timeline written  {args.trace}")
+    emit(args, report.to_json(), report.summary(), ("timeline", args.trace) if args.trace else None)
 
 
 def _train_plan(args: argparse.Namespace):
@@ -249,16 +254,12 @@ def _run_profile(args: argparse.Namespace) -> None:
     measured = profile_builtin(args.model, args.batch_size, args.microbatches, args.seed, args.threads)
     if args.out:
         measured.save(args.out)
-    if args.json:
-        print(json.dumps(measured.to_dict()))
-        return
-    print(f"{args.model}: {len(measured.layers)} layers, micro-batch of {measured.microbatch_size}")
-    print(f"{'layer':>5}  {'name':16} {'forward':>10} {'backward':>10} {'activation':>11} {'parameters':>11}")
+    lines = [f"{args.model}: {len(measured.layers)} layers, micro-batch of {measured.microbatch_size}",
+             f"{'layer':>5}  {'name':16} {'forward':>10} {'backward':>10} {'activation':>11} {'parameters':>11}"]
     for index, layer in enumerate(measured.layers):
-        print(f"{index:>5}  {layer.name[:16]:16} {format_seconds(layer.forward_s):>10} {format_seconds(layer.backward_s):>10} "
-              f"{_bytes(layer.activation_bytes):>11} {_bytes(layer.parameter_bytes):>11}")
-    if args.out:
-        print(f"  profile written  {args.out}")
+        lines.append(f"{index:>5}  {layer.name[:16]:16} {format_seconds(layer.forward_s):>10} "
+                     f"{format_seconds(layer.backward_s):>10} {_bytes(layer.activation_bytes):>11} {_bytes(layer.parameter_bytes):>11}")
+    emit(args, measured.to_dict(), "\n".join(lines), ("profile", args.out) if args.out else None)
 
 
 def _bytes(size: float) -> str:
@@ -303,12 +304,7 @@ def _run_plan(args: argparse.Namespace) -> None:
     )
     if args.out:
         chosen.save(args.out)
-    if args.json:
-        print(json.dumps(chosen.to_dict()))
-        return
-    print(chosen.describe())
-    if args.out:
-        print(f"  plan written  {args.out}")
+    emit(args, chosen.to_dict(), chosen.describe(), ("plan", args.out) if args.out else None)
 
 
 # entry point ----------------------------------------------------------------------------

@@ -19,6 +19,8 @@ from functools import cached_property
 from os import PathLike
 from typing import Any
 
+from pipetrain.jsonfile import JsonFile
+
 FORMAT_VERSION = 1
 """Version of the JSON layout written by :meth:`Timeline.to_dict` and :meth:`Timeline.save`."""
 
@@ -113,7 +115,7 @@ def _as_optional_int(value: Any, field_name: str, event: Event) -> int | None:
     return None if value is None else _as_int(value, field_name, event)
 
 
-class Timeline:
+class Timeline(JsonFile):
     """The events of one run (predicted or measured) over ``num_ranks`` ranks.
 
     ``events`` is sorted by ``(start, rank)``. A timeline is immutable: methods that change
@@ -243,16 +245,6 @@ class Timeline:
                 raise ValueError(f"timeline event {item!r} lacks field(s) {absent}")
             events.append(Event(**{name: item[name] for name in _EVENT_FIELDS}))
         return cls(events, d["num_ranks"], d.get("label", ""))
-
-    def save(self, path: StrPath) -> None:
-        """Write the timeline to ``path`` as JSON (with a ``"format_version"`` key)."""
-        _write_json(path, self.to_dict())
-
-    @classmethod
-    def load(cls, path: StrPath) -> Timeline:
-        """Read a timeline written by :meth:`save`."""
-        with open(path, encoding="utf-8") as file:
-            return cls.from_dict(json.load(file))
 
     def to_chrome_trace(self, path: StrPath) -> None:
         """Write a Chrome/Perfetto trace: one thread per rank, times in microseconds.

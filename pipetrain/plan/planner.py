@@ -10,13 +10,12 @@ schedule runs it (the all-reduce after the last backward), and decides.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from os import PathLike
 from typing import Any
 
+from pipetrain.jsonfile import JsonFile
 from pipetrain.plan.candidates import Candidate, Layout, layouts, step_costs
 from pipetrain.plan.topology import Topology, resolve
 from pipetrain.profiler.costs import Profile
@@ -44,7 +43,7 @@ class PlanStage:
 
 
 @dataclass
-class Plan:
+class Plan(JsonFile):
     """A chosen pipeline configuration and its predicted speed and memory.
 
     ``stages`` are in pipeline order (for ``interleaved``, the ``virtual · workers`` model
@@ -101,17 +100,6 @@ class Plan:
             return cls(**fields)
         except (KeyError, TypeError) as error:
             raise ValueError(f"the plan is incomplete or has unknown fields: {error}") from None
-
-    def save(self, path: str | PathLike[str]) -> None:
-        """Write the plan as JSON."""
-        with open(path, "w", encoding="utf-8") as file:
-            json.dump(self.to_dict(), file, indent=1)
-
-    @classmethod
-    def load(cls, path: str | PathLike[str]) -> Plan:
-        """Read a plan written by :meth:`save`."""
-        with open(path, encoding="utf-8") as file:
-            return cls.from_dict(json.load(file))
 
     def describe(self) -> str:
         """A readable summary and one table row per stage."""

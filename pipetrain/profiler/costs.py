@@ -6,11 +6,11 @@ hand, saved to JSON and loaded back.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, fields, replace
-from os import PathLike
 from typing import Any
+
+from pipetrain.jsonfile import JsonFile
 
 FORMAT_VERSION = 1
 """Version of the JSON layout written by :meth:`Profile.save`."""
@@ -60,7 +60,7 @@ class LayerCost:
 
 
 @dataclass
-class Profile:
+class Profile(JsonFile):
     """Per-layer costs of a model, in execution order.
 
     ``microbatch_size`` is the micro-batch size the costs were measured at and
@@ -132,18 +132,6 @@ class Profile:
             except TypeError as error:
                 raise ValueError(f"profile layer {index} is incomplete: {error}") from None
         return cls(layers, data.get("microbatch_size", 1), data.get("input_bytes", 0.0))
-
-    def save(self, path: str | PathLike[str]) -> None:
-        """Write the profile as JSON."""
-        with open(path, "w", encoding="utf-8") as file:
-            json.dump(self.to_dict(), file, indent=1)
-
-    @classmethod
-    def load(cls, path: str | PathLike[str]) -> Profile:
-        """Read a profile written by :meth:`save`."""
-        with open(path, encoding="utf-8") as file:
-            return cls.from_dict(json.load(file))
-
 
 def _check_layer(index: int, layer: object) -> None:
     """Raise if a layer entry is not a LayerCost or holds a negative or non-finite value."""
