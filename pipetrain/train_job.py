@@ -270,7 +270,7 @@ class TrainReport:
             f"  last step         measured {format_seconds(measured.makespan)}, bubble {measured.bubble_fraction:.1%}",
             f"  predicted         {format_seconds(predicted.makespan)}, bubble {predicted.bubble_fraction:.1%} "
             f"({config.schedule} simulated on the measured stage costs)",
-            f"  stage costs       {stage_costs} (mean per micro-batch, by stage)",
+            f"  stage costs       {stage_costs} (median per micro-batch, by stage)",
         ])
 
     def write_trace(self, path: str) -> None:
