@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,9 @@ from pipetrain.runtime.stash import WeightStash
 from pipetrain.runtime.transport import PeerError, Transport
 from pipetrain.schedules import SCHEDULE_NAMES, Kind, Schedule, build
 from pipetrain.trace import Timeline
+
+if TYPE_CHECKING:
+    from pipetrain.plan import Plan
 
 OptimizerArg = torch.optim.Optimizer | Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer] | None
 
@@ -71,7 +75,7 @@ class Pipeline:
         checkpoint: str = "never",
         optimizer: OptimizerArg = None,
         *,
-        plan=None,
+        plan: Plan | None = None,
         replicas: Sequence[int] | None = None,
         virtual: int = 2,
         vertical_sync: bool = False,
