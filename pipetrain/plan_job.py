@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+import statistics
+import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -13,6 +16,7 @@ from pipetrain.plan import Plan, plan
 from pipetrain.profiler import Profile
 from pipetrain.profiler.measure import profile
 from pipetrain.runtime import launch
+from pipetrain.runtime.transport import Transport
 
 _PROFILED = "pipetrain/profiled"
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKMGT]?)(i?)B?\s*$")
@@ -50,19 +54,53 @@ def profile_builtin(model: str, batch_size: int, microbatches: int, seed: int = 
 
 
 def _profile_under_load(model: str, batch_size: int, microbatches: int, seed: int, threads: int) -> Profile | None:
-    """Rank 0 profiles; the other ranks run forward and backward passes until it is done."""
+    """Rank 0 profiles while the other ranks run forward and backward passes; then ranks 0
+    and 1 time activation messages between them."""
     store = dist.distributed_c10d._get_default_store()
+    measured = None
     if dist.get_rank() == 0:
         try:
-            return profile_builtin(model, batch_size, microbatches, seed, threads)
+            measured = profile_builtin(model, batch_size, microbatches, seed, threads)
         finally:
             store.set(_PROFILED, "1")
-    network, loss_fn = build_model(model, seed=seed), loss_function(model)
-    inputs, targets = next(BatchStream(model, batch_size, seed=seed))
-    size = batch_size // microbatches
-    while not store.check([_PROFILED]):
-        loss_fn(network(inputs[:size]), targets[:size]).backward()
-    return None
+    else:
+        network, loss_fn = build_model(model, seed=seed), loss_function(model)
+        inputs, targets = next(BatchStream(model, batch_size, seed=seed))
+        size = batch_size // microbatches
+        while not store.check([_PROFILED]):
+            loss_fn(network(inputs[:size]), targets[:size]).backward()
+    sizes = torch.tensor([statistics.median(layer.activation_bytes for layer in measured.layers) if measured else 0.0])
+    dist.broadcast(sizes, 0)
+    message_s = _message_s(int(sizes.item()))
+    return replace(measured, message_s=message_s) if measured is not None else None
+
+
+def _message_s(nbytes: int, rounds: int = 24, warmup: int = 4) -> float:
+    """The longer of the median times a message of ``nbytes`` keeps rank 0 sending and rank 1
+    receiving it (the data already there), as the pipeline's transport does it."""
+    rank = dist.get_rank()
+    transport = Transport(torch.device("cpu"))
+    payload = (torch.zeros(max(1, nbytes // 4)),)
+    times = []
+    for round_index in range(warmup + rounds):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            transport.send(payload, 1, "message")
+            elapsed = time.perf_counter() - start
+            transport.flush()
+        elif rank == 1:
+            time.sleep(0.002)  # let the data arrive: a receive that waits would time the wait
+            start = time.perf_counter()
+            transport.receive(0, "message")
+            elapsed = time.perf_counter() - start
+        else:
+            elapsed = 0.0
+        if round_index >= warmup:
+            times.append(elapsed)
+    longest = torch.tensor([statistics.median(times)])
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+    return float(longest)
 
 
 def auto_plan(model: str, workers: int, batch_size: int, seed: int = 0, threads: int = 1) -> Plan:

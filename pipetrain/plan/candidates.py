@@ -184,7 +184,13 @@ class Candidate:
         sizes = [layers[layout.stages[b][1] - 1].activation_bytes for b in boundaries] or [0.0]
         links = [self._link(topology, b) for b in boundaries] or [math.inf]
         steps = [sum(layer.optimizer_s for layer in layers[start:stop]) for start, stop, _ in layout.stages]
-        return Costs(forward, [max(b, 0.0) for b in backward], weight, sizes, links, step_s=steps, allreduce_s=allreduce)
+        # each message keeps its sender busy after the forward (or backward) that made it,
+        # and its receiver while copying it in
+        message = self.profile.message_s
+        last = len(layout.stages) - 1
+        forward = [f + (message if stage < last else 0.0) for stage, f in enumerate(forward)]
+        backward = [max(b, 0.0) + (message if stage > 0 else 0.0) for stage, b in enumerate(backward)]
+        return Costs(forward, backward, weight, sizes, links, step_s=steps, allreduce_s=allreduce, receive_s=message)
 
     def _link(self, topology: Topology, boundary: int) -> float:
         """Bandwidth across ``boundary``: the slowest link among both stages' workers."""

@@ -64,12 +64,15 @@ class Profile(JsonFile):
     """Per-layer costs of a model, in execution order.
 
     ``microbatch_size`` is the micro-batch size the costs were measured at and
-    ``input_bytes`` the size of one such micro-batch of model input.
+    ``input_bytes`` the size of one such micro-batch of model input. ``message_s`` is the
+    time one activation message between two workers keeps each side busy (packing,
+    copying), where it was measured: the planner charges it to every stage boundary.
     """
 
     layers: list[LayerCost]
     microbatch_size: int = 1
     input_bytes: float = 0.0
+    message_s: float = 0.0
 
     def __post_init__(self) -> None:
         """Reject empty profiles and negative or non-finite costs, naming the layer and field."""
@@ -81,6 +84,7 @@ class Profile(JsonFile):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"microbatch_size must be a positive integer, got {size!r}")
         _check_amount("input_bytes", self.input_bytes, "Profile")
+        _check_amount("message_s", self.message_s, "Profile")
 
     def __len__(self) -> int:
         """The number of layers."""
@@ -99,6 +103,7 @@ class Profile(JsonFile):
             layers=[_scaled_layer(layer, factor) for layer in self.layers],
             microbatch_size=microbatch_size,
             input_bytes=self.input_bytes * factor,
+            message_s=self.message_s,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -107,6 +112,7 @@ class Profile(JsonFile):
             "format_version": FORMAT_VERSION,
             "microbatch_size": self.microbatch_size,
             "input_bytes": self.input_bytes,
+            "message_s": self.message_s,
             "layers": [asdict(layer) for layer in self.layers],
         }
 
@@ -131,7 +137,7 @@ class Profile(JsonFile):
                 layers.append(LayerCost(**entry))
             except TypeError as error:
                 raise ValueError(f"profile layer {index} is incomplete: {error}") from None
-        return cls(layers, data.get("microbatch_size", 1), data.get("input_bytes", 0.0))
+        return cls(layers, data.get("microbatch_size", 1), data.get("input_bytes", 0.0), data.get("message_s", 0.0))
 
 def _check_layer(index: int, layer: object) -> None:
     """Raise if a layer entry is not a LayerCost or holds a negative or non-finite value."""
