@@ -6,7 +6,11 @@ balance and with an equal layer-count balance, each on 2 CPU worker processes wi
 thread, and prints measured step times, their ratio, and the plan's predicted step time
 beside the measured one.
 
-    python benchmarks/bench_plan.py [--steps 30] [--batch-size 128] [--microbatches 4]
+Step times on a shared machine move by ±15% from run to run, so the whole procedure
+(profile, plan, measure both splits) repeats for ``--rounds`` rounds and the medians and
+ranges are printed.
+
+    python benchmarks/bench_plan.py [--steps 30] [--batch-size 128] [--microbatches 4] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -43,32 +47,38 @@ def train(balance: list[int], schedule: str, microbatches: int, batch_size: int,
 
 
 def main() -> None:
-    """Profile, plan, measure both splits, print the comparison."""
+    """Profile, plan, measure both splits, in several rounds; print each round and the medians."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    started = time.perf_counter()
-    profile = profile_builtin(MODEL, args.batch_size, args.microbatches, workers=2)
-    plan = pipetrain.plan(profile, workers=2, replication=False, schedules=("1f1b",),
-                          microbatches=(args.microbatches,), batch_size=args.batch_size)
-    print(f"profiled and planned in {time.perf_counter() - started:.2f} s")
-    print(plan.describe())
-    layers = len(profile.layers)
-    equal = [layers // 2, layers - layers // 2]
     rows = []
-    for name, balance in (("planner", plan.balance), ("equal layers", equal)):
-        times = pipetrain.launch(train, 2, balance, plan.schedule, args.microbatches, args.batch_size, args.steps,
-                                 threads_per_worker=1)[0]
-        rows.append((name, balance, statistics.median(times[WARMUP:])))
-    print(f"\n{'split':14} {'balance':10} {'step ms':>9}")
-    for name, balance, seconds in rows:
-        print(f"{name:14} {str(balance):10} {seconds * 1e3:9.2f}")
-    planner_s, equal_s = rows[0][2], rows[1][2]
-    print(f"\nplanner split is {equal_s / planner_s:.2f}x faster than the equal split")
-    print(f"predicted {plan.predicted_step_s * 1e3:.2f} ms, measured {planner_s * 1e3:.2f} ms, "
-          f"predicted/measured {plan.predicted_step_s / planner_s:.3f}")
+    for _ in range(args.rounds):
+        started = time.perf_counter()
+        profile = profile_builtin(MODEL, args.batch_size, args.microbatches, workers=2)
+        plan = pipetrain.plan(profile, workers=2, replication=False, schedules=("1f1b",),
+                              microbatches=(args.microbatches,), batch_size=args.batch_size)
+        planned_s = time.perf_counter() - started
+        layers = len(profile.layers)
+        equal = [layers // 2, layers - layers // 2]
+        measured = [
+            statistics.median(pipetrain.launch(train, 2, balance, plan.schedule, args.microbatches, args.batch_size,
+                                               args.steps, threads_per_worker=1)[0][WARMUP:])
+            for balance in (plan.balance, equal)
+        ]
+        rows.append((plan.balance, measured[0], measured[1], plan.predicted_step_s, planned_s))
+    print(plan.describe())
+    print(f"\n{'round':>5} {'planner balance':>16} {'planner ms':>11} {'equal ms':>9} {'speedup':>8} {'predicted ms':>13} {'pred/meas':>10}")
+    for index, (balance, ours, theirs, predicted, _) in enumerate(rows, 1):
+        print(f"{index:>5} {str(balance):>16} {ours * 1e3:11.2f} {theirs * 1e3:9.2f} {theirs / ours:8.2f} "
+              f"{predicted * 1e3:13.2f} {predicted / ours:10.3f}")
+    speedups = [theirs / ours for _, ours, theirs, _, _ in rows]
+    ratios = [predicted / ours for _, ours, _, predicted, _ in rows]
+    print(f"\nplanner split vs equal split: median {statistics.median(speedups):.2f}x (range {min(speedups):.2f}-{max(speedups):.2f})")
+    print(f"predicted/measured: median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f})")
+    print(f"profiling and planning took {statistics.median(r[4] for r in rows):.1f} s (median)")
 
 
 if __name__ == "__main__":
