@@ -177,7 +177,7 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--lr", type=_learning_rate, metavar="LR", help="Adam learning rate (default per model)")
     parser.add_argument("--virtual", type=positive_int, default=2, metavar="V", help="model chunks per rank for interleaved (default 2)")
     parser.add_argument("--replicas", type=_balance, metavar="N,N,...",
-                        help="workers per stage, e.g. 2,1 (gpipe and 1f1b; default one each)")
+                        help="workers per stage, e.g. 2,1 (gpipe, 1f1b and pipedream; default one each)")
     parser.add_argument("--vertical-sync", action="store_true", help="pipedream: every stage uses the input stage's weight version")
     parser.add_argument("--plan", metavar="auto|PLAN.json",
                         help="take split, replication, schedule and micro-batches from a plan; auto profiles and plans first")

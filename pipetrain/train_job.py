@@ -198,6 +198,13 @@ def run_training(config: TrainConfig) -> TrainReport | None:
     return None if result is None else TrainReport.build(config, result)
 
 
+def _placement(config: TrainConfig) -> str:
+    """``"2 stages"``, or ``"2 stages on 3 workers"`` when stages are replicated."""
+    if config.replicas is None:
+        return f"{config.stages} stages"
+    return f"{len(config.replicas)} stages on {config.stages} workers (replicas {', '.join(map(str, config.replicas))})"
+
+
 @dataclass(frozen=True)
 class TrainReport:
     """The outcome of a run: losses and step times, and the last step measured and predicted."""
@@ -262,7 +269,7 @@ class TrainReport:
             if any(getattr(self.costs, field))
         )
         return "\n".join([
-            f"{config.model} on {config.stages} stages, {config.schedule}, {config.microbatches} micro-batches "
+            f"{config.model} on {_placement(config)}, {config.schedule}, {config.microbatches} micro-batches "
             f"of {per_micro:g} samples, {config.steps} steps (Adam, lr {config.lr:g})",
             f"  loss              {self.losses[0]:.4f} -> {self.losses[-1]:.4f}",
             f"  step time         {format_seconds(self.step_s)} (median of {steady})",

@@ -86,3 +86,37 @@ def test_stale_rules_differ_from_plain_sgd() -> None:
     stashed = reference(balance, lambda s, k: max(0, k - (2 - s) + 1), 1, 5, windows=1)
     synchronous = reference(balance, lambda s, k: k, 1, 5, windows=1)
     assert any(not torch.allclose(stashed[n], synchronous[n]) for n in stashed)
+
+
+def test_pipedream_with_a_replicated_stage() -> None:
+    """Stage 0 on 2 replicas (mini-batches round-robin), stage 1 on one worker.
+
+    Stage 1 updates after every mini-batch k, on version k. Each stage-0 replica keeps 2
+    mini-batches in flight, so its i-th local mini-batch (k = 2i + replica) runs on version
+    max(0, i − 1); the replicas average the gradients of mini-batches 2i and 2i + 1 and
+    update together.
+    """
+    balance, window, windows = [2, 3], 6, 2
+    owner = stage_of(balance)
+    model = StageModule(to_layers(cases.mlp()))
+    start = {name: p.detach().clone() for name, p in model.named_parameters()}
+    versions = {0: [start], 1: [start]}  # per stage, the weights after each of its updates
+    for index in range(windows):
+        base = {stage: len(history) - 1 for stage, history in versions.items()}
+        x, y = cases.batch(seed=10 + index, size=window * 2)
+        pending = None
+        for k, (inputs, targets) in enumerate(zip(torch.tensor_split(x, window), torch.tensor_split(y, window))):
+            used = {0: base[0] + max(0, k // 2 - 1), 1: base[1] + k}
+            weights = {n: versions[owner[n]][used[owner[n]]][n].clone().requires_grad_(True) for n in owner}
+            loss = nn.functional.cross_entropy(torch.func.functional_call(model, weights, (inputs,)), targets)
+            grads = dict(zip(weights, torch.autograd.grad(loss, list(weights.values()))))
+            versions[1].append({n: versions[1][-1][n] - LR * grads[n] for n in owner if owner[n] == 1})
+            if k % 2 == 0:
+                pending = grads
+            else:
+                versions[0].append({n: versions[0][-1][n] - LR * (pending[n] + grads[n]) / 2 for n in owner if owner[n] == 0})
+    expected = {**versions[0][-1], **versions[1][-1]}
+    states = pipetrain.launch(cases.asynchronous_runs, 3, "pipedream", balance, window, windows, {"replicas": [2, 1]}, timeout_s=60)
+    for name, value in states[1].items():  # the two replicas of stage 0 hold the same weights, bit for bit
+        assert torch.equal(value, states[0][name]), name
+    assert_equal_weights({**states[0], **states[2]}, expected)

@@ -200,3 +200,21 @@ def test_bad_arguments_name_the_value(call, message: str) -> None:
 def test_every_named_schedule_builds() -> None:
     for name in SCHEDULE_NAMES:
         assert build(name, 4, 8).name == name
+
+
+@settings(max_examples=30, deadline=None)
+@given(replicas=st.lists(st.integers(1, 2), min_size=1, max_size=4), pairs=st.integers(1, 4))
+def test_pipedream_replicas_update_together(replicas: list[int], pairs: int) -> None:
+    schedule = build("pipedream", len(replicas), 2 * pairs, replicas=replicas)
+    for stage, ranks in enumerate(schedule.stage_ranks):
+        lists = [[a for a in schedule.ranks[rank] if a.kind in (Kind.ALLREDUCE, Kind.STEP)] for rank in ranks]
+        # every replica reduces and steps the same number of times: one update per replicas mini-batches
+        assert all(len(steps) == len(lists[0]) for steps in lists)
+        assert sum(a.kind is Kind.STEP for a in lists[0]) == 2 * pairs // len(ranks)
+
+
+def test_pipedream_replicas_need_whole_rounds_and_no_vertical_sync() -> None:
+    with pytest.raises(ValueError, match="multiples of every replica count"):
+        build("pipedream", 2, 5, replicas=[2, 1])
+    with pytest.raises(ValueError, match="vertical_sync needs every stage to update once per mini-batch"):
+        build("pipedream", 2, 4, replicas=[1, 2], vertical_sync=True)

@@ -76,7 +76,7 @@ class Executor:
         hold each stage's weight versions when the schedule is asynchronous."""
         self.schedule, self.rank, self.modules = schedule, rank, modules
         self.transport, self.loss_fn, self.checkpoint = transport, loss_fn, checkpoint
-        self.recorder, self.step = recorder, step
+        self.recorder, self.step, self.allreduce = recorder, step, allreduce
         self.stashes = stashes or {}
         self._prefetch = transport.device.type == "cuda"
         self.last_stage = schedule.stages - 1
@@ -89,7 +89,7 @@ class Executor:
             Kind.RECV_F: self._receive_activation,
             Kind.RECV_B: self._receive_gradient,
             Kind.STEP: self._step,
-            Kind.ALLREDUCE: lambda action: allreduce(action.stage),
+            Kind.ALLREDUCE: self._allreduce,
         }
 
     def run(self, inputs: Sequence[Tensors] | None, targets: Sequence[torch.Tensor] | None, scales: Sequence[float] | None) -> torch.Tensor | None:
@@ -129,6 +129,7 @@ class Executor:
         if not self._stashing:
             return
         self._base = {stage: stash.newest for stage, stash in self.stashes.items()}
+        self._loaded: set[int] = set()  # stages whose gradients an all-reduce already loaded
         self._steps_done = dict.fromkeys(self.stashes, 0)
         # needed[stage][j]: absolute versions used after the stage's j-th update in this window
         self._needed: dict[int, list[set[int]]] = {stage: [] for stage in self.stashes}
@@ -141,13 +142,22 @@ class Executor:
                     needed.insert(0, set())
                 needed[0].add(self._base[action.stage] + action.version)
 
+    def _allreduce(self, action: Action) -> None:
+        if self._stashing:
+            # the gradients sit on the stashed versions the backwards used
+            self.stashes[action.stage].load_gradients()
+            self._loaded.add(action.stage)
+        self.allreduce(action.stage)
+
     def _step(self, action: Action) -> None:
         stage = action.stage
         if not self._stashing:
             self.step(stage)
             return
         stash = self.stashes[stage]
-        stash.load_gradients()
+        if stage not in self._loaded:
+            stash.load_gradients()
+        self._loaded.discard(stage)
         self.step(stage)
         stash.advance()
         self._steps_done[stage] += 1

@@ -190,7 +190,12 @@ class Pipeline:
             self.optimizer.step()
 
     def _allreduce(self, stage: int) -> None:
-        """Sum a replicated stage's gradients over its replicas, as one flat buffer."""
+        """Combine a replicated stage's gradients over its replicas, as one flat buffer.
+
+        Synchronous schedules sum them: the replicas' micro-batches make one mini-batch whose
+        losses are already weighted by their share. Asynchronous ones average them: each
+        replica's mini-batch has a mean loss of its own, as in data parallelism.
+        """
         parameters = [p for p in self.stages[stage].parameters() if p.requires_grad]
         for parameter in parameters:
             if parameter.grad is None:
@@ -198,6 +203,8 @@ class Pipeline:
         grads = [p.grad for p in parameters]
         flat = torch._utils._flatten_dense_tensors(grads)
         dist.all_reduce(flat, group=self._replica_groups[stage])
+        if self.schedule.asynchronous:
+            flat /= len(self.schedule.stage_ranks[stage])
         for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
             grad.copy_(reduced)
 

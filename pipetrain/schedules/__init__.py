@@ -54,7 +54,7 @@ def build(
     ``microbatches`` the micro-batches per optimizer step (for ``pipedream``, the number
     of mini-batches in the window). Options: ``virtual`` model chunks per rank for
     ``interleaved`` (which then has ``stages·virtual`` model stages); ``replicas`` ranks per
-    stage for ``gpipe`` and ``1f1b``; ``vertical_sync`` for ``pipedream``; ``rounds`` of
+    stage for ``gpipe``, ``1f1b`` and ``pipedream``; ``vertical_sync`` for ``pipedream``; ``rounds`` of
     updates in the window for ``2bw``.
     """
     if name not in SCHEDULE_NAMES:
@@ -62,8 +62,8 @@ def build(
     _positive("stages", stages)
     _positive("microbatches", microbatches)
     if replicas is not None:
-        if name not in ("gpipe", "1f1b"):
-            raise ValueError(f"replicas are supported by gpipe and 1f1b, not {name!r}")
+        if name not in ("gpipe", "1f1b", "pipedream"):
+            raise ValueError(f"replicas are supported by gpipe, 1f1b and pipedream, not {name!r}")
         if len(replicas) != stages:
             raise ValueError(f"replicas {list(replicas)} has {len(replicas)} entries, expected one per stage ({stages})")
         for count in replicas:
@@ -89,9 +89,20 @@ def build(
         orders, stage_ranks = generators.zero_bubble_h1(stages, microbatches)
         split_backward = True
     elif name == "pipedream":
-        orders, stage_ranks = generators.pipedream(stages, microbatches, vertical_sync)
+        if vertical_sync and replicas is not None and max(replicas) > 1:
+            raise ValueError(
+                "vertical_sync needs every stage to update once per mini-batch, which replicated stages "
+                f"(replicas {list(replicas)}) do not; use one or the other"
+            )
+        uneven = [r for r in replicas or () if microbatches % r]
+        if uneven:
+            raise ValueError(
+                f"pipedream with replicas {list(replicas)} needs mini-batches in multiples of every replica "
+                f"count, so replicas update together; got microbatches={microbatches}"
+            )
+        orders, stage_ranks = generators.pipedream(stages, microbatches, vertical_sync, replicas)
         asynchronous = True
-        options.update(vertical_sync=vertical_sync, max_versions=stages + 1)
+        options.update(vertical_sync=vertical_sync, max_versions=sum(replicas or [1] * stages) + 1)
     else:
         _positive("rounds", rounds)
         if microbatches < stages:

@@ -168,23 +168,29 @@ def zero_bubble_h1(ranks: int, microbatches: int) -> tuple[Orders, StageRanks]:
     return orders, [(rank,) for rank in range(p)]
 
 
-def pipedream(ranks: int, microbatches: int, vertical_sync: bool = False) -> tuple[Orders, StageRanks]:
+def pipedream(
+    ranks: int, microbatches: int, vertical_sync: bool = False, replicas: Sequence[int] | None = None
+) -> tuple[Orders, StageRanks]:
     """PipeDream's asynchronous 1F1B: no flush, an update after every backward, weight stashing.
 
     ``microbatches`` is the number of mini-batches in the window. Each forward uses the
     newest weights on its stage and records that version; its backward uses the same one.
-    With ``vertical_sync`` every stage uses the version the input stage used.
+    With ``vertical_sync`` every stage uses the version the input stage used. A replicated
+    stage takes mini-batches round-robin; after each backward its replicas all-reduce
+    their gradients and update together, once per ``replicas`` mini-batches.
     """
-    replicas = [1] * ranks
+    replicas = list(replicas or [1] * ranks)
     stage_ranks = assign_ranks(replicas)
     orders: Orders = []
-    for stage in range(ranks):
-        order = []
-        for action in _one_f_one_b(stage, range(microbatches), _in_flight_limit(replicas, stage)):
-            order.append(action)
-            if action.kind is Kind.BACKWARD:
-                order.append(Action(Kind.STEP, stage))
-        orders.append(order)
+    for stage, ranks_of_stage in enumerate(stage_ranks):
+        limit = _in_flight_limit(replicas, stage)
+        for rank in ranks_of_stage:
+            order = []
+            for action in _one_f_one_b(stage, _local_microbatches(stage_ranks, stage, rank, microbatches), limit):
+                order.append(action)
+                if action.kind is Kind.BACKWARD:
+                    order += _flush(stage, len(ranks_of_stage) > 1)
+            orders.append(order)
     return _stamp_versions(orders, lambda stage, mb, steps: steps, vertical_sync), stage_ranks
 
 
@@ -223,6 +229,8 @@ def _stamp_versions(orders: Orders, version_rule, vertical_sync: bool) -> Orders
             elif action.kind is Kind.STEP:
                 steps += 1
                 version = steps
+            elif action.kind is Kind.ALLREDUCE:
+                version = None
             else:
                 version = forward_version[(action.stage, action.microbatch)]
             stamped.append(Action(action.kind, action.stage, action.microbatch, version=version))
@@ -233,7 +241,7 @@ def _stamp_versions(orders: Orders, version_rule, vertical_sync: bool) -> Orders
     input_version = {mb: v for (stage, mb), v in forward_version.items() if stage == 0}
     return [
         [
-            a if a.kind is Kind.STEP else Action(a.kind, a.stage, a.microbatch, version=input_version[a.microbatch])
+            a if a.microbatch is None else Action(a.kind, a.stage, a.microbatch, version=input_version[a.microbatch])
             for a in order
         ]
         for order in stamped_orders
