@@ -6,8 +6,9 @@ Schedule1F1B), each on 2 CPU worker processes with 1 thread; plus the unpipeline
 one process with 1 thread. For pipetrain it also simulates the schedule on the per-stage
 costs measured in the same run and prints the prediction beside the measured step time.
 
-Machine load drifts over minutes, so the runs alternate (pipetrain, torch, pipetrain,
-...) for ``--rounds`` rounds and each figure is the median over its rounds.
+Machine load drifts over minutes, so pipetrain and torch run in the same two processes,
+step by step in turn, and the whole comparison repeats for ``--rounds`` rounds (new
+processes each); each figure is the median over its rounds.
 
     python benchmarks/bench_runtime.py [--model gpt] [--steps 30] [--microbatches 4] [--batch-size 32] [--rounds 3]
 """
@@ -36,44 +37,26 @@ def _batches(model_name: str, batch_size: int, steps: int) -> list:
     return [next(stream) for _ in range(steps)]
 
 
-def run_pipetrain(model_name: str, schedule: str, microbatches: int, batch_size: int, steps: int) -> dict:
-    """Worker: train with pipetrain; rank 0 returns step times and the last step's timeline."""
-    model = build_model(model_name)
-    batches = _batches(model_name, batch_size, steps)
-    pipe = pipetrain.Pipeline(model, microbatches=microbatches, schedule=schedule, loss_fn=loss_function(model_name),
-                              optimizer=lambda params: torch.optim.Adam(params, lr=1e-3))
-    times, timelines = [], []
-    for index, (x, y) in enumerate(batches):
-        # record every other steady step, so that recording costs no more than half the steps
-        pipe.recorder.enabled = index >= WARMUP and index % 2 == 1
-        dist.barrier()
-        start = time.perf_counter()
-        pipe.train_step(x, y)
-        times.append(time.perf_counter() - start)
-        if pipe.recorder.enabled:
-            timeline = pipe.timeline()
-            if timeline is not None:
-                timelines.append(timeline.to_dict())
-    unrecorded = [t for i, t in enumerate(times) if i >= WARMUP and i % 2 == 0]
-    return {"times": times, "unrecorded": unrecorded, "timelines": timelines}
+def run_both(model_name: str, schedule: str, microbatches: int, batch_size: int, steps: int) -> dict:
+    """Worker: pipetrain and torch.distributed.pipelining on the same split, in the same two
+    processes, step by step in turn, so that both see the same machine load.
 
-
-def run_torch(model_name: str, schedule: str, microbatches: int, batch_size: int, steps: int) -> dict:
-    """Worker: the same split and schedule with torch.distributed.pipelining."""
+    Every third step pipetrain also runs a recorded (untimed) step, whose timeline gives the
+    measured costs for the prediction.
+    """
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    loss_fn = loss_function(model_name)
+    pipe = pipetrain.Pipeline(build_model(model_name), microbatches=microbatches, schedule=schedule, loss_fn=loss_fn,
+                              optimizer=lambda params: torch.optim.Adam(params, lr=1e-3))
     layers = to_layers(build_model(model_name))
-    bounds = stage_bounds([len(layers) // world + (1 if i < len(layers) % world else 0) for i in range(world)])
-    module = StageModule(layers[slice(*bounds[rank])])
+    module = StageModule(layers[slice(*stage_bounds(pipe.balance)[rank])])
     optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
-    stage = PipelineStage(module, rank, world, torch.device("cpu"))
     kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
-    runner = kind(stage, microbatches, loss_fn=loss_function(model_name))
-    times = []
-    for x, y in _batches(model_name, batch_size, steps):
-        dist.barrier()
-        start = time.perf_counter()
+    runner = kind(PipelineStage(module, rank, world, torch.device("cpu")), microbatches, loss_fn=loss_fn)
+
+    def torch_step(x, y) -> None:
         optimizer.zero_grad()
         if rank == 0:
             runner.step(x)
@@ -82,8 +65,24 @@ def run_torch(model_name: str, schedule: str, microbatches: int, batch_size: int
         else:
             runner.step()
         optimizer.step()
-        times.append(time.perf_counter() - start)
-    return {"times": times}
+
+    ours, theirs, timelines = [], [], []
+    for index, (x, y) in enumerate(_batches(model_name, batch_size, steps)):
+        for timings, step in ((ours, pipe.train_step), (theirs, torch_step)):
+            dist.barrier()
+            start = time.perf_counter()
+            step(x, y)
+            if index >= WARMUP:
+                timings.append(time.perf_counter() - start)
+        if index >= WARMUP and index % 3 == 0:
+            pipe.recorder.enabled = True
+            dist.barrier()
+            pipe.train_step(x, y)
+            timeline = pipe.timeline()
+            pipe.recorder.enabled = False
+            if timeline is not None:
+                timelines.append(timeline.to_dict())
+    return {"ours": ours, "theirs": theirs, "timelines": timelines}
 
 
 def run_unpipelined(model_name: str, batch_size: int, steps: int) -> list[float]:
@@ -119,23 +118,23 @@ def main() -> None:
     common = (args.microbatches, args.batch_size, args.steps)
     baseline = statistics.median(steady(run_unpipelined(args.model, args.batch_size, args.steps)) for _ in range(args.rounds))
     print(f"{args.model}, batch {args.batch_size}, {args.microbatches} micro-batches, 2 stages, 2 processes x 1 thread, "
-          f"median of {args.rounds} alternating rounds")
+          f"steps in turn, median of {args.rounds} rounds")
     print(f"{'run':34} {'step ms':>9} {'vs unpipelined':>15} {'vs torch':>9} {'predicted ms':>13} {'pred/meas':>10}")
     print(f"{'unpipelined (1 process)':34} {baseline * 1e3:9.2f} {1.0:15.2f}")
     for schedule in ("gpipe", "1f1b"):
         ours_runs, theirs_runs, predictions = [], [], []
         for _ in range(args.rounds):
-            ours = pipetrain.launch(run_pipetrain, 2, args.model, schedule, *common, threads_per_worker=1)[0]
-            theirs = pipetrain.launch(run_torch, 2, args.model, schedule, *common, threads_per_worker=1)[0]
-            ours_runs.append(statistics.median(ours["unrecorded"]))
-            theirs_runs.append(steady(theirs["times"]))
-            timelines = [Timeline.from_dict(t) for t in ours["timelines"]]
-            costs = measured_costs(timelines, 2)
+            result = pipetrain.launch(run_both, 2, args.model, schedule, *common, threads_per_worker=1)[0]
+            ours_runs.append(statistics.median(result["ours"]))
+            theirs_runs.append(statistics.median(result["theirs"]))
+            costs = measured_costs([Timeline.from_dict(t) for t in result["timelines"]], 2)
             predictions.append(simulate(pipetrain.schedules.build(schedule, 2, args.microbatches), costs).makespan / ours_runs[-1])
         ours_s, theirs_s, ratio = (statistics.median(v) for v in (ours_runs, theirs_runs, predictions))
         print(f"{'pipetrain ' + schedule:34} {ours_s * 1e3:9.2f} {baseline / ours_s:15.2f} {theirs_s / ours_s:9.2f} "
               f"{ratio * ours_s * 1e3:13.2f} {ratio:10.2f}")
         print(f"{'torch.distributed.pipelining ' + schedule:34} {theirs_s * 1e3:9.2f} {baseline / theirs_s:15.2f} {1.0:9.2f}")
+        print(f"{'':34} per round, torch/pipetrain: {', '.join(f'{t / o:.2f}' for o, t in zip(ours_runs, theirs_runs))}; "
+              f"predicted/measured: {', '.join(f'{r:.2f}' for r in predictions)}")
     print("'vs unpipelined' and 'vs torch' are speedups (>1 means this run is faster).")
 
 
