@@ -19,7 +19,7 @@ from pipetrain.runtime import launch
 from pipetrain.runtime.transport import Transport
 
 _PROFILED = "pipetrain/profiled"
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKMGT]?)(i?)B?\s*$")
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKMGT]?)(i?)B?\s*$")
 _POWERS = {"": 0, "k": 1, "K": 1, "M": 2, "G": 3, "T": 4}
 
 

@@ -194,3 +194,10 @@ def targets_from_first_stage() -> float:
                               loss_fn=nn.functional.cross_entropy, targets_on_first_stage=True)
     x, y = batch()
     return pipe.train_step(x, y) if pipe.rank == 0 else pipe.train_step()
+
+
+def replicated_eval() -> torch.Tensor | None:
+    """eval_step with the last stage on two replicas: the first gathers every micro-batch."""
+    pipe = pipetrain.Pipeline(mlp(), balance=[2, 3], replicas=[1, 2], microbatches=4, schedule="1f1b",
+                              loss_fn=nn.functional.cross_entropy)
+    return pipe.eval_step(batch(seed=3)[0])

@@ -11,7 +11,7 @@ from torch import nn
 
 import pipeline_cases as cases
 import pipetrain
-from pipetrain.layers import StageModule, to_layers
+from pipetrain.layers import StageModule, stage_bounds, to_layers
 
 
 def reference(make=cases.mlp, data=cases.batch, size: int = cases.BATCH) -> tuple[float, dict[str, torch.Tensor]]:
@@ -159,8 +159,14 @@ def test_replicated_stages_match_the_unpipelined_model_and_stay_identical() -> N
         expected_loss, expected_grads = reference()
         model = cases.mlp()
         stepped = {name: p.detach() - 0.1 * expected_grads[name] for name, p in model.named_parameters()}
+        schedule = pipetrain.schedules.build(config["schedule"], len(config["balance"]), config["microbatches"],
+                                             replicas=config["replicas"])
+        owned = {rank: stage for stage, ranks in enumerate(schedule.stage_ranks) for rank in ranks}
+        bounds = stage_bounds(config["balance"])
         for rank in range(3):
             loss, grads, weights = results[rank][index]
+            start, stop = bounds[owned[rank]]
+            assert set(grads) == {n for n in expected_grads if start <= int(n.split(".")[0]) < stop}, config
             assert loss == pytest.approx(expected_loss, rel=1e-5), config
             for name, grad in grads.items():
                 torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-6, msg=f"{config}: {name}")
@@ -177,3 +183,9 @@ def test_replicated_stages_match_the_unpipelined_model_and_stay_identical() -> N
 def test_targets_travel_from_the_input_stage_to_the_last() -> None:
     losses = pipetrain.launch(cases.targets_from_first_stage, 3)
     assert losses == pytest.approx([reference()[0]] * 3, rel=1e-5)
+
+
+def test_eval_gathers_the_outputs_of_a_replicated_last_stage() -> None:
+    outputs = pipetrain.launch(cases.replicated_eval, 3)
+    assert outputs[0] is None and outputs[2] is None
+    torch.testing.assert_close(outputs[1], cases.mlp()(cases.batch(seed=3)[0]), rtol=1e-5, atol=1e-6)

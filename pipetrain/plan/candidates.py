@@ -141,13 +141,19 @@ class Candidate:
 
     @property
     def recompute(self) -> list[bool]:
-        """Per stage (chunk): whether its backward re-materialises the activations."""
-        count = len(self.layout.stages)
-        if self.checkpoint == "always":
-            return [True] * count
+        """Per stage (chunk): whether its backward re-materialises the activations.
+
+        As the runtime does it, ``except_last`` and ``always`` recompute on every stage;
+        ``except_last`` keeps the last micro-batch, whose backward follows at once.
+        """
+        return [self.checkpoint != "never"] * len(self.layout.stages)
+
+    @property
+    def recompute_share(self) -> float:
+        """The share of micro-batches whose forward runs again in the backward."""
         if self.checkpoint == "except_last":
-            return [index < count - 1 for index in range(count)]
-        return [False] * count
+            return (self.microbatches - 1) / self.microbatches
+        return 1.0 if self.checkpoint == "always" else 0.0
 
     def memory(self) -> list[float]:
         """Peak bytes on a worker of each stage (for a chunk: its rank's total)."""
@@ -176,7 +182,7 @@ class Candidate:
             weight_s = sum(layer.weight_share_s for layer in part)
             forward.append(forward_s)
             weight.append(weight_s)
-            backward.append(sum(layer.backward_s for layer in part) - weight_s + (forward_s if again else 0.0))
+            backward.append(sum(layer.backward_s for layer in part) - weight_s + (forward_s * self.recompute_share if again else 0.0))
             span = topology.span_bandwidth(layout.rank_of(stage), layout.last_rank_of(stage))
             weights = sum(layer.parameter_bytes for layer in part)
             allreduce.append(2 * (replicas - 1) / replicas * weights / span if replicas > 1 else 0.0)

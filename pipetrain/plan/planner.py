@@ -25,7 +25,8 @@ from pipetrain.simulate import Costs
 DEFAULT_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved")
 DEFAULT_MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)
 CHECKPOINT_MODES = ("never", "except_last", "always")
-"""Recomputation modes, cheapest first: none, every stage but the last, every stage."""
+"""Recomputation modes, cheapest first: none, every micro-batch but the last, every micro-batch
+(on every stage, as :class:`pipetrain.Pipeline` runs them)."""
 
 FORMAT_VERSION = 1
 """Version of the JSON layout written by :meth:`Plan.save`."""
@@ -154,7 +155,7 @@ def plan(
     stage per worker, and for ``interleaved`` a pipeline of two chunks per worker; each
     with every requested schedule that can run it, every micro-batch count, and the
     cheapest recomputation mode that fits. Recomputation adds one forward of the stage to
-    its backward. The fastest by simulated throughput wins.
+    its backward (for ``except_last``, on all micro-batches but the last). The fastest by simulated throughput wins.
     """
     if not isinstance(profile, Profile):
         raise TypeError(f"profile must be a pipetrain.Profile, got {type(profile).__name__}")

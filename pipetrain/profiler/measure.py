@@ -1,8 +1,12 @@
 """Measure a model's per-layer costs on one device: :func:`profile`.
 
-Each layer is timed in isolation on its real input (the previous layer's output, detached and
-marked as requiring a gradient), so the numbers are what a pipeline stage holding that layer
-would spend. The model is left exactly as it was found.
+Times come from the layers run one after another, as a pipeline stage runs them: all
+forwards, the backwards in reverse order with the weight gradients accumulating, then an
+optimizer step per layer. (A layer timed alone, over and over, keeps its weights in cache and
+looks faster than a pipeline finds it.) Each layer is also run alone on its real input, the
+previous layer's output detached and marked as requiring a gradient, for its sizes and for
+how its backward splits into input and weight gradients. The model is left exactly as it
+was found.
 """
 
 from __future__ import annotations
@@ -44,13 +48,14 @@ def profile(
 
     Per layer:
 
-    - ``backward_s`` times ``torch.autograd.grad`` with respect to the layer's inputs and
-      parameters; ``weight_backward_s`` is that minus the time with respect to the inputs
-      only (0 for a layer without parameters, all of ``backward_s`` when the input has no
-      gradient, such as token ids).
+    - ``forward_s``, ``backward_s`` and ``optimizer_s`` come from the layers run in sequence.
+      ``weight_backward_s`` is ``backward_s`` times the weight-gradient share measured on
+      the layer alone, where ``torch.autograd.grad`` with respect to the inputs and
+      parameters is timed against the inputs only (0 for a layer without parameters, all of
+      the backward when the input has no gradient, such as token ids).
     - ``optimizer_bytes`` assumes Adam: ``optimizer_state_factor`` (2) times the bytes of
       the trainable parameters (two moment estimates).
-    - ``optimizer_s`` times one step of ``optimizer`` (a function from parameters to an
+    - ``optimizer_s`` is one step of ``optimizer`` (a function from parameters to an
       optimizer; default Adam) on copies of the layer's trainable parameters.
     - ``peak_memory_bytes`` on CUDA is the rise of ``torch.cuda.max_memory_allocated``
       over one forward and backward; on other devices it is an estimate, the output

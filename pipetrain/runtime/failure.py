@@ -31,14 +31,28 @@ def _store() -> dist.Store | None:
 
 
 def report_origin(rank: int, stage: int | None, message: str) -> PipelineError:
-    """Record this rank's failure as the first one (unless another is already there)."""
+    """Record this rank's failure as the first one; if another rank's is already there (this
+    rank failed in a collective because that one did), name that one instead."""
     store = _store()
-    if store is not None:
-        try:
-            store.compare_set(_KEY, "", f"{rank}\n{stage}\n{message}")
-        except RuntimeError:
-            pass  # the store itself is gone: the local error still stands
-    return PipelineError(message, rank, stage)
+    if store is None:
+        return PipelineError(message, rank, stage)
+    ours = f"{rank}\n{stage}\n{message}"
+    try:
+        first = store.compare_set(_KEY, "", ours).decode()
+    except RuntimeError:
+        return PipelineError(message, rank, stage)  # the store itself is gone: the local error stands
+    if first in ("", ours):
+        return PipelineError(message, rank, stage)
+    return _from_record(rank, stage, first)
+
+
+def _from_record(rank: int, stage: int | None, record: str) -> PipelineError:
+    origin_rank, origin_stage, message = record.split("\n", 2)
+    return PipelineError(
+        f"rank {rank} (stage {stage}) stopped because rank {origin_rank} (stage {origin_stage}) failed first: {message}",
+        int(origin_rank),
+        None if origin_stage == "None" else int(origin_stage),
+    )
 
 
 def explain_peer_failure(rank: int, stage: int | None, detail: str, wait_s: float = 5.0) -> PipelineError:
@@ -52,10 +66,5 @@ def explain_peer_failure(rank: int, stage: int | None, detail: str, wait_s: floa
         except RuntimeError:
             origin = None
     if origin:
-        origin_rank, origin_stage, message = origin.split("\n", 2)
-        return PipelineError(
-            f"rank {rank} (stage {stage}) stopped because rank {origin_rank} (stage {origin_stage}) failed first: {message}",
-            int(origin_rank),
-            None if origin_stage == "None" else int(origin_stage),
-        )
+        return _from_record(rank, stage, origin)
     return PipelineError(f"rank {rank} (stage {stage}) stopped: {detail}", None, None)

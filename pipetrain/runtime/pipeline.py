@@ -57,9 +57,10 @@ class Pipeline:
     ``torch.distributed`` process group (``torchrun``, or :func:`pipetrain.launch`). Each rank
     builds only its own stage(s). ``balance`` gives layers per stage (for ``interleaved``,
     ``ranks × virtual`` stages; by default layers are shared out evenly); ``plan`` takes
-    balance, schedule, micro-batches and checkpointing from a :class:`pipetrain.Plan`.
-    ``optimizer`` is an optimizer or a function from this rank's parameters to one; it is
-    stepped once per :meth:`train_step`. ``record=True`` records a measured timeline of
+    balance, replicas, schedule, micro-batches and checkpointing from a :class:`pipetrain.Plan`.
+    ``replicas`` gives ranks per stage (``gpipe``, ``1f1b``, ``pipedream``). ``optimizer`` is
+    an optimizer or a function from this rank's parameters to one; it is stepped once per
+    :meth:`train_step`, or once per update for ``pipedream`` and ``2bw``. ``record=True`` records a measured timeline of
     every step (see :meth:`timeline`). With ``targets_on_first_stage=True`` the first
     stage's rank is given the targets too and sends them to the last stage, so only the
     input stage's ranks need to load data.
@@ -178,9 +179,12 @@ class Pipeline:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load this rank's entries from a (full or partial) state dict keyed as the full model."""
-        for module in self.stages.values():
-            own = {k: v for k, v in state.items() if k in module.state_dict()}
-            module.load_state_dict(own)
+        for stage, module in self.stages.items():
+            keys = module.state_dict().keys()
+            module.load_state_dict({k: v for k, v in state.items() if k in keys})
+        # asynchronous schedules run on stashed snapshots: the loaded weights become the only version
+        for stash in self._executor.stashes.values():
+            stash.reset()
 
     # steps ----------------------------------------------------------------------------
     def _step(self, stage: int) -> None:
@@ -297,15 +301,28 @@ class Pipeline:
         return targets
 
     def eval_step(self, inputs=None) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
-        """Forward only, without gradients: the model's output on the last stage's rank, ``None`` elsewhere."""
+        """Forward only, without gradients: the model's output on the (first) last-stage rank,
+        ``None`` elsewhere. The layers keep their mode: call ``model.eval()`` first for
+        inference behaviour of dropout and batch normalization."""
         micro_inputs, _, _ = self._prepare(inputs, None)
         forward_only = _forward_only(self.schedule)
         with torch.no_grad():
             self._run(forward_only, micro_inputs, None, None)
         self._executor.schedule = self.schedule
-        if not self._holds(self.schedule.stages - 1):
+        last = self.schedule.stage_ranks[-1]
+        if self.rank not in last:
             return None
-        pieces = [self._executor.outputs[k] for k in range(self.microbatches)]
+        # replicas of the last stage hold their own micro-batches: the first one gathers them
+        if self.rank != last[0]:
+            for k in sorted(self._executor.outputs):
+                self.transport.send(self._executor.outputs[k], last[0], ("outputs",))
+            self.transport.flush()
+            return None
+        pieces = [
+            self._executor.outputs[k] if self.schedule.rank_of(self.schedule.stages - 1, k) == self.rank
+            else self.transport.receive(self.schedule.rank_of(self.schedule.stages - 1, k), ("outputs",))
+            for k in range(self.microbatches)
+        ]
         outputs = tuple(torch.cat(parts) for parts in zip(*pieces))
         return outputs[0] if len(outputs) == 1 else outputs
 
@@ -317,7 +334,7 @@ class Pipeline:
         if not self.recorder.enabled:
             raise RuntimeError("Pipeline(record=True) is needed to measure a timeline")
         gathered: list | None = [None] * dist.get_world_size(self.group) if self.rank == 0 else None
-        dist.gather_object(self.recorder.events, gathered, dst=0, group=self.group)
+        dist.gather_object(self.recorder.events, gathered, dst=self._global_rank(0), group=self.group)
         if self.rank != 0:
             return None
         timeline = Timeline([e for events in gathered for e in events], len(gathered), label=f"{self.schedule.name} (measured)")

@@ -50,6 +50,10 @@ class WeightStash:
         self.newest += 1
         self.versions[self.newest] = self._snapshot()
 
+    def reset(self) -> None:
+        """Make the live weights (loaded from outside) the only version, keeping its number."""
+        self.versions = {self.newest: self._snapshot()}
+
     def keep_only(self, needed: Iterable[int]) -> None:
         """Drop every version that is neither needed later nor the newest."""
         keep = set(needed) | {self.newest}

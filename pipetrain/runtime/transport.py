@@ -41,7 +41,7 @@ class TensorMeta:
         count = 1
         for size in self.shape:
             count *= size
-        return count * torch.empty((), dtype=self.dtype).element_size()
+        return count * self.dtype.itemsize
 
 
 def describe(tensors: Sequence[torch.Tensor]) -> tuple[TensorMeta, ...]:

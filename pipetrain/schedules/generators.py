@@ -125,7 +125,7 @@ def zero_bubble_h1(ranks: int, microbatches: int) -> tuple[Orders, StageRanks]:
 
     Built by list scheduling under unit costs (F = B = W = 1): a rank runs a ready B
     first, then a forward while fewer than ``stages - s`` micro-batches are in flight (the
-    1F1B memory limit), and a deferred W whenever it would otherwise wait or already holds
+    1F1B memory limit), and a deferred W whenever it would otherwise wait or holds more than
     ``stages`` deferred W's. Deferring W's lets every B travel up the pipeline at once, so
     with F = B = W the bubble is (p − 1)/(3m + p − 1), a third of 1F1B's.
     """
