@@ -15,17 +15,16 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from pipetrain.schedules import SCHEDULE_NAMES, Schedule, ScheduleError
+from pipetrain.schedules import CHECKPOINT_MODES, SCHEDULE_NAMES, Schedule, ScheduleError
 from pipetrain.simulate_job import COST_FIELDS, run_simulation
 from pipetrain.trace import Timeline, format_seconds
 
 USAGE_ERROR = 2
 RUN_FAILED = 1
 INTERRUPTED = 130
-# copies of pipetrain.models.MODEL_NAMES and runtime CHECKPOINT_MODES (tests keep them equal):
-# importing those modules loads torch, which `pipetrain simulate` does not need
+# a copy of pipetrain.models.MODEL_NAMES (a test keeps them equal): importing the models
+# loads torch, which `pipetrain simulate` does not need
 MODEL_NAMES = ("mlp", "cnn", "gpt", "uneven-mlp")
-CHECKPOINT_MODES = ("never", "except_last", "always")
 
 
 class _Parser(argparse.ArgumentParser):

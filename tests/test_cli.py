@@ -162,12 +162,10 @@ def test_python_m_pipetrain_help_lists_the_commands() -> None:
     assert "simulate" in result.stdout and "train" in result.stdout
 
 
-def test_model_and_checkpoint_choices_match_the_library() -> None:
+def test_model_choices_match_the_library() -> None:
     from pipetrain.models import MODEL_NAMES
-    from pipetrain.runtime.checkpoint import CHECKPOINT_MODES
 
     assert cli.MODEL_NAMES == MODEL_NAMES
-    assert cli.CHECKPOINT_MODES == CHECKPOINT_MODES
 
 
 # train ----------------------------------------------------------------------------------

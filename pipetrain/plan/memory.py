@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipetrain.profiler.costs import Profile
+from pipetrain.schedules.generators import in_flight_limit
 
 ONE_F_ONE_B_LIKE = ("1f1b", "zb-h1", "pipedream", "2bw")
 
@@ -64,8 +65,9 @@ class StageFootprint:
 
 
 def in_flight_depth(stage: int, replicas: Sequence[int]) -> int:
-    """PipeDream's in-flight mini-batches for a stage: ``⌈(r_s + … + r_{p-1}) / r_s⌉``."""
-    return math.ceil(sum(replicas[stage:]) / replicas[stage])
+    """PipeDream's in-flight mini-batches for a stage: ``⌈(r_s + … + r_{p-1}) / r_s⌉``, the
+    limit the schedule generators use."""
+    return in_flight_limit(replicas, stage)
 
 
 def in_flight(

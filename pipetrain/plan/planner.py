@@ -19,14 +19,11 @@ from pipetrain.jsonfile import JsonFile
 from pipetrain.plan.candidates import Candidate, Layout, layouts, step_costs
 from pipetrain.plan.topology import Topology, resolve
 from pipetrain.profiler.costs import Profile
-from pipetrain.schedules import SCHEDULE_NAMES
+from pipetrain.schedules import CHECKPOINT_MODES, SCHEDULE_NAMES
 from pipetrain.simulate import Costs
 
 DEFAULT_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved")
 DEFAULT_MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)
-CHECKPOINT_MODES = ("never", "except_last", "always")
-"""Recomputation modes, cheapest first: none, every micro-batch but the last, every micro-batch
-(on every stage, as :class:`pipetrain.Pipeline` runs them)."""
 
 FORMAT_VERSION = 1
 """Version of the JSON layout written by :meth:`Plan.save`."""

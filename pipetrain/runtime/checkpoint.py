@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import torch
 
-CHECKPOINT_MODES = ("never", "except_last", "always")
+from pipetrain.schedules import CHECKPOINT_MODES
 
 
 def check_mode(mode: str) -> str:

@@ -16,6 +16,9 @@ from pipetrain.schedules.validate import ScheduleError, validate
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1", "pipedream", "2bw")
 SYNCHRONOUS = ("gpipe", "1f1b", "interleaved", "zb-h1")
+CHECKPOINT_MODES = ("never", "except_last", "always")
+"""Recomputation modes, cheapest first: none, every micro-batch but the last, every
+micro-batch (on every stage)."""
 
 __all__ = [
     "Action",
@@ -24,6 +27,7 @@ __all__ = [
     "ScheduleError",
     "SCHEDULE_NAMES",
     "SYNCHRONOUS",
+    "CHECKPOINT_MODES",
     "COMPUTE_KINDS",
     "RECV_KINDS",
     "SEND_KINDS",

@@ -31,7 +31,7 @@ def _local_microbatches(stage_ranks: StageRanks, stage: int, rank: int, total: i
     return [k for k in range(total) if ranks[k % len(ranks)] == rank]
 
 
-def _in_flight_limit(replicas: Sequence[int], stage: int) -> int:
+def in_flight_limit(replicas: Sequence[int], stage: int) -> int:
     """Micro-batches a stage keeps in flight to fill the pipeline (PipeDream's NOAM per stage)."""
     return math.ceil(sum(replicas[stage:]) / replicas[stage])
 
@@ -75,7 +75,7 @@ def one_f_one_b(ranks: int, microbatches: int, replicas: Sequence[int] | None = 
     stage_ranks = assign_ranks(replicas)
     orders: Orders = []
     for stage, ranks_of_stage in enumerate(stage_ranks):
-        limit = _in_flight_limit(replicas, stage)
+        limit = in_flight_limit(replicas, stage)
         for rank in ranks_of_stage:
             local = _local_microbatches(stage_ranks, stage, rank, microbatches)
             orders.append(_one_f_one_b(stage, local, limit) + _flush(stage, len(ranks_of_stage) > 1))
@@ -183,7 +183,7 @@ def pipedream(
     stage_ranks = assign_ranks(replicas)
     orders: Orders = []
     for stage, ranks_of_stage in enumerate(stage_ranks):
-        limit = _in_flight_limit(replicas, stage)
+        limit = in_flight_limit(replicas, stage)
         for rank in ranks_of_stage:
             order = []
             for action in _one_f_one_b(stage, _local_microbatches(stage_ranks, stage, rank, microbatches), limit):
@@ -206,7 +206,7 @@ def two_bw(ranks: int, microbatches: int, rounds: int = 2) -> tuple[Orders, Stag
     orders: Orders = []
     for stage in range(ranks):
         order = []
-        for action in _one_f_one_b(stage, range(total), _in_flight_limit(replicas, stage)):
+        for action in _one_f_one_b(stage, range(total), in_flight_limit(replicas, stage)):
             order.append(action)
             if action.kind is Kind.BACKWARD and (action.microbatch + 1) % microbatches == 0:
                 order.append(Action(Kind.STEP, stage))
