@@ -179,7 +179,11 @@ class StageModule(nn.Module):
 
     def forward(self, *inputs: Tensor) -> StageOutput:
         """Run the layers in order and return the last layer's output."""
-        return self.forward_layers(*inputs)[-1]
+        arguments: tuple[Tensor, ...] = inputs
+        for name, module in self._layer_list:
+            output = _checked_output(name, module(*arguments))
+            arguments = output if isinstance(output, tuple) else (output,)
+        return output
 
     def forward_layers(self, *inputs: Tensor) -> list[StageOutput]:
         """Run the layers in order and return every layer's output.

@@ -9,7 +9,6 @@ JSON, as a Chrome/Perfetto trace, and as a PNG Gantt chart (drawn by :mod:`pipet
 
 from __future__ import annotations
 
-import json
 import math
 import numbers
 import operator
@@ -19,7 +18,7 @@ from functools import cached_property
 from os import PathLike
 from typing import Any
 
-from pipetrain.jsonfile import JsonFile
+from pipetrain.jsonfile import JsonFile, write_json
 
 FORMAT_VERSION = 1
 """Version of the JSON layout written by :meth:`Timeline.to_dict` and :meth:`Timeline.save`."""
@@ -270,7 +269,7 @@ class Timeline(JsonFile):
                     "args": {"stage": e.stage, "microbatch": e.microbatch},
                 }
             )
-        _write_json(path, {"traceEvents": trace_events, "displayTimeUnit": "ms"})
+        write_json(path, {"traceEvents": trace_events, "displayTimeUnit": "ms"})
 
     def plot(self, path: StrPath, title: str | None = None) -> None:
         """Draw the timeline as a PNG Gantt chart, one lane per rank (see :mod:`pipetrain.gantt`).
@@ -315,12 +314,6 @@ def _metadata(name: str, rank: int | None, args: dict[str, Any]) -> dict[str, An
     if rank is not None:
         event["tid"] = rank
     return event
-
-
-def _write_json(path: StrPath, value: Any) -> None:
-    """Write ``value`` to ``path`` as JSON (``dumps`` then one write: much faster than ``dump``)."""
-    with open(path, "w", encoding="utf-8") as file:
-        file.write(json.dumps(value))
 
 
 def time_unit(seconds: float) -> tuple[float, str]:

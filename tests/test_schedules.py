@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipetrain.schedules import SCHEDULE_NAMES, Action, Kind, Schedule, ScheduleError, build, validate
+from pipetrain.schedules import Action, Kind, Schedule, ScheduleError, build, validate
 from pipetrain.schedules.connect import connect
 
 sizes = st.integers(min_value=1, max_value=7)
@@ -195,11 +195,6 @@ def test_validator_rejects_future_weights_and_too_many_versions() -> None:
 def test_bad_arguments_name_the_value(call, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         call()
-
-
-def test_every_named_schedule_builds() -> None:
-    for name in SCHEDULE_NAMES:
-        assert build(name, 4, 8).name == name
 
 
 @settings(max_examples=30, deadline=None)

@@ -78,6 +78,7 @@ class Executor:
         self.transport, self.loss_fn, self.checkpoint = transport, loss_fn, checkpoint
         self.recorder, self.step, self.allreduce = recorder, step, allreduce
         self.stashes = stashes or {}
+        self._trainable = {stage: [p for p in module.parameters() if p.requires_grad] for stage, module in modules.items()}
         self._prefetch = transport.device.type == "cuda"
         self.last_stage = schedule.stages - 1
         self._handlers = {
@@ -244,7 +245,7 @@ class Executor:
     def _weight(self, action: Action) -> None:
         slot = self._slots.pop((action.stage, action.microbatch))
         if slot.version is None:
-            parameters = [p for p in self.modules[action.stage].parameters() if p.requires_grad]
+            parameters = self._trainable[action.stage]
         else:
             parameters = [p for p in self.stashes[action.stage].versions[slot.version].values() if p.requires_grad]
         if parameters and slot.differentiable:

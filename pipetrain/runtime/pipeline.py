@@ -129,11 +129,6 @@ class Pipeline:
                 f"{world * stages_per_rank}; give one entry per stage"
             )
         self.schedule: Schedule = build(schedule, len(self.balance) // stages_per_rank, microbatches, **options)
-        # every rank creates every replica group, in the same order, as torch.distributed requires
-        self._replica_groups = {
-            stage: dist.new_group([self._global_rank(r) for r in ranks])
-            for stage, ranks in enumerate(self.schedule.stage_ranks) if len(ranks) > 1
-        }
         self.microbatches = self.schedule.microbatches
         # micro-batches whose gradients make one update: all (synchronous), one (pipedream), m (2bw)
         self._per_update = {"pipedream": 1, "2bw": microbatches}.get(schedule, self.microbatches)
@@ -147,6 +142,11 @@ class Pipeline:
             optimizer = optimizer(self.parameters()) if any(True for _ in self.parameters()) else None
         self.optimizer = optimizer
         self.transport = Transport(self.device, group, timeout_s)
+        # every rank creates every replica group, in the same order, as torch.distributed requires
+        self._replica_groups = {
+            stage: dist.new_group([self.transport.global_rank(r) for r in ranks])
+            for stage, ranks in enumerate(self.schedule.stage_ranks) if len(ranks) > 1
+        }
         self.recorder = Recorder(self.rank, self.device, enabled=record)
         self._steps_taken = 0
         self.targets_on_first_stage = targets_on_first_stage
@@ -155,9 +155,6 @@ class Pipeline:
             self.schedule, self.rank, dict(self.stages), self.transport, loss_fn, self.checkpoint, self.recorder,
             self._step, self._allreduce, stashes,
         )
-
-    def _global_rank(self, rank: int) -> int:
-        return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
     # parameters -----------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -334,7 +331,7 @@ class Pipeline:
         if not self.recorder.enabled:
             raise RuntimeError("Pipeline(record=True) is needed to measure a timeline")
         gathered: list | None = [None] * dist.get_world_size(self.group) if self.rank == 0 else None
-        dist.gather_object(self.recorder.events, gathered, dst=self._global_rank(0), group=self.group)
+        dist.gather_object(self.recorder.events, gathered, dst=self.transport.global_rank(0), group=self.group)
         if self.rank != 0:
             return None
         timeline = Timeline([e for events in gathered for e in events], len(gathered), label=f"{self.schedule.name} (measured)")

@@ -22,6 +22,8 @@ class WeightStash:
         """Start with the module's current weights as the newest version."""
         self.module = module
         self.live = dict(module.named_parameters())
+        # buffers (such as running statistics) are shared by every version and updated in place
+        self.buffers = dict(module.named_buffers())
         self.newest = 0
         self.versions: dict[int, dict[str, torch.Tensor]] = {0: self._snapshot()}
 
@@ -32,15 +34,14 @@ class WeightStash:
         """Run the stage on weight ``version``; gradients will accumulate on that version."""
         if version not in self.versions:
             raise RuntimeError(f"weight version {version} is no longer stashed (kept: {sorted(self.versions)})")
-        buffers = dict(self.module.named_buffers())
-        return torch.func.functional_call(self.module, {**self.versions[version], **buffers}, inputs)
+        return torch.func.functional_call(self.module, {**self.versions[version], **self.buffers}, inputs)
 
     def load_gradients(self) -> None:
         """Move the gradients of the backwards since the last update, whatever versions they
         used, into the live parameters' ``.grad``."""
         for name, parameter in self.live.items():
             grads = [weights[name].grad for weights in self.versions.values() if weights[name].grad is not None]
-            parameter.grad = torch.stack(grads).sum(0) if len(grads) > 1 else (grads[0] if grads else None)
+            parameter.grad = sum(grads[1:], grads[0]) if grads else None
         for weights in self.versions.values():
             for tensor in weights.values():
                 tensor.grad = None

@@ -140,14 +140,15 @@ class Transport:
         self._received_shapes: dict[tuple[int, Hashable], tuple[TensorMeta, ...]] = {}
         self._pending_sends: list[tuple[dist.Work, int]] = []
 
-    def _global(self, peer: int) -> int:
+    def global_rank(self, peer: int) -> int:
+        """The default group's rank of ``peer``, a rank of this transport's group."""
         return peer if self.group is None else dist.get_global_rank(self.group, peer)
 
     def _irecv(self, buffer: torch.Tensor, peer: int) -> dist.Work:
-        return dist.irecv(buffer, src=self._global(peer), group=self.group)
+        return dist.irecv(buffer, src=self.global_rank(peer), group=self.group)
 
     def _isend(self, buffer: torch.Tensor, peer: int) -> None:
-        self._pending_sends.append((dist.isend(buffer, dst=self._global(peer), group=self.group), peer))
+        self._pending_sends.append((dist.isend(buffer, dst=self.global_rank(peer), group=self.group), peer))
 
     def _wait(self, work: dist.Work, peer: int) -> None:
         try:
