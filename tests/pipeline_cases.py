@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import pipetrain
@@ -201,3 +202,23 @@ def replicated_eval() -> torch.Tensor | None:
     pipe = pipetrain.Pipeline(mlp(), balance=[2, 3], replicas=[1, 2], microbatches=4, schedule="1f1b",
                               loss_fn=nn.functional.cross_entropy)
     return pipe.eval_step(batch(seed=3)[0])
+
+
+def reducer_progress(bucket_bytes: float) -> list[int]:
+    """Buckets started (and summed gradients) at each point of one update, on a 2-rank group.
+
+    Parameters ``a`` (first) and ``b`` (last) each get a bucket of their own with
+    ``bucket_bytes=1``; buckets go last parameter first, so ``b``'s must start before ``a``'s.
+    """
+    from pipetrain.runtime.reduce import GradientReducer
+
+    a, b = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+    reducer = GradientReducer([a, b], dist.group.WORLD, 2, average=False, bucket_bytes=bucket_bytes)
+    started = [reducer.started]
+    reducer.arm([a, b])
+    (a * (dist.get_rank() + 1)).sum().backward()  # a's gradient first: its bucket must wait for b's
+    started.append(reducer.started)
+    (b * 3).sum().backward()
+    started.append(reducer.started)
+    reducer.finish([a, b])
+    return started + [int(a.grad[0]), int(b.grad[0]), reducer.started]

@@ -9,6 +9,7 @@ from torch import nn
 import pipeline_cases as cases
 import pipetrain
 from pipetrain.layers import StageModule, stage_bounds, to_layers
+from pipetrain.runtime.reduce import DEFAULT_BUCKET_BYTES
 
 LR = 0.2
 
@@ -88,7 +89,8 @@ def test_stale_rules_differ_from_plain_sgd() -> None:
     assert any(not torch.allclose(stashed[n], synchronous[n]) for n in stashed)
 
 
-def test_pipedream_with_a_replicated_stage() -> None:
+@pytest.mark.parametrize("bucket_bytes", [DEFAULT_BUCKET_BYTES, 1])
+def test_pipedream_with_a_replicated_stage(bucket_bytes: float) -> None:
     """Stage 0 on 2 replicas (mini-batches round-robin), stage 1 on one worker.
 
     Stage 1 updates after every mini-batch k, on version k. Each stage-0 replica keeps 2
@@ -116,7 +118,7 @@ def test_pipedream_with_a_replicated_stage() -> None:
             else:
                 versions[0].append({n: versions[0][-1][n] - LR * (pending[n] + grads[n]) / 2 for n in owner if owner[n] == 0})
     expected = {**versions[0][-1], **versions[1][-1]}
-    states = pipetrain.launch(cases.asynchronous_runs, 3, "pipedream", balance, window, windows, {"replicas": [2, 1]}, timeout_s=60)
+    states = pipetrain.launch(cases.asynchronous_runs, 3, "pipedream", balance, window, windows, {"replicas": [2, 1], "bucket_bytes": bucket_bytes}, timeout_s=60)
     for name, value in states[1].items():  # the two replicas of stage 0 hold the same weights, bit for bit
         assert torch.equal(value, states[0][name]), name
     assert_equal_weights({**states[0], **states[2]}, expected)

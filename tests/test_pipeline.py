@@ -12,6 +12,7 @@ from torch import nn
 import pipeline_cases as cases
 import pipetrain
 from pipetrain.layers import StageModule, stage_bounds, to_layers
+from pipetrain.runtime.reduce import DEFAULT_BUCKET_BYTES
 
 
 def reference(make=cases.mlp, data=cases.batch, size: int = cases.BATCH) -> tuple[float, dict[str, torch.Tensor]]:
@@ -145,10 +146,14 @@ def test_a_non_tensor_output_names_the_layer() -> None:
         pipetrain.launch(cases.failing_step, 2, "not-a-tensor", 2, timeout_s=60)
 
 
+# bucket_bytes=1 gives every parameter a bucket of its own, started during the backward;
+# with one micro-batch, replicas without work contribute zeros
 REPLICATED_CONFIGS = [
-    {"schedule": schedule, "balance": balance, "replicas": replicas, "microbatches": m, "checkpoint": checkpoint}
-    for schedule, (balance, replicas), m, checkpoint in itertools.product(
-        ["gpipe", "1f1b"], [([2, 3], [2, 1]), ([4, 1], [1, 2]), ([5], [3])], [3, 4], ["never", "always"]
+    {"schedule": schedule, "balance": balance, "replicas": replicas, "microbatches": m, "checkpoint": checkpoint,
+     "bucket_bytes": bucket_bytes}
+    for schedule, (balance, replicas), m, checkpoint, bucket_bytes in itertools.product(
+        ["gpipe", "1f1b"], [([2, 3], [2, 1]), ([4, 1], [1, 2]), ([5], [3])], [1, 3, 4], ["never", "always"],
+        [DEFAULT_BUCKET_BYTES, 1],
     )
 ]
 

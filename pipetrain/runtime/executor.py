@@ -15,6 +15,7 @@ from torch import nn
 
 from pipetrain.runtime.checkpoint import RandomState, recompute, recomputes
 from pipetrain.runtime.recorder import Recorder
+from pipetrain.runtime.reduce import GradientReducer
 from pipetrain.runtime.stash import WeightStash
 from pipetrain.runtime.transport import PeerError, PendingReceive, Transport
 from pipetrain.schedules import RECV_KINDS, Action, Kind, Schedule
@@ -68,15 +69,17 @@ class Executor:
         checkpoint: str,
         recorder: Recorder,
         step: Callable[[int], None],
-        allreduce: Callable[[int], None],
+        reducers: dict[int, GradientReducer] | None = None,
         stashes: dict[int, WeightStash] | None = None,
     ) -> None:
-        """Prepare to run; ``step(stage)`` applies the optimizer to one stage's weights and
-        ``allreduce(stage)`` sums a replicated stage's gradients over its replicas; ``stashes``
-        hold each stage's weight versions when the schedule is asynchronous."""
+        """Prepare to run; ``step(stage)`` applies the optimizer to one stage's weights;
+        ``reducers`` all-reduce the gradients of this rank's replicated stages over their
+        replicas; ``stashes`` hold each stage's weight versions when the schedule is
+        asynchronous."""
         self.schedule, self.rank, self.modules = schedule, rank, modules
         self.transport, self.loss_fn, self.checkpoint = transport, loss_fn, checkpoint
-        self.recorder, self.step, self.allreduce = recorder, step, allreduce
+        self.recorder, self.step = recorder, step
+        self.reducers = reducers or {}
         self.stashes = stashes or {}
         self._trainable = {stage: [p for p in module.parameters() if p.requires_grad] for stage, module in modules.items()}
         self._prefetch = transport.device.type == "cuda"
@@ -110,10 +113,13 @@ class Executor:
         self._posted: dict[tuple[Kind, int, int], PendingReceive] = {}
         self._busy_peers: set[int] = set()
         self._post_receives()
+        arm_before = self._last_gradients_before_allreduce(actions)
         recorder = self.recorder
-        for action in actions:
+        for index, action in enumerate(actions):
             start = recorder.now() if recorder.enabled else 0.0
             try:
+                if index in arm_before:
+                    self._arm(action)
                 self._handlers[action.kind](action)
             except (ActionFailed, PeerError):
                 raise
@@ -122,6 +128,40 @@ class Executor:
             if recorder.enabled:
                 recorder.add(action.kind.value, action.stage, action.microbatch, start, recorder.now())
         return self._loss
+
+    # gradient all-reduce --------------------------------------------------------------
+    def _last_gradients_before_allreduce(self, actions: Sequence[Action]) -> set[int]:
+        """Indices of the actions that complete a replicated stage's weight gradients for
+        an update: its last backward (or weight pass) before each all-reduce."""
+        gradient_kind = Kind.WEIGHT if self.schedule.split_backward else Kind.BACKWARD
+        last: dict[int, int] = {}
+        found = set()
+        for index, action in enumerate(actions):
+            if action.kind is gradient_kind and action.stage in self.reducers:
+                last[action.stage] = index
+            elif action.kind is Kind.ALLREDUCE and action.stage in last:
+                found.add(last.pop(action.stage))
+        return found
+
+    def _gradient_holders(self, stage: int, version: int | None) -> list[torch.Tensor]:
+        """The tensors a backward on weight ``version`` accumulates the stage's gradients in."""
+        return self._trainable[stage] if version is None else self.stashes[stage].trainable(version)
+
+    def _arm(self, action: Action) -> None:
+        """Let the coming backward start the all-reduce of each bucket it completes."""
+        version = self._slots[(action.stage, action.microbatch)].version
+        self.reducers[action.stage].arm(self._gradient_holders(action.stage, version))
+
+    def _allreduce(self, action: Action) -> None:
+        stage = action.stage
+        if not self._stashing:
+            self.reducers[stage].finish(self._trainable[stage])
+            return
+        # the gradients sit on the stashed versions the backwards used; reduce, then load them
+        stash = self.stashes[stage]
+        self.reducers[stage].finish(stash.trainable(stash.newest))
+        stash.load_gradients()
+        self._loaded.add(stage)
 
     # weight versions ------------------------------------------------------------------
     def _prepare_versions(self) -> None:
@@ -142,13 +182,6 @@ class Executor:
                 if not needed:
                     needed.insert(0, set())
                 needed[0].add(self._base[action.stage] + action.version)
-
-    def _allreduce(self, action: Action) -> None:
-        if self._stashing:
-            # the gradients sit on the stashed versions the backwards used
-            self.stashes[action.stage].load_gradients()
-            self._loaded.add(action.stage)
-        self.allreduce(action.stage)
 
     def _step(self, action: Action) -> None:
         stage = action.stage
@@ -247,7 +280,7 @@ class Executor:
         if slot.version is None:
             parameters = self._trainable[action.stage]
         else:
-            parameters = [p for p in self.stashes[action.stage].versions[slot.version].values() if p.requires_grad]
+            parameters = self.stashes[action.stage].trainable(slot.version)
         if parameters and slot.differentiable:
             torch.autograd.backward(slot.differentiable, slot.output_grads, inputs=parameters)
 

@@ -16,6 +16,7 @@ from pipetrain.runtime.checkpoint import check_mode
 from pipetrain.runtime.executor import ActionFailed, Executor, Tensors
 from pipetrain.runtime.failure import explain_peer_failure, report_origin
 from pipetrain.runtime.recorder import Recorder
+from pipetrain.runtime.reduce import DEFAULT_BUCKET_BYTES, GradientReducer
 from pipetrain.runtime.stash import WeightStash
 from pipetrain.runtime.transport import PeerError, Transport
 from pipetrain.schedules import SCHEDULE_NAMES, Kind, Schedule, build
@@ -63,7 +64,9 @@ class Pipeline:
     :meth:`train_step`, or once per update for ``pipedream`` and ``2bw``. ``record=True`` records a measured timeline of
     every step (see :meth:`timeline`). With ``targets_on_first_stage=True`` the first
     stage's rank is given the targets too and sends them to the last stage, so only the
-    input stage's ranks need to load data.
+    input stage's ranks need to load data. A replicated stage all-reduces its gradients in
+    buckets of up to ``bucket_bytes``, each started as soon as the update's last backward has
+    produced it, so the transfer overlaps the rest of that backward.
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class Pipeline:
         group: dist.ProcessGroup | None = None,
         timeout_s: float = 300.0,
         record: bool = False,
+        bucket_bytes: float = DEFAULT_BUCKET_BYTES,
     ) -> None:
         """Build this rank's stage(s), the schedule and the transport."""
         if not dist.is_initialized():
@@ -143,9 +147,16 @@ class Pipeline:
         self.optimizer = optimizer
         self.transport = Transport(self.device, group, timeout_s)
         # every rank creates every replica group, in the same order, as torch.distributed requires
-        self._replica_groups = {
+        replica_groups = {
             stage: dist.new_group([self.transport.global_rank(r) for r in ranks])
             for stage, ranks in enumerate(self.schedule.stage_ranks) if len(ranks) > 1
+        }
+        # synchronous replicas sum: their micro-batches make one mini-batch whose losses are
+        # already weighted by their share; asynchronous ones average, as data parallelism does
+        reducers = {
+            stage: GradientReducer([p for p in self.stages[stage].parameters() if p.requires_grad], group,
+                                   len(self.schedule.stage_ranks[stage]), self.schedule.asynchronous, bucket_bytes)
+            for stage, group in replica_groups.items() if stage in self.stages
         }
         self.recorder = Recorder(self.rank, self.device, enabled=record)
         self._steps_taken = 0
@@ -153,7 +164,7 @@ class Pipeline:
         stashes = {stage: WeightStash(module) for stage, module in self.stages.items()} if self.schedule.asynchronous else None
         self._executor = Executor(
             self.schedule, self.rank, dict(self.stages), self.transport, loss_fn, self.checkpoint, self.recorder,
-            self._step, self._allreduce, stashes,
+            self._step, reducers, stashes,
         )
 
     # parameters -----------------------------------------------------------------------
@@ -189,25 +200,6 @@ class Pipeline:
         # a synchronous step updates once all of this rank's stages are done; an asynchronous one at once
         if self.optimizer is not None and (self.schedule.asynchronous or self._steps_taken == len(self.stages)):
             self.optimizer.step()
-
-    def _allreduce(self, stage: int) -> None:
-        """Combine a replicated stage's gradients over its replicas, as one flat buffer.
-
-        Synchronous schedules sum them: the replicas' micro-batches make one mini-batch whose
-        losses are already weighted by their share. Asynchronous ones average them: each
-        replica's mini-batch has a mean loss of its own, as in data parallelism.
-        """
-        parameters = [p for p in self.stages[stage].parameters() if p.requires_grad]
-        for parameter in parameters:
-            if parameter.grad is None:
-                parameter.grad = torch.zeros_like(parameter)
-        grads = [p.grad for p in parameters]
-        flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=self._replica_groups[stage])
-        if self.schedule.asynchronous:
-            flat /= len(self.schedule.stage_ranks[stage])
-        for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            grad.copy_(reduced)
 
     def _holds(self, stage: int) -> bool:
         return stage in self.stages

@@ -36,6 +36,11 @@ class WeightStash:
             raise RuntimeError(f"weight version {version} is no longer stashed (kept: {sorted(self.versions)})")
         return torch.func.functional_call(self.module, {**self.versions[version], **self.buffers}, inputs)
 
+    def trainable(self, version: int) -> list[torch.Tensor]:
+        """Version ``version``'s tensors of the trainable parameters, in the module's order."""
+        weights = self.versions[version]
+        return [weights[name] for name, parameter in self.live.items() if parameter.requires_grad]
+
     def load_gradients(self) -> None:
         """Move the gradients of the backwards since the last update, whatever versions they
         used, into the live parameters' ``.grad``."""

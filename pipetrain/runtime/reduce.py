@@ -1,0 +1,112 @@
+"""All-reduce a replicated stage's weight gradients in buckets, overlapped with its backward.
+
+A stage's parameters are grouped into buckets in reverse order, the order in which a
+backward produces their gradients. Before the stage's last backward of an update the
+reducer is armed: a hook on every parameter notes when its gradient is complete, and a
+bucket whose gradients are all complete starts its all-reduce at once, while the backward
+goes on with the earlier layers. The all-reduce action then only starts what is left
+(parameters that got no gradient), waits, and writes the results back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
+
+DEFAULT_BUCKET_BYTES = 4 << 20
+
+
+def buckets_of(parameters: Sequence[torch.Tensor], bucket_bytes: float) -> list[list[int]]:
+    """Parameter indices in buckets of at most ``bucket_bytes`` (a larger parameter gets a
+    bucket of its own), taken from the last parameter to the first."""
+    buckets: list[list[int]] = []
+    size = 0
+    for index in reversed(range(len(parameters))):
+        nbytes = parameters[index].numel() * parameters[index].element_size()
+        if not buckets or size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(index)
+        size += nbytes
+    return buckets
+
+
+class GradientReducer:
+    """Sums (or averages) one stage's weight gradients over its replicas' process group."""
+
+    def __init__(self, parameters: Sequence[torch.Tensor], group: dist.ProcessGroup, replicas: int, average: bool,
+                 bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> None:
+        """Reduce ``parameters``' gradients over ``group`` (``replicas`` ranks); ``average``
+        divides the sum by ``replicas``."""
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes!r}")
+        self.group, self.replicas, self.average = group, replicas, average
+        self.buckets = buckets_of(parameters, bucket_bytes)
+        self._bucket_of = {index: b for b, bucket in enumerate(self.buckets) for index in bucket}
+        self._reset()
+
+    def _reset(self) -> None:
+        self._tensors: Sequence[torch.Tensor] = ()
+        self._hooks: list[RemovableHandle] = []
+        self._waiting = [len(bucket) for bucket in self.buckets]
+        self._pending: list[tuple[torch.Tensor, dist.Work]] = []  # started buckets, in bucket order
+
+    def arm(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Start each bucket's all-reduce as soon as the coming backward completes its
+        gradients. ``tensors`` receive the gradients, in the order of the parameters given
+        at construction: the parameters themselves, or a stashed weight version of them.
+        Their gradients must be final after that backward: it is the update's last one."""
+        self._reset()
+        self._tensors = tensors
+        for index, tensor in enumerate(tensors):
+            if tensor.requires_grad:
+                self._hooks.append(tensor.register_post_accumulate_grad_hook(lambda _, index=index: self._ready(index)))
+
+    def _ready(self, index: int) -> None:
+        self._waiting[self._bucket_of[index]] -= 1
+        # buckets start in bucket order on every replica, so that their collectives pair up
+        while len(self._pending) < len(self.buckets) and self._waiting[len(self._pending)] == 0:
+            self._launch(len(self._pending))
+
+    def _launch(self, bucket: int) -> None:
+        grads = [self._grad(index) for index in self.buckets[bucket]]
+        flat = torch._utils._flatten_dense_tensors(grads)
+        self._pending.append((flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+
+    def _grad(self, index: int) -> torch.Tensor:
+        tensor = self._tensors[index]
+        if tensor.grad is None:
+            tensor.grad = torch.zeros_like(tensor)
+        return tensor.grad
+
+    @property
+    def started(self) -> int:
+        """How many buckets' all-reduces have started since the last :meth:`finish`."""
+        return len(self._pending)
+
+    @property
+    def armed(self) -> bool:
+        """Whether a backward has been armed since the last :meth:`finish`."""
+        return bool(self._tensors)
+
+    def finish(self, unarmed: Sequence[torch.Tensor]) -> None:
+        """Start every bucket not yet started, wait for all, and write the results into the
+        gradients of the armed tensors, or of ``unarmed`` when no backward was armed (a
+        replica that ran no micro-batch contributes zeros)."""
+        for handle in self._hooks:
+            handle.remove()
+        if not self.armed:
+            self._tensors = unarmed
+        for bucket in range(len(self._pending), len(self.buckets)):
+            self._launch(bucket)
+        for bucket, (flat, work) in enumerate(self._pending):
+            work.wait()
+            if self.average:
+                flat /= self.replicas
+            grads = [self._grad(index) for index in self.buckets[bucket]]
+            for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                grad.copy_(reduced)
+        self._reset()
