@@ -1,7 +1,8 @@
 """Statistical efficiency of the schedules: held-out metric per epoch, pipelined vs unpipelined.
 
 Trains the built-in CNN on scikit-learn's digits and the byte GPT on the standard library's
-source with the same per-update batch, optimizer (Adam, cosine-decayed learning rate),
+source with the same per-update batch, optimizer (Adam; learning rate warmed up linearly,
+then cosine-decayed),
 initial weights and data order: unpipelined (plain PyTorch, one process, one thread), and
 with pipetrain's 1f1b, pipedream and 2bw schedules on 2 worker processes (1 thread each, one
 stage each). A second
@@ -10,7 +11,7 @@ After every epoch it evaluates on held-out data (digits: test accuracy and loss;
 the held-out windows, an "epoch" being a fixed number of training samples). Writes a PNG of
 the curves and prints the final metrics beside the unpipelined run's.
 
-    python benchmarks/bench_convergence.py [--quick] [--plot PATH] [--gpt-lr 3e-3]
+    python benchmarks/bench_convergence.py [--quick] [--plot PATH] [--gpt-lr 3e-3] [--gpt-epochs 28] [--warmup 0.1]
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ class Setup:
 
     model: str
     batch_size: int  # samples per optimizer update, in every run
-    lr: float  # peak learning rate, cosine-decayed towards 0 over the run
+    lr: float  # peak learning rate, reached after the warm-up, then cosine-decayed towards 0
+    warmup: float  # share of the updates over which the learning rate rises linearly to its peak
     epochs: int
     updates_per_epoch: int
     microbatches: int  # micro-batches per update for 1f1b and 2bw
@@ -62,18 +64,23 @@ class Setup:
         return self.updates_per_epoch * self.batch_size
 
     def learning_rate(self, updates_done: int) -> float:
-        """Cosine decay, held constant over each window: the asynchronous schedules can change
-        the learning rate only between calls, so every run changes it at the same points."""
+        """Linear warm-up, then cosine decay, held constant over each window: the asynchronous
+        schedules can change the learning rate only between calls, so every run changes it
+        at the same points."""
         windows = self.epochs * self.updates_per_epoch // self.window
-        return self.lr * 0.5 * (1 + math.cos(math.pi * (updates_done // self.window) / windows))
+        warm = round(self.warmup * windows)
+        window = updates_done // self.window
+        if window < warm:
+            return self.lr * (window + 1) / warm
+        return self.lr * 0.5 * (1 + math.cos(math.pi * (window - warm) / (windows - warm)))
 
 
-def setups(quick: bool, gpt_lr: float = 3e-3) -> list[Setup]:
+def setups(quick: bool, gpt_lr: float = 3e-3, gpt_epochs: int = 28, warmup: float = 0.1) -> list[Setup]:
     """The CNN and GPT runs; ``quick`` shortens both to a smoke test."""
     digits_epoch = BatchStream("cnn", 32).epoch_size  # 44 updates of 32: one pass over the 1437 training digits
     if quick:
-        return [Setup("cnn", 32, 1e-3, 2, digits_epoch, 4, 11), Setup("gpt", 32, gpt_lr, 2, 22, 4, 11)]
-    return [Setup("cnn", 32, 1e-3, 15, digits_epoch, 4, 11), Setup("gpt", 32, gpt_lr, 14, 132, 4, 11)]
+        return [Setup("cnn", 32, 1e-3, warmup, 2, digits_epoch, 4, 11), Setup("gpt", 32, gpt_lr, warmup, 2, 22, 4, 11)]
+    return [Setup("cnn", 32, 1e-3, warmup, 15, digits_epoch, 4, 11), Setup("gpt", 32, gpt_lr, warmup, gpt_epochs, 132, 4, 11)]
 
 
 def held_out(model_name: str, outputs: torch.Tensor, targets: torch.Tensor) -> Metrics:
@@ -230,7 +237,7 @@ def plot(results: list[tuple[Setup, dict[str, list[Metrics]]]], path: Path) -> N
         zoom.grid(alpha=0.3)
         zoom.set_title("second half, zoomed", fontsize=8)
         first = [_curve(setup, h)[1][1] for h in histories.values()]
-        detail = f"batch {setup.batch_size}, Adam lr {setup.lr:g} cosine, {setup.epochs} epochs"
+        detail = f"batch {setup.batch_size}, Adam lr {setup.lr:g}, {setup.warmup:.0%} warm-up, cosine, {setup.epochs} epochs"
         if cnn:
             axis.set_title(f"CNN on digits ({detail})", fontsize=10)
             axis.set_xlabel("epoch (1437 training images)")
@@ -259,10 +266,15 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, default=None,
                         help="PNG to write (default benchmarks/convergence.png, or convergence_quick.png with --quick)")
     parser.add_argument("--gpt-lr", type=float, default=3e-3, help="the GPT's peak learning rate (default 3e-3)")
+    parser.add_argument("--gpt-epochs", type=int, default=28, help="the GPT's training budget in epochs (default 28)")
+    parser.add_argument("--warmup", type=float, default=0.1,
+                        help="share of the updates with a linearly rising learning rate, every run (default 0.1)")
     args = parser.parse_args()
+    if not 0 <= args.warmup < 1:
+        parser.error(f"--warmup must be in [0, 1), got {args.warmup}")
     path = args.plot or Path(__file__).with_name("convergence_quick.png" if args.quick else "convergence.png")
     results = []
-    for setup in setups(args.quick, args.gpt_lr):
+    for setup in setups(args.quick, args.gpt_lr, args.gpt_epochs, args.warmup):
         print(f"{setup.model}: {setup.epochs} epochs of {setup.updates_per_epoch} updates x {setup.batch_size} samples; "
               f"1f1b/2bw {setup.microbatches} micro-batches per update; pipedream/2bw {setup.window} updates per call", flush=True)
         results.append((setup, run_all(setup)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
@@ -66,7 +67,9 @@ class Pipeline:
     stage's rank is given the targets too and sends them to the last stage, so only the
     input stage's ranks need to load data. A replicated stage all-reduces its gradients in
     buckets of up to ``bucket_bytes``, each started as soon as the update's last backward has
-    produced it, so the transfer overlaps the rest of that backward.
+    produced it, so the transfer overlaps the rest of that backward. By default buckets are
+    4 MiB on GPUs; on CPUs the whole stage is one bucket, because there the all-reduce's
+    thread takes cores from the computation it would overlap.
     """
 
     def __init__(
@@ -89,7 +92,7 @@ class Pipeline:
         group: dist.ProcessGroup | None = None,
         timeout_s: float = 300.0,
         record: bool = False,
-        bucket_bytes: float = DEFAULT_BUCKET_BYTES,
+        bucket_bytes: float | None = None,
     ) -> None:
         """Build this rank's stage(s), the schedule and the transport."""
         if not dist.is_initialized():
@@ -151,6 +154,8 @@ class Pipeline:
             stage: dist.new_group([self.transport.global_rank(r) for r in ranks])
             for stage, ranks in enumerate(self.schedule.stage_ranks) if len(ranks) > 1
         }
+        if bucket_bytes is None:
+            bucket_bytes = DEFAULT_BUCKET_BYTES if self.device.type == "cuda" else math.inf
         # synchronous replicas sum: their micro-batches make one mini-batch whose losses are
         # already weighted by their share; asynchronous ones average, as data parallelism does
         reducers = {
