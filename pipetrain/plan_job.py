@@ -50,7 +50,7 @@ def profile_builtin(model: str, batch_size: int, microbatches: int, seed: int = 
     network = build_model(model, seed=seed)
     inputs, targets = next(BatchStream(model, batch_size, seed=seed))
     size = batch_size // microbatches
-    return profile(network, inputs[:size], targets[:size], loss_function(model), microbatch_size=size, repeats=15, warmup=3)
+    return profile(network, inputs[:size], targets[:size], loss_function(model), microbatch_size=size, repeats=50, warmup=5)
 
 
 def _profile_under_load(model: str, batch_size: int, microbatches: int, seed: int, threads: int) -> Profile | None:
