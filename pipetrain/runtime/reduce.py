@@ -59,11 +59,17 @@ class GradientReducer:
         gradients. ``tensors`` receive the gradients, in the order of the parameters given
         at construction: the parameters themselves, or a stashed weight version of them.
         Their gradients must be final after that backward: it is the update's last one."""
+        self._remove_hooks()
         self._reset()
         self._tensors = tensors
         for index, tensor in enumerate(tensors):
             if tensor.requires_grad:
                 self._hooks.append(tensor.register_post_accumulate_grad_hook(lambda _, index=index: self._ready(index)))
+
+    def _remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def _ready(self, index: int) -> None:
         self._waiting[self._bucket_of[index]] -= 1
@@ -96,8 +102,7 @@ class GradientReducer:
         """Start every bucket not yet started, wait for all, and write the results into the
         gradients of the armed tensors, or of ``unarmed`` when no backward was armed (a
         replica that ran no micro-batch contributes zeros)."""
-        for handle in self._hooks:
-            handle.remove()
+        self._remove_hooks()
         if not self.armed:
             self._tensors = unarmed
         for bucket in range(len(self._pending), len(self.buckets)):
