@@ -54,8 +54,8 @@ def profile_builtin(model: str, batch_size: int, microbatches: int, seed: int = 
 
 
 def _profile_under_load(model: str, batch_size: int, microbatches: int, seed: int, threads: int) -> Profile | None:
-    """Rank 0 profiles while the other ranks run forward and backward passes; then ranks 0
-    and 1 time activation messages between them."""
+    """Rank 0 profiles while the other ranks train the model (forward, backward, Adam step);
+    then ranks 0 and 1 time activation messages between them."""
     store = dist.distributed_c10d._get_default_store()
     measured = None
     if dist.get_rank() == 0:
@@ -65,10 +65,13 @@ def _profile_under_load(model: str, batch_size: int, microbatches: int, seed: in
             store.set(_PROFILED, "1")
     else:
         network, loss_fn = build_model(model, seed=seed), loss_function(model)
+        optimizer = torch.optim.Adam(network.parameters())
         inputs, targets = next(BatchStream(model, batch_size, seed=seed))
         size = batch_size // microbatches
         while not store.check([_PROFILED]):
+            optimizer.zero_grad()
             loss_fn(network(inputs[:size]), targets[:size]).backward()
+            optimizer.step()
     sizes = torch.tensor([statistics.median(layer.activation_bytes for layer in measured.layers) if measured else 0.0])
     dist.broadcast(sizes, 0)
     message_s = _message_s(int(sizes.item()))
