@@ -122,8 +122,7 @@ def _in_sequence(
     for run in range(warmup + repeats):
         saved, inputs = [], arguments
         for index, (_, module) in enumerate(layers):
-            leaves = tuple(x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, Tensor) else x for x in inputs)
-            fed = tuple(x.clone() if isinstance(x, Tensor) and x.is_floating_point() else x for x in leaves)
+            leaves, fed = _fresh_inputs(inputs)
             start = timer.now()
             output = module(*fed)
             if index == count - 1:
@@ -162,9 +161,7 @@ def _in_sequence(
 def _whole_model(layers: Sequence[tuple[str, nn.Module]], arguments: tuple, targets: Any, loss_fn: LossFn,
                  timer: _Timer) -> tuple[float, float]:
     """Seconds for one forward of all layers (and the loss) and one backward call through them."""
-    # copies of the leaves, so that an in-place first layer does not modify a leaf that requires a gradient
-    leaves = tuple(x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, Tensor) else x for x in arguments)
-    inputs = tuple(x.clone() if isinstance(x, Tensor) and x.is_floating_point() else x for x in leaves)
+    _, inputs = _fresh_inputs(arguments)
     start = timer.now()
     for _, module in layers:
         output = module(*inputs)
@@ -174,6 +171,17 @@ def _whole_model(layers: Sequence[tuple[str, nn.Module]], arguments: tuple, targ
     start = timer.now()
     loss.backward()
     return forward_s, timer.now() - start
+
+
+def _fresh_inputs(arguments: tuple) -> tuple[tuple, tuple]:
+    """Detached inputs (floating-point ones require a gradient) and what to feed the layer.
+
+    The layer gets copies of the floating-point leaves, so that in-place layers such as
+    ``ReLU(inplace=True)`` do not modify a leaf that requires a gradient.
+    """
+    leaves = tuple(x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, Tensor) else x for x in arguments)
+    fed = tuple(x.clone() if isinstance(x, Tensor) and x.is_floating_point() else x for x in leaves)
+    return leaves, fed
 
 
 class _Timer:
@@ -201,22 +209,9 @@ class _LayerRun:
         self.parameters = [p for p in module.parameters() if p.requires_grad]
         self.output: tuple = ()
 
-    def _leaves(self) -> tuple[tuple, tuple]:
-        """Detached inputs (floating-point ones require a gradient) and what to feed the layer.
-
-        The layer gets copies of the floating-point leaves, so that in-place layers such
-        as ``ReLU(inplace=True)`` do not modify a leaf that requires a gradient.
-        """
-        leaves = tuple(
-            x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, Tensor) else x
-            for x in self.arguments
-        )
-        fed = tuple(x.clone() if isinstance(x, Tensor) and x.requires_grad else x for x in leaves)
-        return leaves, fed
-
     def _forward(self) -> tuple[tuple, list[Tensor], float]:
         """Run the layer (and the loss on the last layer); return inputs, roots, seconds."""
-        leaves, fed = self._leaves()
+        leaves, fed = _fresh_inputs(self.arguments)
         start = self.timer.now()
         output = self.module(*fed)
         roots = [self.loss_fn(output, self.targets)] if self.targets is not None else _tensors(output)

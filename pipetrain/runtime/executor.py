@@ -113,13 +113,11 @@ class Executor:
         self._posted: dict[tuple[Kind, int, int], PendingReceive] = {}
         self._busy_peers: set[int] = set()
         self._post_receives()
-        arm_before = self._last_gradients_before_allreduce(actions)
+        self._arming = self._last_gradient_passes(actions) if self.reducers else set()
         recorder = self.recorder
-        for index, action in enumerate(actions):
+        for action in actions:
             start = recorder.now() if recorder.enabled else 0.0
             try:
-                if index in arm_before:
-                    self._arm(action)
                 self._handlers[action.kind](action)
             except (ActionFailed, PeerError):
                 raise
@@ -130,38 +128,37 @@ class Executor:
         return self._loss
 
     # gradient all-reduce --------------------------------------------------------------
-    def _last_gradients_before_allreduce(self, actions: Sequence[Action]) -> set[int]:
-        """Indices of the actions that complete a replicated stage's weight gradients for
-        an update: its last backward (or weight pass) before each all-reduce."""
+    def _last_gradient_passes(self, actions: Sequence[Action]) -> set[tuple[int, int]]:
+        """(stage, micro-batch) of the passes that complete a replicated stage's weight
+        gradients for an update: its last backward (or weight pass) before each all-reduce."""
         gradient_kind = Kind.WEIGHT if self.schedule.split_backward else Kind.BACKWARD
         last: dict[int, int] = {}
         found = set()
-        for index, action in enumerate(actions):
+        for action in actions:
             if action.kind is gradient_kind and action.stage in self.reducers:
-                last[action.stage] = index
+                last[action.stage] = action.microbatch
             elif action.kind is Kind.ALLREDUCE and action.stage in last:
-                found.add(last.pop(action.stage))
+                found.add((action.stage, last.pop(action.stage)))
         return found
 
     def _gradient_holders(self, stage: int, version: int | None) -> list[torch.Tensor]:
         """The tensors a backward on weight ``version`` accumulates the stage's gradients in."""
         return self._trainable[stage] if version is None else self.stashes[stage].trainable(version)
 
-    def _arm(self, action: Action) -> None:
-        """Let the coming backward start the all-reduce of each bucket it completes."""
-        version = self._slots[(action.stage, action.microbatch)].version
-        self.reducers[action.stage].arm(self._gradient_holders(action.stage, version))
+    def _arm_if_last(self, stage: int, microbatch: int, version: int | None) -> None:
+        """Before an update's last gradient pass, let it start the all-reduce of each bucket
+        it completes."""
+        if (stage, microbatch) in self._arming:
+            self.reducers[stage].arm(self._gradient_holders(stage, version))
 
     def _allreduce(self, action: Action) -> None:
         stage = action.stage
-        if not self._stashing:
-            self.reducers[stage].finish(self._trainable[stage])
-            return
-        # the gradients sit on the stashed versions the backwards used; reduce, then load them
-        stash = self.stashes[stage]
-        self.reducers[stage].finish(stash.trainable(stash.newest))
-        stash.load_gradients()
-        self._loaded.add(stage)
+        stash = self.stashes[stage] if self._stashing else None
+        self.reducers[stage].finish(self._gradient_holders(stage, stash.newest if stash else None))
+        if stash:
+            # the gradients sat on the stashed versions the backwards used: now on the live weights
+            stash.load_gradients()
+            self._loaded.add(stage)
 
     # weight versions ------------------------------------------------------------------
     def _prepare_versions(self) -> None:
@@ -264,6 +261,7 @@ class Executor:
             input_grads = torch.autograd.grad(tensors, leaves, grads, retain_graph=True, allow_unused=True) if leaves and tensors else ()
             slot.differentiable, slot.output_grads = tensors, grads
         else:
+            self._arm_if_last(stage, mb, slot.version)
             if tensors:
                 torch.autograd.backward(tensors, grads)
             input_grads = tuple(t.grad for t in leaves)
@@ -277,10 +275,8 @@ class Executor:
 
     def _weight(self, action: Action) -> None:
         slot = self._slots.pop((action.stage, action.microbatch))
-        if slot.version is None:
-            parameters = self._trainable[action.stage]
-        else:
-            parameters = self.stashes[action.stage].trainable(slot.version)
+        parameters = self._gradient_holders(action.stage, slot.version)
+        self._arm_if_last(action.stage, action.microbatch, slot.version)
         if parameters and slot.differentiable:
             torch.autograd.backward(slot.differentiable, slot.output_grads, inputs=parameters)
 
