@@ -1,16 +1,16 @@
 """Does the planner's split beat an equal-layer split, and does its prediction hold?
 
 Profiles the built-in ``uneven-mlp`` (layers of very different cost) in 2 processes at
-once with one thread each (as the workers will run), plans a straight 2-stage pipeline for it, then trains with the planner's
-balance and with an equal layer-count balance, each on 2 CPU worker processes with one
-thread, and prints measured step times, their ratio, and the plan's predicted step time
-beside the measured one.
+once with one thread each (as the workers will run), plans a straight 2-stage pipeline for
+it, then trains with the planner's balance and with an equal layer-count balance, each on
+2 CPU worker processes with one thread, and prints measured step times, their ratio, and the plan's predicted step time
+(and its steady step, every action at its median) beside the measured one.
 
 Step times on a shared machine move by ±15% from run to run, so the whole procedure
 (profile, plan, measure both splits) repeats for ``--rounds`` rounds and the medians and
 ranges are printed.
 
-    python benchmarks/bench_plan.py [--steps 30] [--batch-size 128] [--microbatches 4] [--rounds 5]
+    python benchmarks/bench_plan.py [--steps 60] [--batch-size 128] [--microbatches 4] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def train(balance: list[int], schedule: str, microbatches: int, batch_size: int,
 def main() -> None:
     """Profile, plan, measure both splits, in several rounds; print each round and the medians."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
@@ -68,16 +68,20 @@ def main() -> None:
                                                args.steps, threads_per_worker=1)[0][WARMUP:])
             for balance in (plan.balance, equal)
         ]
-        rows.append((plan.balance, measured[0], measured[1], plan.predicted_step_s, planned_s))
+        rows.append((plan.balance, measured[0], measured[1], plan.predicted_step_s, planned_s, plan.steady_step_s))
     print(plan.describe())
-    print(f"\n{'round':>5} {'planner balance':>16} {'planner ms':>11} {'equal ms':>9} {'speedup':>8} {'predicted ms':>13} {'pred/meas':>10}")
-    for index, (balance, ours, theirs, predicted, _) in enumerate(rows, 1):
+    print(f"\n{'round':>5} {'planner balance':>16} {'planner ms':>11} {'equal ms':>9} {'speedup':>8} {'predicted ms':>13} "
+          f"{'pred/meas':>10} {'steady/meas':>12}")
+    for index, (balance, ours, theirs, predicted, _, steady) in enumerate(rows, 1):
         print(f"{index:>5} {str(balance):>16} {ours * 1e3:11.2f} {theirs * 1e3:9.2f} {theirs / ours:8.2f} "
-              f"{predicted * 1e3:13.2f} {predicted / ours:10.3f}")
-    speedups = [theirs / ours for _, ours, theirs, _, _ in rows]
-    ratios = [predicted / ours for _, ours, _, predicted, _ in rows]
+              f"{predicted * 1e3:13.2f} {predicted / ours:10.3f} {steady / ours:12.3f}")
+    speedups = [theirs / ours for _, ours, theirs, _, _, _ in rows]
+    ratios = [predicted / ours for _, ours, _, predicted, _, _ in rows]
+    steady_ratios = [steady / ours for _, ours, _, _, _, steady in rows]
     print(f"\nplanner split vs equal split: median {statistics.median(speedups):.2f}x (range {min(speedups):.2f}-{max(speedups):.2f})")
-    print(f"predicted/measured: median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f})")
+    print(f"predicted/measured: median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}); "
+          f"within 10% in {sum(abs(r - 1) <= 0.1 for r in ratios)} of {len(ratios)} rounds")
+    print(f"steady (every action at its median) / measured: median {statistics.median(steady_ratios):.3f}")
     print(f"profiling and planning took {statistics.median(r[4] for r in rows):.1f} s (median)")
 
 

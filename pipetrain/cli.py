@@ -282,7 +282,7 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
                         help="count x bandwidth per level, lowest first, e.g. 4x16GB/s,4x10Gbit/s (default: N workers, fast links)")
     parser.add_argument("--memory", metavar="SIZE", help="memory per worker, e.g. 16GiB (default: no limit)")
     parser.add_argument("--batch-size", type=positive_int, metavar="B", help="samples per step (default: grows with micro-batches)")
-    parser.add_argument("--schedules", metavar="A,B", help=f"schedules to consider (default gpipe,1f1b,zb-h1,interleaved)")
+    parser.add_argument("--schedules", metavar="A,B", help="schedules to consider (default gpipe,1f1b,zb-h1,interleaved)")
     parser.add_argument("--no-replication", action="store_true", help="a straight pipeline, one worker per stage")
     parser.add_argument("-o", "--out", metavar="FILE.json", help="write the plan here (for train --plan)")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")

@@ -59,6 +59,7 @@ def _profile_under_load(model: str, batch_size: int, microbatches: int, seed: in
     store = dist.distributed_c10d._get_default_store()
     measured = None
     if dist.get_rank() == 0:
+        dist.barrier()  # the load is running before the first timing
         try:
             measured = profile_builtin(model, batch_size, microbatches, seed, threads)
         finally:
@@ -68,10 +69,14 @@ def _profile_under_load(model: str, batch_size: int, microbatches: int, seed: in
         optimizer = torch.optim.Adam(network.parameters())
         inputs, targets = next(BatchStream(model, batch_size, seed=seed))
         size = batch_size // microbatches
+        ready = False
         while not store.check([_PROFILED]):
             optimizer.zero_grad()
             loss_fn(network(inputs[:size]), targets[:size]).backward()
             optimizer.step()
+            if not ready:
+                dist.barrier()
+                ready = True
     sizes = torch.tensor([statistics.median(layer.activation_bytes for layer in measured.layers) if measured else 0.0])
     dist.broadcast(sizes, 0)
     message_s = _message_s(int(sizes.item()))

@@ -9,6 +9,7 @@ transfer has arrived; an all-reduce starts when every replica of the stage has r
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from collections import defaultdict, deque
 from collections.abc import Sequence
@@ -55,8 +56,33 @@ class Costs:
         return values
 
 
-def simulate(schedule: Schedule, costs: Costs) -> Timeline:
-    """Execute ``schedule`` on ``costs`` and return the predicted timeline."""
+@dataclass(frozen=True)
+class Variation:
+    """How much a stage's actions vary from run to run, as measured.
+
+    ``forward[s]`` and ``backward[s]`` are factors by which stage ``s``'s forward and
+    backward (with its weight-gradient part) took longer, in measured runs, than their
+    cost in :class:`Costs`. Each compute action draws one factor of its kind at random.
+    """
+
+    forward: Sequence[Sequence[float]]
+    backward: Sequence[Sequence[float]]
+
+    def check(self, stages: int) -> None:
+        """Raise unless both kinds have a non-empty list of non-negative factors per stage."""
+        for name in ("forward", "backward"):
+            factors = getattr(self, name)
+            if len(factors) != stages or any(not values or min(values) < 0 for values in factors):
+                raise ValueError(f"Variation.{name} needs a non-empty list of non-negative factors for each of the {stages} stages")
+
+
+def simulate(schedule: Schedule, costs: Costs, variation: Variation | None = None, seed: int = 0) -> Timeline:
+    """Execute ``schedule`` on ``costs`` and return the predicted timeline.
+
+    With ``variation``, every forward, backward and weight-gradient action is its cost times
+    a factor drawn from the variation (random, repeatable for one ``seed``): one possible
+    step of a pipeline whose actions vary as measured.
+    """
     stages = schedule.stages
     forward = costs.per_stage("forward_s", stages)
     backward = costs.per_stage("backward_s", stages)
@@ -77,6 +103,11 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
         Kind.WEIGHT: weight,
         Kind.STEP: step,
     }
+
+    if variation is not None:
+        variation.check(stages)
+        draw = random.Random(seed).choice
+        factors = {Kind.FORWARD: variation.forward, Kind.BACKWARD: variation.backward, Kind.WEIGHT: variation.backward}
 
     def transfer_s(boundary: int) -> float:
         return costs.latency_s + activation[boundary] / bandwidth[boundary]
@@ -103,6 +134,8 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
             now = clock[rank]
             if kind in duration:
                 end = now + duration[kind][stage]
+                if variation is not None and kind in factors:
+                    end = now + duration[kind][stage] * draw(factors[kind][stage])
                 record(rank, kind, stage, mb, now, end)
                 clock[rank] = end
             elif kind in (Kind.SEND_F, Kind.SEND_B):
@@ -144,6 +177,18 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
     if unfinished:
         raise RuntimeError(f"simulation of {schedule.name} stopped with ranks {unfinished} waiting; validate the schedule first")
     return Timeline(events, schedule.num_ranks, label=schedule.name)
+
+
+def median_makespan(schedule: Schedule, costs: Costs, variation: Variation, runs: int = 64, seed: int = 0) -> float:
+    """The median makespan of ``runs`` simulated steps under ``variation`` (seeds ``seed``,
+    ``seed + 1``, ...).
+
+    A step waits for its slowest path, so its typical length exceeds the step of median
+    actions: slow actions add up along the path, and a slow stage holds up those after it.
+    """
+    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
+        raise ValueError(f"runs must be a positive integer, got {runs!r}")
+    return statistics.median(simulate(schedule, costs, variation, seed + run).makespan for run in range(runs))
 
 
 def measured_costs(timelines: Timeline | Sequence[Timeline], stages: int) -> Costs:

@@ -11,7 +11,7 @@ from planning_cases import VGG16_CONVOLUTIONS, resnet_like_profile, vgg16_profil
 
 from pipetrain.plan import Plan, PlanStage, StageFootprint, plan, worker_memory
 from pipetrain.plan.memory import in_flight
-from pipetrain.profiler import LayerCost, Profile
+from pipetrain.profiler import LayerCost, Profile, Spread
 from pipetrain.schedules import build
 from pipetrain.simulate import Costs, simulate
 
@@ -151,6 +151,25 @@ def test_predicted_step_is_the_simulated_makespan() -> None:
     )
     makespan = simulate(build("gpipe", 4, 4), costs).makespan
     assert chosen.predicted_step_s == pytest.approx(makespan)
+
+
+def test_the_step_ends_with_the_loss_all_reduce() -> None:
+    # one worker runs 4 micro-batches of 1 + 2 s back to back, then the loss is all-reduced
+    profile = Profile(uniform(3).layers, message_s=0.5)
+    chosen = plan(profile, workers=1, schedules=("1f1b",), microbatches=(4,))
+    assert chosen.predicted_step_s == chosen.steady_step_s == pytest.approx(4 * 3 * (1 + 2) + 0.5)
+
+
+def test_measured_runs_stretch_the_prediction() -> None:
+    # every measured run took twice the median: every action does, and so does the step
+    layers = uniform(6).layers
+    slow_runs = Spread([[2 * layer.forward_s for layer in layers]] * 3, [[2 * layer.backward_s for layer in layers]] * 3)
+    steady = plan(Profile(layers), workers=3, schedules=("1f1b",), microbatches=(4,))
+    varied = plan(Profile(layers, spread=slow_runs), workers=3, schedules=("1f1b",), microbatches=(4,))
+    assert varied.balance == steady.balance and varied.steady_step_s == pytest.approx(steady.predicted_step_s)
+    assert varied.predicted_step_s == pytest.approx(2 * steady.predicted_step_s)
+    assert varied.predicted_throughput == pytest.approx(steady.predicted_throughput / 2)
+    assert "with every action at its median time" in varied.describe()
 
 
 # ---- memory limits ------------------------------------------------------------------------

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
 from torch import Tensor, nn
 
-from pipetrain.profiler import LayerCost, Profile, profile
+from pipetrain.profiler import LayerCost, Profile, Spread, profile
 
 # ---- the Profile type ---------------------------------------------------------------------
 
@@ -65,6 +66,46 @@ def test_unknown_format_versions_are_rejected(tmp_path) -> None:
     data["layers"][0]["colour"] = "red"
     with pytest.raises(ValueError, match="unknown fields"):
         Profile.from_dict(data)
+
+
+def with_spread() -> Profile:
+    """The sample profile with two measured runs."""
+    return Profile(sample_profile().layers, microbatch_size=4, spread=Spread([[0.5, 1.5], [1.0, 2.0]], [[1.0, 3.0], [2.0, 3.5]]))
+
+
+def test_spread_round_trips_and_scales(tmp_path) -> None:
+    path = tmp_path / "profile.json"
+    with_spread().save(path)
+    assert Profile.load(path) == with_spread()
+    doubled = with_spread().scaled(8).spread
+    assert doubled == Spread([[1.0, 3.0], [2.0, 4.0]], [[2.0, 6.0], [4.0, 7.0]])
+    # a profile saved without runs loads without them
+    data = sample_profile().to_dict()
+    del data["spread"]
+    assert Profile.from_dict(data).spread is None
+
+
+def test_spread_is_checked() -> None:
+    layers = sample_profile().layers
+    with pytest.raises(ValueError, match="run 1 must list 2 layer times"):
+        Profile(layers, spread=Spread([[1.0, 1.0], [1.0]], [[1.0, 1.0]]))
+    with pytest.raises(ValueError, match="Spread.backward_s must be a non-empty list"):
+        Profile(layers, spread=Spread([[1.0, 1.0]], []))
+    with pytest.raises(ValueError, match="Spread run 0: forward_s = -1.0 is negative"):
+        Profile(layers, spread=Spread([[-1.0, 1.0]], [[1.0, 1.0]]))
+    with pytest.raises(TypeError, match="Profile.spread must be a Spread"):
+        Profile(layers, spread={"forward_s": [[1.0, 1.0]]})  # type: ignore[arg-type]
+    data = with_spread().to_dict()
+    data["spread"]["colour"] = "red"
+    with pytest.raises(ValueError, match="spread must be an object with forward_s and backward_s"):
+        Profile.from_dict(data)
+
+
+def test_stage_factors_by_hand() -> None:
+    spread = with_spread().spread
+    # layers 0..1 sum to 2.0 and 3.0 in the forward runs, 4.0 and 5.5 in the backward runs
+    assert spread.stage_factors(0, 2, (2.0, 4.0)) == ([1.0, 1.5], [1.0, 5.5 / 4.0])
+    assert spread.stage_factors(1, 2, (0.0, 3.0)) == ([1.0, 1.0], [1.0, 3.5 / 3.0])
 
 
 def test_scaled_by_hand() -> None:
@@ -143,6 +184,11 @@ def test_profile_measures_a_small_sequential() -> None:
         assert 0 <= layer.weight_backward_s <= layer.backward_s
         assert layer.peak_memory_bytes == layer.activation_bytes + layer.parameter_bytes
     assert result.layers[2].weight_backward_s == 0.0  # ReLU has no weights
+    # every timed run is kept, on the scale of the medians
+    assert len(result.spread.forward_s) == len(result.spread.backward_s) == 3
+    for index, layer in enumerate(result.layers):
+        assert statistics.median(run[index] for run in result.spread.forward_s) == pytest.approx(layer.forward_s)
+        assert statistics.median(run[index] for run in result.spread.backward_s) == pytest.approx(layer.backward_s)
 
 
 class Split(nn.Module):

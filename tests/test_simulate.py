@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipetrain.schedules import build
-from pipetrain.simulate import Costs, simulate
+from pipetrain.simulate import Costs, Variation, median_makespan, simulate
 
 
 @settings(max_examples=50, deadline=None)
@@ -96,3 +96,55 @@ def test_costs_are_checked() -> None:
     with pytest.raises(ValueError, match="non-negative"):
         simulate(schedule, Costs(forward_s=-1, backward_s=1))
     assert math.isinf(Costs(1, 1).bandwidth)
+
+
+# ---- run-to-run variation ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1"])
+def test_a_fixed_factor_scales_every_compute_action(name: str) -> None:
+    schedule = build(name, 3, 4)
+    costs = Costs(forward_s=[1.0, 2.0, 1.5], backward_s=[2.0, 1.0, 3.0], weight_s=[0.5, 1.0, 0.25], latency_s=0.1)
+    doubled = Costs(forward_s=[2.0, 4.0, 3.0], backward_s=[4.0, 2.0, 6.0], weight_s=[1.0, 2.0, 0.5], latency_s=0.1)
+    assert simulate(schedule, costs, Variation([[1.0]] * 3, [[1.0]] * 3)).makespan == pytest.approx(simulate(schedule, costs).makespan)
+    twice = Variation([[2.0]] * 3, [[2.0]] * 3)
+    assert simulate(schedule, costs, twice).makespan == pytest.approx(simulate(schedule, doubled).makespan)
+    assert median_makespan(schedule, costs, twice, runs=3) == pytest.approx(simulate(schedule, doubled).makespan)
+
+
+def test_one_slow_action_on_a_one_rank_pipeline_adds_its_extra_time() -> None:
+    # one rank runs its 4 forwards and 4 backwards back to back: the makespan is their sum,
+    # each forward 1 s times a draw from {1, 3}
+    schedule = build("gpipe", 1, 4)
+    costs = Costs(forward_s=1.0, backward_s=2.0)
+    variation = Variation([[1.0, 3.0]], [[1.0]])
+    for seed in range(10):
+        timeline = simulate(schedule, costs, variation, seed)
+        forwards = [e.duration for e in timeline.events if e.kind == "F"]
+        assert set(forwards) <= {1.0, 3.0}
+        assert timeline.makespan == pytest.approx(sum(forwards) + 4 * 2.0)
+    assert simulate(schedule, costs, variation, 7) == simulate(schedule, costs, variation, 7)
+
+
+def test_the_median_step_exceeds_the_step_of_median_actions() -> None:
+    # rank 1's forward waits for rank 0's, so the step is the sum of two forwards, each 1 s
+    # times a draw from {1, 1, 3}: 2 s with probability 4/9 and otherwise 4 s or 6 s. Every
+    # action's median is 1 s, but the median step is 4 s.
+    schedule = build("gpipe", 2, 1)
+    costs = Costs(forward_s=1.0, backward_s=0.0)
+    variation = Variation([[1.0, 1.0, 3.0], [1.0, 1.0, 3.0]], [[1.0], [1.0]])
+    makespans = [simulate(schedule, costs, variation, seed).makespan for seed in range(401)]
+    assert set(round(m, 9) for m in makespans) == {2.0, 4.0, 6.0}
+    assert 0.35 < sum(m == pytest.approx(2.0) for m in makespans) / len(makespans) < 0.55
+    assert simulate(schedule, costs).makespan == pytest.approx(2.0)
+    assert median_makespan(schedule, costs, variation, runs=401) == pytest.approx(4.0)
+
+
+def test_variation_is_checked() -> None:
+    schedule = build("1f1b", 2, 2)
+    with pytest.raises(ValueError, match="each of the 2 stages"):
+        simulate(schedule, Costs(1, 1), Variation([[1.0]], [[1.0], [1.0]]))
+    with pytest.raises(ValueError, match="non-negative factors"):
+        simulate(schedule, Costs(1, 1), Variation([[1.0], []], [[1.0], [1.0]]))
+    with pytest.raises(ValueError, match="runs must be a positive integer"):
+        median_makespan(schedule, Costs(1, 1), Variation([[1.0]] * 2, [[1.0]] * 2), runs=0)

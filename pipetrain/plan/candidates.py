@@ -19,8 +19,8 @@ from pipetrain.plan.partition import partition
 from pipetrain.plan.replicate import replicate
 from pipetrain.plan.topology import Topology
 from pipetrain.profiler.costs import Profile
-from pipetrain.schedules import build
-from pipetrain.simulate import Costs, simulate
+from pipetrain.schedules import Schedule, build
+from pipetrain.simulate import Costs, Variation, simulate
 from pipetrain.trace import Timeline
 
 REPLICATED_SCHEDULES = ("gpipe", "1f1b")
@@ -235,15 +235,34 @@ class Candidate:
             tail += backward[stage] + weight[stage]
         return bound
 
-    def build_and_simulate(self, costs: Costs) -> tuple[Timeline, int]:
-        """Simulate the candidate; return the timeline and the micro-batches it processed."""
+    def variation(self) -> Variation | None:
+        """How each stage's forward and backward varied in the profile's measured runs, or
+        ``None`` when the profile has no runs (written by hand, or loaded from one without)."""
+        spread = self.profile.spread
+        if spread is None:
+            return None
+        layers = self.profile.layers
+        forward, backward = [], []
+        for start, stop, _ in self.layout.stages:
+            medians = (sum(layer.forward_s for layer in layers[start:stop]), sum(layer.backward_s for layer in layers[start:stop]))
+            stage_forward, stage_backward = spread.stage_factors(start, stop, medians)
+            forward.append(stage_forward)
+            backward.append(stage_backward)
+        return Variation(forward, backward)
+
+    def build(self) -> Schedule:
+        """The candidate's schedule."""
         options: dict = {}
         if self.layout.virtual > 1:
             options["virtual"] = self.layout.virtual
         elif max(self.layout.replicas) > 1:
             options["replicas"] = self.layout.replicas
         stages = self.layout.workers if self.layout.virtual > 1 else len(self.layout.stages)
-        schedule = build(self.schedule, stages, self.microbatches, **options)
+        return build(self.schedule, stages, self.microbatches, **options)
+
+    def build_and_simulate(self, costs: Costs) -> tuple[Timeline, int]:
+        """Simulate the candidate; return the timeline and the micro-batches it processed."""
+        schedule = self.build()
         return simulate(schedule, costs), schedule.microbatches
 
 

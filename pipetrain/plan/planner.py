@@ -5,7 +5,8 @@ an interleaved one), keeps the configurations whose per-worker memory fits, simu
 on the profiled costs with :mod:`pipetrain.simulate`, and returns the fastest as a
 :class:`Plan`. The replication planner proposes layouts under PipeDream's cost model, in
 which an all-reduce overlaps compute; the simulation then prices every candidate as its
-schedule runs it (the all-reduce after the last backward), and decides.
+schedule runs it (the all-reduce after the last backward), and decides. The chosen plan's
+predicted step then allows for the run-to-run variation the profile measured.
 """
 
 from __future__ import annotations
@@ -20,13 +21,16 @@ from pipetrain.plan.candidates import Candidate, Layout, layouts, step_costs
 from pipetrain.plan.topology import Topology, resolve
 from pipetrain.profiler.costs import Profile
 from pipetrain.schedules import CHECKPOINT_MODES, SCHEDULE_NAMES
-from pipetrain.simulate import Costs
+from pipetrain.simulate import Costs, median_makespan
 
 DEFAULT_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved")
 DEFAULT_MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 FORMAT_VERSION = 1
 """Version of the JSON layout written by :meth:`Plan.save`."""
+
+VARIED_RUNS = 64
+"""Simulated steps whose median is a measured profile's predicted step."""
 
 _TIE = 1e-9  # relative difference below which two predicted throughputs count as equal
 
@@ -49,7 +53,10 @@ class Plan(JsonFile):
     ``stage_memory_bytes[i]`` is the predicted peak on a worker holding stage ``i`` and
     ``stage_compute_s[i]`` its forward and backward time for one micro-batch (recomputation
     included). ``predicted_step_s`` covers one optimizer step of ``microbatches``
-    micro-batches of ``microbatch_size`` samples. Stages sit on consecutive ranks in order.
+    micro-batches of ``microbatch_size`` samples: with a measured profile, the median of
+    :data:`VARIED_RUNS` simulated steps whose actions vary as the profile's runs did;
+    ``steady_step_s`` is the step with every action at its median time (the two are equal
+    for a profile without runs). Stages sit on consecutive ranks in order.
     """
 
     stages: list[PlanStage]
@@ -63,6 +70,7 @@ class Plan(JsonFile):
     microbatch_size: int
     virtual: int = 1
     stage_compute_s: list[float] = field(default_factory=list)
+    steady_step_s: float | None = None
 
     @property
     def balance(self) -> list[int]:
@@ -106,7 +114,9 @@ class Plan(JsonFile):
             f"{self.schedule}: {_count(len(self.stages), 'stage')} on {_count(self.workers, 'worker')}{chunks}, "
             f"{_count(self.microbatches, 'micro-batch', 'micro-batches')} of {self.microbatch_size}, "
             f"recomputation {self.checkpoint}",
-            f"predicted step {self.predicted_step_s:.4g} s, {self.predicted_throughput:.4g} samples/s",
+            f"predicted step {self.predicted_step_s:.4g} s, {self.predicted_throughput:.4g} samples/s"
+            + (f" ({self.steady_step_s:.4g} s with every action at its median time)"
+               if self.steady_step_s is not None and self.steady_step_s != self.predicted_step_s else ""),
             f"{'stage':>5}  {'layers':>11}  {'count':>5}  {'replicas':>8}  {'compute/mb':>10}  {'memory/worker':>13}",
         ]
         computes = self.stage_compute_s or [math.nan] * len(self.stages)
@@ -248,17 +258,23 @@ def _fastest(fitting: list[tuple[Candidate, list[float]]], topology: Topology) -
         ceiling = samples / max(candidate.lower_bound(costs), 1e-300)
         bounded.append((ceiling, max(memory), candidate, memory, costs))
     bounded.sort(key=lambda entry: (-entry[0], entry[1]))
-    best: Plan | None = None
+    best: tuple[float, float, Candidate, list[float], Costs, int] | None = None
     for ceiling, peak, candidate, memory, costs in bounded:
-        if best is not None and ceiling < best.predicted_throughput * (1 - _TIE):
+        if best is not None and ceiling < best[0] * (1 - _TIE):
             break
         timeline, processed = candidate.build_and_simulate(costs)
         size = candidate.profile.microbatch_size
         throughput = processed * size / timeline.makespan if timeline.makespan > 0 else math.inf
-        if best is None or _better(throughput, peak, best.predicted_throughput, max(best.stage_memory_bytes)):
-            best = _as_plan(candidate, memory, throughput, costs)
+        if best is None or _better(throughput, peak, best[0], best[1]):
+            best = (throughput, peak, candidate, memory, costs, processed)
     assert best is not None
-    return best
+    throughput, _, candidate, memory, costs, processed = best
+    # a training step ends with an all-reduce of the loss: one small message
+    ending_s = candidate.profile.message_s
+    steady_step_s = processed * candidate.profile.microbatch_size / throughput + ending_s
+    variation = candidate.variation()
+    step_s = steady_step_s if variation is None else median_makespan(candidate.build(), costs, variation, VARIED_RUNS) + ending_s
+    return _as_plan(candidate, memory, step_s, steady_step_s, processed, costs)
 
 
 def _better(throughput: float, peak: float, best_throughput: float, best_peak: float) -> bool:
@@ -268,8 +284,9 @@ def _better(throughput: float, peak: float, best_throughput: float, best_peak: f
     return throughput >= best_throughput * (1 - _TIE) and peak < best_peak
 
 
-def _as_plan(candidate: Candidate, memory: list[float], throughput: float, costs: Costs) -> Plan:
-    """The public record of a simulated candidate."""
+def _as_plan(candidate: Candidate, memory: list[float], step_s: float, steady_step_s: float, processed: int, costs: Costs) -> Plan:
+    """The public record of a simulated candidate that steps in ``step_s`` (``steady_step_s``
+    with every action at its median) and processes ``processed`` micro-batches a step."""
     layout = candidate.layout
     size = candidate.profile.microbatch_size
     count = len(layout.stages)
@@ -281,8 +298,9 @@ def _as_plan(candidate: Candidate, memory: list[float], throughput: float, costs
         schedule=candidate.schedule,
         microbatches=candidate.microbatches,
         checkpoint=candidate.checkpoint,
-        predicted_step_s=candidate.microbatches * size / throughput,
-        predicted_throughput=throughput,
+        predicted_step_s=step_s,
+        predicted_throughput=processed * size / step_s if step_s > 0 else math.inf,
+        steady_step_s=steady_step_s,
         stage_memory_bytes=memory,
         workers=layout.workers,
         microbatch_size=size,

@@ -60,6 +60,46 @@ class LayerCost:
 
 
 @dataclass
+class Spread:
+    """The measured runs behind a profile's medians, for predicting how much a step varies.
+
+    ``forward_s[r][i]`` and ``backward_s[r][i]`` are layer ``i``'s forward and backward in
+    measured run ``r``, on the same scale as the layer's median (``LayerCost.forward_s``,
+    ``backward_s``). A stage runs its layers one after another, so its time in run ``r`` is
+    the sum over its layers; a slow moment that stretches one layer in a run shows up in
+    that run's sum, as it does in the stage's action.
+    """
+
+    forward_s: list[list[float]]
+    backward_s: list[list[float]]
+
+    def check(self, layers: int) -> None:
+        """Raise unless every run has ``layers`` finite non-negative times, and runs exist."""
+        for name in ("forward_s", "backward_s"):
+            runs = getattr(self, name)
+            if not isinstance(runs, list) or not runs:
+                raise ValueError(f"Spread.{name} must be a non-empty list of runs, got {runs!r}")
+            for index, run in enumerate(runs):
+                if not isinstance(run, list) or len(run) != layers:
+                    raise ValueError(f"Spread.{name} run {index} must list {layers} layer times (one per layer)")
+                for value in run:
+                    _check_amount(name, value, f"Spread run {index}")
+
+    def stage_factors(self, start: int, stop: int, medians: tuple[float, float]) -> tuple[list[float], list[float]]:
+        """Per run, layers ``start..stop-1``'s forward and backward time over their medians' sums
+        ``medians``: how much slower or faster than the median prediction that stage ran."""
+        forward_median, backward_median = medians
+        return (
+            [sum(run[start:stop]) / forward_median if forward_median > 0 else 1.0 for run in self.forward_s],
+            [sum(run[start:stop]) / backward_median if backward_median > 0 else 1.0 for run in self.backward_s],
+        )
+
+    def scaled(self, factor: float) -> Spread:
+        """The same runs with every time multiplied by ``factor``."""
+        return Spread([[t * factor for t in run] for run in self.forward_s], [[t * factor for t in run] for run in self.backward_s])
+
+
+@dataclass
 class Profile(JsonFile):
     """Per-layer costs of a model, in execution order.
 
@@ -67,12 +107,16 @@ class Profile(JsonFile):
     ``input_bytes`` the size of one such micro-batch of model input. ``message_s`` is the
     time one activation message between two workers keeps each side busy (packing,
     copying), where it was measured: the planner charges it to every stage boundary.
+    ``spread`` (optional) holds the measured runs behind the medians; with it the planner
+    predicts the median step of a pipeline whose actions vary from run to run as measured,
+    rather than the step of one whose every action takes exactly its median.
     """
 
     layers: list[LayerCost]
     microbatch_size: int = 1
     input_bytes: float = 0.0
     message_s: float = 0.0
+    spread: Spread | None = None
 
     def __post_init__(self) -> None:
         """Reject empty profiles and negative or non-finite costs, naming the layer and field."""
@@ -85,6 +129,10 @@ class Profile(JsonFile):
             raise ValueError(f"microbatch_size must be a positive integer, got {size!r}")
         _check_amount("input_bytes", self.input_bytes, "Profile")
         _check_amount("message_s", self.message_s, "Profile")
+        if self.spread is not None:
+            if not isinstance(self.spread, Spread):
+                raise TypeError(f"Profile.spread must be a Spread or None, got {type(self.spread).__name__}")
+            self.spread.check(len(self.layers))
 
     def __len__(self) -> int:
         """The number of layers."""
@@ -104,6 +152,7 @@ class Profile(JsonFile):
             microbatch_size=microbatch_size,
             input_bytes=self.input_bytes * factor,
             message_s=self.message_s,
+            spread=None if self.spread is None else self.spread.scaled(factor),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -114,6 +163,7 @@ class Profile(JsonFile):
             "input_bytes": self.input_bytes,
             "message_s": self.message_s,
             "layers": [asdict(layer) for layer in self.layers],
+            "spread": None if self.spread is None else asdict(self.spread),
         }
 
     @classmethod
@@ -137,7 +187,13 @@ class Profile(JsonFile):
                 layers.append(LayerCost(**entry))
             except TypeError as error:
                 raise ValueError(f"profile layer {index} is incomplete: {error}") from None
-        return cls(layers, data.get("microbatch_size", 1), data.get("input_bytes", 0.0), data.get("message_s", 0.0))
+        spread = data.get("spread")
+        if spread is not None:
+            if not isinstance(spread, dict) or set(spread) != {"forward_s", "backward_s"}:
+                raise ValueError("profile spread must be an object with forward_s and backward_s (lists of runs)")
+            spread = Spread(**spread)
+        return cls(layers, data.get("microbatch_size", 1), data.get("input_bytes", 0.0), data.get("message_s", 0.0), spread)
+
 
 def _check_layer(index: int, layer: object) -> None:
     """Raise if a layer entry is not a LayerCost or holds a negative or non-finite value."""

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from pipetrain.layers import to_layers
-from pipetrain.profiler.costs import LayerCost, Profile
+from pipetrain.profiler.costs import LayerCost, Profile, Spread
 
 LossFn = Callable[[Any, Any], Tensor]
 
@@ -51,7 +51,8 @@ def profile(
 
     - ``forward_s``, ``backward_s`` and ``optimizer_s`` come from the layers run in sequence;
       forward and backward are scaled so that they add up to the whole model's forward and
-      backward, each timed as one call.
+      backward, each timed as one call. Every timed run's forward and backward times, on
+      the same scale, are kept in the profile's :class:`~pipetrain.profiler.costs.Spread`.
       ``weight_backward_s`` is ``backward_s`` times the weight-gradient share measured on
       the layer alone, where ``torch.autograd.grad`` with respect to the inputs and
       parameters is timed against the inputs only (0 for a layer without parameters, all of
@@ -85,21 +86,21 @@ def profile(
             measured = _LayerRun(module, arguments, targets if is_last else None, loss_fn, timer)
             costs.append(measured.cost(name, repeats, warmup, optimizer_state_factor))
             arguments = measured.output
-        timed = _in_sequence(layers, first_arguments, targets, loss_fn, timer, repeats, warmup, optimizer or torch.optim.Adam)
+        timed, spread = _in_sequence(layers, first_arguments, targets, loss_fn, timer, repeats, warmup, optimizer or torch.optim.Adam)
         for cost, (forward_s, backward_s, optimizer_s) in zip(costs, timed):
             share = cost.weight_backward_s / cost.backward_s if cost.weight_backward_s and cost.backward_s else 0.0
             cost.forward_s, cost.backward_s, cost.optimizer_s = forward_s, backward_s, optimizer_s
             if cost.weight_backward_s is not None:
                 cost.weight_backward_s = share * backward_s
-    return Profile(costs, microbatch_size=size, input_bytes=_bytes(inputs, size))
+    return Profile(costs, microbatch_size=size, input_bytes=_bytes(inputs, size), spread=spread)
 
 
 def _in_sequence(
     layers: Sequence[tuple[str, nn.Module]], arguments: tuple, targets: Any, loss_fn: LossFn, timer: _Timer,
     repeats: int, warmup: int, optimizer: Callable,
-) -> list[tuple[float, float, float]]:
+) -> tuple[list[tuple[float, float, float]], Spread]:
     """Per layer, median forward, backward and optimizer-step times with the layers run in
-    turn, as a stage runs them: all forwards, then the backwards in reverse order with the
+    turn, as a stage runs them, and every timed run's forward and backward times: all forwards, then the backwards in reverse order with the
     weight gradients accumulating, then an optimizer step per layer (on copies of its
     weights). Timing a layer alone, over and over, keeps its weights in cache and comes out
     faster than what a pipeline sees.
@@ -107,8 +108,8 @@ def _in_sequence(
     Timing each layer's backward needs a backward call per layer, and each call has a fixed
     cost that a stage, which runs its layers' backward as one call, pays only once (it came
     to 40% of the backward on a small MLP). So every run also times the whole model forward
-    and backward in one call each, and the per-layer medians are scaled to add up to those
-    totals' medians.
+    and backward in one call each, and the per-layer medians (and runs) are scaled so that
+    the medians add up to those totals' medians.
     """
     count = len(layers)
     times: list[list[list[float]]] = [[[], [], []] for _ in range(count)]
@@ -150,12 +151,14 @@ def _in_sequence(
             stepper.step()
             times[index][2].append(timer.now() - start)
     medians = [[statistics.median(kind[warmup:]) for kind in layer] for layer in times]
+    runs: list[list[list[float]]] = [[], []]
     for kind in (0, 1):
         total = sum(layer[kind] for layer in medians)
         scale = statistics.median(whole[kind][warmup:]) / total if total > 0 else 1.0
         for layer in medians:
             layer[kind] *= scale
-    return [tuple(layer) for layer in medians]
+        runs[kind] = [[layer[kind][run] * scale for layer in times] for run in range(warmup, warmup + repeats)]
+    return [tuple(layer) for layer in medians], Spread(runs[0], runs[1])
 
 
 def _whole_model(layers: Sequence[tuple[str, nn.Module]], arguments: tuple, targets: Any, loss_fn: LossFn,

@@ -14,7 +14,7 @@ from torch import nn
 
 from pipetrain.layers import StageModule, check_balance, stage_bounds, to_layers
 from pipetrain.runtime.checkpoint import check_mode
-from pipetrain.runtime.executor import ActionFailed, Executor, Tensors
+from pipetrain.runtime.executor import ActionFailed, Executor
 from pipetrain.runtime.failure import explain_peer_failure, report_origin
 from pipetrain.runtime.recorder import Recorder
 from pipetrain.runtime.reduce import DEFAULT_BUCKET_BYTES, GradientReducer
@@ -192,7 +192,7 @@ class Pipeline:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load this rank's entries from a (full or partial) state dict keyed as the full model."""
-        for stage, module in self.stages.items():
+        for module in self.stages.values():
             keys = module.state_dict().keys()
             module.load_state_dict({k: v for k, v in state.items() if k in keys})
         # asynchronous schedules run on stashed snapshots: the loaded weights become the only version
