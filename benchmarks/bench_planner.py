@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 import numpy as np
 
 from pipetrain.plan import Topology, plan, replicate
-from pipetrain.profiler import LayerCost, Profile
+from pipetrain.profiler import LayerCost, Profile, Spread
 
 
 def synthetic_profile(layers: int, seed: int = 0) -> Profile:
@@ -63,11 +64,21 @@ def main() -> None:
     chosen = plan(profile, topology=topology, batch_size=args.batch_size, memory_limit=80e9)
     plan_s = time.perf_counter() - start
 
+    rng = np.random.default_rng(1)
+    runs = [[float(f) for f in rng.lognormal(0.0, 0.2, args.layers)] for _ in range(50)]
+    measured = replace(profile, spread=Spread([[layer.forward_s * f for layer, f in zip(profile.layers, run)] for run in runs],
+                                              [[layer.backward_s * f for layer, f in zip(profile.layers, run)] for run in runs]))
+    start = time.perf_counter()
+    varied = plan(measured, topology=topology, batch_size=args.batch_size, memory_limit=80e9)
+    varied_s = time.perf_counter() - start
+
     print(f"{args.layers} layers on {topology} ({topology.workers} workers)")
     print(f"replication planner: {replicate_s:.3f} s, {len(replication.stages)} stages")
     print(f"whole plan (layouts, memory, simulation): {plan_s:.3f} s (target < 2 s)")
     print("\n".join(chosen.describe().splitlines()[:2]))
     print(f"layers per stage {chosen.balance}, replicas {chosen.replicas}")
+    print(f"with 50 measured runs per layer (steps simulated with variation): {varied_s:.3f} s, "
+          f"predicted step {varied.predicted_step_s:.4g} s against {varied.steady_step_s:.4g} s steady")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from pipetrain.plan.candidates import Candidate, Layout, layouts, step_costs
 from pipetrain.plan.topology import Topology, resolve
 from pipetrain.profiler.costs import Profile
 from pipetrain.schedules import CHECKPOINT_MODES, SCHEDULE_NAMES
-from pipetrain.simulate import Costs, median_makespan
+from pipetrain.simulate import Costs, Variation, median_makespan
 
 DEFAULT_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved")
 DEFAULT_MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -29,8 +29,10 @@ DEFAULT_MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)
 FORMAT_VERSION = 1
 """Version of the JSON layout written by :meth:`Plan.save`."""
 
-VARIED_RUNS = 64
-"""Simulated steps whose median is a measured profile's predicted step."""
+VARIED_RUNS = (5, 64)
+"""The fewest and most simulated steps whose median is a measured profile's predicted step."""
+
+_VARIED_ACTIONS = 150_000  # actions simulated for the varied steps (about a second), where the counts allow
 
 _TIE = 1e-9  # relative difference below which two predicted throughputs count as equal
 
@@ -54,7 +56,7 @@ class Plan(JsonFile):
     ``stage_compute_s[i]`` its forward and backward time for one micro-batch (recomputation
     included). ``predicted_step_s`` covers one optimizer step of ``microbatches``
     micro-batches of ``microbatch_size`` samples: with a measured profile, the median of
-    :data:`VARIED_RUNS` simulated steps whose actions vary as the profile's runs did;
+    :data:`VARIED_RUNS` (up to 64) simulated steps whose actions vary as the profile's runs did;
     ``steady_step_s`` is the step with every action at its median time (the two are equal
     for a profile without runs). Stages sit on consecutive ranks in order.
     """
@@ -273,8 +275,18 @@ def _fastest(fitting: list[tuple[Candidate, list[float]]], topology: Topology) -
     ending_s = candidate.profile.message_s
     steady_step_s = processed * candidate.profile.microbatch_size / throughput + ending_s
     variation = candidate.variation()
-    step_s = steady_step_s if variation is None else median_makespan(candidate.build(), costs, variation, VARIED_RUNS) + ending_s
+    step_s = steady_step_s if variation is None else _varied_step_s(candidate, costs, variation) + ending_s
     return _as_plan(candidate, memory, step_s, steady_step_s, processed, costs)
+
+
+def _varied_step_s(candidate: Candidate, costs: Costs, variation: Variation) -> float:
+    """The median makespan of the candidate's steps simulated under ``variation``: as many
+    as :data:`VARIED_RUNS` allows, fewer for long schedules: their makespan, a sum over many
+    actions, varies less from one simulated step to the next, and each step costs more."""
+    schedule = candidate.build()
+    actions = sum(len(lane) for lane in schedule.ranks)
+    fewest, most = VARIED_RUNS
+    return median_makespan(schedule, costs, variation, max(fewest, min(most, _VARIED_ACTIONS // max(actions, 1))))
 
 
 def _better(throughput: float, peak: float, best_throughput: float, best_peak: float) -> bool:
