@@ -69,14 +69,16 @@ def _profile_under_load(model: str, batch_size: int, microbatches: int, seed: in
         optimizer = torch.optim.Adam(network.parameters())
         inputs, targets = next(BatchStream(model, batch_size, seed=seed))
         size = batch_size // microbatches
-        ready = False
-        while not store.check([_PROFILED]):
+
+        def train_once() -> None:
             optimizer.zero_grad()
             loss_fn(network(inputs[:size]), targets[:size]).backward()
             optimizer.step()
-            if not ready:
-                dist.barrier()
-                ready = True
+
+        train_once()
+        dist.barrier()
+        while not store.check([_PROFILED]):
+            train_once()
     sizes = torch.tensor([statistics.median(layer.activation_bytes for layer in measured.layers) if measured else 0.0])
     dist.broadcast(sizes, 0)
     message_s = _message_s(int(sizes.item()))

@@ -133,9 +133,10 @@ def simulate(schedule: Schedule, costs: Costs, variation: Variation | None = Non
             kind, stage, mb = action.kind, action.stage, action.microbatch
             now = clock[rank]
             if kind in duration:
-                end = now + duration[kind][stage]
+                cost = duration[kind][stage]
                 if variation is not None and kind in factors:
-                    end = now + duration[kind][stage] * draw(factors[kind][stage])
+                    cost *= draw(factors[kind][stage])
+                end = now + cost
                 record(rank, kind, stage, mb, now, end)
                 clock[rank] = end
             elif kind in (Kind.SEND_F, Kind.SEND_B):
