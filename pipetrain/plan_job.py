@@ -13,12 +13,11 @@ import torch.distributed as dist
 from pipetrain.data import BatchStream
 from pipetrain.models import build_model, loss_function
 from pipetrain.plan import Plan, plan
-from pipetrain.profiler import Profile
+from pipetrain.profiler import Profile, pooled
 from pipetrain.profiler.measure import profile
 from pipetrain.runtime import launch
 from pipetrain.runtime.transport import Transport
 
-_PROFILED = "pipetrain/profiled"
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKMGT]?)(i?)B?\s*$")
 _POWERS = {"": 0, "k": 1, "K": 1, "M": 2, "G": 3, "T": 4}
 
@@ -37,15 +36,16 @@ def profile_builtin(model: str, batch_size: int, microbatches: int, seed: int = 
     """Profile a built-in model on one micro-batch of its data, with ``threads`` torch
     threads as a local worker has.
 
-    With ``workers`` > 1 the profile is taken while ``workers − 1`` other local processes
-    train the same model as background load: in a running pipeline every worker computes
-    at the same time, and workers that share a machine slow each other down (memory
-    bandwidth, caches), so costs measured on an idle machine would be optimistic.
+    With ``workers`` > 1, that many local processes profile the model at the same time and
+    their profiles are pooled (:func:`pipetrain.profiler.pooled`): in a running pipeline
+    every worker computes at once, and workers that share a machine slow each other down
+    (memory bandwidth, caches), so costs measured on an idle machine would be optimistic.
+    Two of them then time activation messages between them (``message_s``).
     """
     if batch_size < microbatches:
         raise ValueError(f"batch size {batch_size} is smaller than microbatches {microbatches}")
     if workers > 1:
-        return launch(_profile_under_load, workers, model, batch_size, microbatches, seed, threads, threads_per_worker=threads)[0]
+        return launch(_profile_together, workers, model, batch_size, microbatches, seed, threads, threads_per_worker=threads)[0]
     torch.set_num_threads(threads)
     network = build_model(model, seed=seed)
     inputs, targets = next(BatchStream(model, batch_size, seed=seed))
@@ -53,36 +53,16 @@ def profile_builtin(model: str, batch_size: int, microbatches: int, seed: int = 
     return profile(network, inputs[:size], targets[:size], loss_function(model), microbatch_size=size, repeats=50, warmup=5)
 
 
-def _profile_under_load(model: str, batch_size: int, microbatches: int, seed: int, threads: int) -> Profile | None:
-    """Rank 0 profiles while the other ranks train the model (forward, backward, Adam step);
-    then ranks 0 and 1 time activation messages between them."""
-    store = dist.distributed_c10d._get_default_store()
-    measured = None
-    if dist.get_rank() == 0:
-        dist.barrier()  # the load is running before the first timing
-        try:
-            measured = profile_builtin(model, batch_size, microbatches, seed, threads)
-        finally:
-            store.set(_PROFILED, "1")
-    else:
-        network, loss_fn = build_model(model, seed=seed), loss_function(model)
-        optimizer = torch.optim.Adam(network.parameters())
-        inputs, targets = next(BatchStream(model, batch_size, seed=seed))
-        size = batch_size // microbatches
-
-        def train_once() -> None:
-            optimizer.zero_grad()
-            loss_fn(network(inputs[:size]), targets[:size]).backward()
-            optimizer.step()
-
-        train_once()
-        dist.barrier()
-        while not store.check([_PROFILED]):
-            train_once()
-    sizes = torch.tensor([statistics.median(layer.activation_bytes for layer in measured.layers) if measured else 0.0])
-    dist.broadcast(sizes, 0)
+def _profile_together(model: str, batch_size: int, microbatches: int, seed: int, threads: int) -> Profile | None:
+    """Every rank profiles the model at once; rank 0 returns the pooled profile, with the
+    time activation messages take between ranks 0 and 1."""
+    dist.barrier()  # start together, so that every timing runs beside the others
+    measured = profile_builtin(model, batch_size, microbatches, seed, threads)
+    gathered: list[Profile] | None = [measured] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(measured, gathered, dst=0)
+    sizes = torch.tensor([statistics.median(layer.activation_bytes for layer in measured.layers)])
     message_s = _message_s(int(sizes.item()))
-    return replace(measured, message_s=message_s) if measured is not None else None
+    return replace(pooled(gathered), message_s=message_s) if gathered is not None else None
 
 
 def _message_s(nbytes: int, rounds: int = 24, warmup: int = 4) -> float:

@@ -38,7 +38,8 @@ WARMUP_STEPS = 2  # left out of the median step time: first steps pay for alloca
 @dataclass(frozen=True)
 class TrainConfig:
     """What to train and how. ``None`` means the default (per model for ``batch_size`` and
-    ``lr``; for ``stages``, 2 local workers or the torchrun world size)."""
+    ``lr``; for ``stages``, 2 local workers or the torchrun world size). A ``plan`` sets the
+    split, schedule and micro-batches, and its prediction is kept as ``planned_step_s``."""
 
     model: str
     stages: int | None = None
@@ -55,6 +56,7 @@ class TrainConfig:
     replicas: tuple[int, ...] | None = None
     vertical_sync: bool = False
     plan: Plan | None = None
+    planned_step_s: float | None = None
 
     def resolved(self, world_size: int | None = None) -> TrainConfig:
         """The configuration with defaults filled in and checked; raises ValueError if it cannot run."""
@@ -81,6 +83,7 @@ class TrainConfig:
             self, plan=None, stages=plan.workers, schedule=plan.schedule, microbatches=plan.microbatches,
             balance=tuple(plan.balance), replicas=replicas, checkpoint=plan.checkpoint,
             virtual=max(plan.virtual, 2), batch_size=self.batch_size or plan.batch_size,
+            planned_step_s=plan.predicted_step_s if (self.batch_size or plan.batch_size) == plan.batch_size else None,
         )
 
     def check(self) -> None:
@@ -256,6 +259,7 @@ class TrainReport:
             "recorded_step_s": self.measured.makespan,
             "predicted_step_s": self.predicted.makespan,
             "predicted_bubble_fraction": self.predicted.bubble_fraction,
+            "planned_step_s": config.planned_step_s,
         }
 
     def summary(self) -> str:
@@ -268,6 +272,10 @@ class TrainReport:
             for name, field in (("F", "forward_s"), ("B", "backward_s"), ("W", "weight_s"))
             if any(getattr(self.costs, field))
         )
+        planned = [] if config.planned_step_s is None else [
+            f"  planned           {format_seconds(config.planned_step_s)} a step, "
+            f"{config.planned_step_s / self.step_s:.2f} × the median step (the plan's prediction from the profile)"
+        ]
         return "\n".join([
             f"{config.model} on {_placement(config)}, {config.schedule}, {config.microbatches} micro-batches "
             f"of {per_micro:g} samples, {config.steps} steps (Adam, lr {config.lr:g})",
@@ -278,6 +286,7 @@ class TrainReport:
             f"  predicted         {format_seconds(predicted.makespan)}, bubble {predicted.bubble_fraction:.1%} "
             f"({config.schedule} simulated on the measured stage costs)",
             f"  stage costs       {stage_costs} (median per micro-batch, by stage)",
+            *planned,
         ])
 
     def write_trace(self, path: str) -> None:

@@ -280,6 +280,24 @@ def test_train_report_writes_measured_chrome_trace(tmp_path: Path) -> None:
     assert "4.0000 -> 1.0000" in report.summary()
 
 
+def test_train_report_compares_a_plan_with_the_measured_step() -> None:
+    from pipetrain.plan import Plan, PlanStage
+    from pipetrain.train_job import TrainConfig, TrainReport
+
+    plan = Plan(stages=[PlanStage(0, 3), PlanStage(3, 5)], schedule="1f1b", microbatches=2, checkpoint="never",
+                predicted_step_s=6.0, predicted_throughput=4 / 6.0, stage_memory_bytes=[1.0, 1.0], workers=2,
+                microbatch_size=4)
+    config = TrainConfig(model="mlp", steps=4, plan=plan).resolved()
+    assert (config.balance, config.batch_size, config.planned_step_s) == ((3, 2), 8, 6.0)
+    measured = simulate(build("1f1b", 2, 2), Costs(forward_s=[1.0, 1.5], backward_s=2.0))
+    result = {"losses": [4.0, 3.0, 2.0, 1.0], "step_times_s": [9.0, 8.0, 2.0, 4.0], "timeline": measured.to_dict()}
+    report = TrainReport.build(config, result)
+    assert report.to_json()["planned_step_s"] == 6.0
+    assert "planned           6 s a step, 2.00 × the median step" in report.summary()
+    # another batch size than the plan's makes its prediction moot
+    assert TrainConfig(model="mlp", batch_size=16, plan=plan).resolved().planned_step_s is None
+
+
 def test_interleaved_costs_per_rank_are_shared_by_its_chunks(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     costs_file = tmp_path / "costs.json"
     costs_file.write_text(json.dumps({"forward_s": [1.0, 2.0], "backward_s": 4.0}))

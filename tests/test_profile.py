@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from pipetrain.profiler import LayerCost, Profile, Spread, profile
+from pipetrain.profiler import LayerCost, Profile, Spread, pooled, profile
 
 # ---- the Profile type ---------------------------------------------------------------------
 
@@ -108,6 +108,34 @@ def test_stage_factors_by_hand() -> None:
     assert spread.stage_factors(1, 2, (0.0, 3.0)) == ([1.0, 1.0], [1.0, 3.5 / 3.0])
 
 
+def test_pooled_profiles_by_hand() -> None:
+    slower = Profile(
+        [
+            LayerCost(1.5, 2.0, 400.0, 1000.0, 0.75, 2000.0, 1500.0, "embed", optimizer_s=0.5),
+            LayerCost(2.5, 4.0, 800.0, 0.0, 1.0, 0.0, 800.0, "act"),
+        ],
+        microbatch_size=4,
+        spread=Spread([[2.0, 3.0]], [[3.0, 4.0]]),
+    )
+    both = pooled([with_spread(), slower])
+    first, second = both.layers
+    assert (first.forward_s, first.backward_s, first.weight_backward_s, first.optimizer_s) == (1.0, 1.5, 0.5, 0.25)
+    assert (first.activation_bytes, first.parameter_bytes, first.name) == (400.0, 1000.0, "embed")
+    # one profile did not measure the second layer's weight share, so the pool has none
+    assert (second.forward_s, second.backward_s, second.weight_backward_s) == (2.0, 3.5, None)
+    # every worker's runs are kept
+    assert both.spread == Spread([[0.5, 1.5], [1.0, 2.0], [2.0, 3.0]], [[1.0, 3.0], [2.0, 3.5], [3.0, 4.0]])
+    assert pooled([with_spread(), sample_profile()]).spread is None
+    assert pooled([sample_profile()]) == sample_profile()
+
+
+def test_pooling_different_models_is_refused() -> None:
+    with pytest.raises(ValueError, match="profile 1 has 2 layers at micro-batch size 8, profile 0 has 2 at 4"):
+        pooled([sample_profile(), sample_profile().scaled(8)])
+    with pytest.raises(ValueError, match="at least one profile"):
+        pooled([])
+
+
 def test_scaled_by_hand() -> None:
     double = sample_profile().scaled(8)
     assert double.microbatch_size == 8 and double.input_bytes == 128.0
@@ -189,6 +217,32 @@ def test_profile_measures_a_small_sequential() -> None:
     for index, layer in enumerate(result.layers):
         assert statistics.median(run[index] for run in result.spread.forward_s) == pytest.approx(layer.forward_s)
         assert statistics.median(run[index] for run in result.spread.backward_s) == pytest.approx(layer.backward_s)
+
+
+def test_the_optimizer_steps_all_weights_on_fresh_gradients() -> None:
+    model = model_with_batchnorm()
+    trainable = sum(1 for p in model.parameters() if p.requires_grad)
+    made: list[int] = []
+    gradients_seen: list[bool] = []
+
+    class Recording(torch.optim.SGD):
+        def step(self, closure=None):  # type: ignore[override]
+            gradients_seen.append(all(p.grad is not None for group in self.param_groups for p in group["params"]))
+            return super().step(closure)
+
+    def factory(parameters: list[Tensor]) -> torch.optim.Optimizer:
+        made.append(len(parameters))
+        return Recording(parameters, lr=0.1)
+
+    before = snapshot(model)
+    result = profile(model, torch.randn(8, 6), torch.randint(0, 3, (8,)), nn.CrossEntropyLoss(), repeats=3, warmup=1,
+                     optimizer=factory)
+    # one optimizer over the whole model (timed as a stage steps), one per layer with weights
+    assert made == [trainable, 2, 2, 2]
+    # every run steps the whole model and each layer once, always with gradients present
+    assert len(gradients_seen) == 4 * (1 + 3) and all(gradients_seen)
+    assert [layer.optimizer_s > 0 for layer in result.layers] == [True, True, False, False, True]
+    assert_same(before, snapshot(model))
 
 
 class Split(nn.Module):

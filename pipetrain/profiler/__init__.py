@@ -6,9 +6,9 @@ profile stays cheap to import.
 
 from typing import Any
 
-from pipetrain.profiler.costs import FORMAT_VERSION, LayerCost, Profile, Spread
+from pipetrain.profiler.costs import FORMAT_VERSION, LayerCost, Profile, Spread, pooled
 
-__all__ = ["FORMAT_VERSION", "LayerCost", "Profile", "Spread", "profile"]
+__all__ = ["FORMAT_VERSION", "LayerCost", "Profile", "Spread", "pooled", "profile"]
 
 
 def __getattr__(name: str) -> Any:

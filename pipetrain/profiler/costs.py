@@ -7,6 +7,8 @@ hand, saved to JSON and loaded back.
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -193,6 +195,36 @@ class Profile(JsonFile):
                 raise ValueError("profile spread must be an object with forward_s and backward_s (lists of runs)")
             spread = Spread(**spread)
         return cls(layers, data.get("microbatch_size", 1), data.get("input_bytes", 0.0), data.get("message_s", 0.0), spread)
+
+
+def pooled(profiles: Sequence[Profile]) -> Profile:
+    """One profile from several of the same model, measured on different workers at once.
+
+    Each layer's times are the mean of the workers' medians; the spread, where every
+    profile has one, holds every worker's runs, so the planner sees how all of them varied.
+    Sizes, the micro-batch size and ``message_s`` come from the first profile.
+    """
+    if not profiles:
+        raise ValueError("pooled needs at least one profile")
+    first = profiles[0]
+    for index, other in enumerate(profiles[1:], 1):
+        if len(other.layers) != len(first.layers) or other.microbatch_size != first.microbatch_size:
+            raise ValueError(
+                f"profile {index} has {len(other.layers)} layers at micro-batch size {other.microbatch_size}, "
+                f"profile 0 has {len(first.layers)} at {first.microbatch_size}; pool profiles of the same model and size"
+            )
+    layers = []
+    for index, layer in enumerate(first.layers):
+        column = [profile.layers[index] for profile in profiles]
+        times = {name: statistics.mean(getattr(c, name) for c in column) for name in ("forward_s", "backward_s", "optimizer_s")}
+        shares = [c.weight_backward_s for c in column]
+        times["weight_backward_s"] = None if None in shares else min(statistics.mean(shares), times["backward_s"])
+        layers.append(replace(layer, **times))
+    spreads = [profile.spread for profile in profiles]
+    spread = None if None in spreads else Spread(
+        [run for s in spreads for run in s.forward_s], [run for s in spreads for run in s.backward_s]
+    )
+    return replace(first, layers=layers, spread=spread)
 
 
 def _check_layer(index: int, layer: object) -> None:

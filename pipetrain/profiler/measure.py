@@ -113,7 +113,9 @@ def _in_sequence(
     """
     count = len(layers)
     times: list[list[list[float]]] = [[[], [], []] for _ in range(count)]
-    whole: list[list[float]] = [[], []]
+    whole: list[list[float]] = [[], [], []]
+    trainable = [p for _, module in layers for p in module.parameters() if p.requires_grad]
+    whole_stepper = optimizer(trainable) if trainable else None
     steppers = []
     for _, module in layers:
         copies = [p.detach().clone().requires_grad_(True) for p in module.parameters() if p.requires_grad]
@@ -121,6 +123,10 @@ def _in_sequence(
             copy.grad = torch.randn_like(copy)
         steppers.append(optimizer(copies) if copies else None)
     for run in range(warmup + repeats):
+        # the layers' backwards make fresh gradients, the whole model's backward adds to
+        # them (as all but a step's first micro-batch do), and the step reads them fresh
+        for parameter in trainable:
+            parameter.grad = None
         saved, inputs = [], arguments
         for index, (_, module) in enumerate(layers):
             leaves, fed = _fresh_inputs(inputs)
@@ -141,7 +147,7 @@ def _in_sequence(
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             times[index][1].append(timer.now() - start)
             incoming = [x.grad if isinstance(x, Tensor) else None for x in leaves]
-        for kind, elapsed in enumerate(_whole_model(layers, arguments, targets, loss_fn, timer)):
+        for kind, elapsed in enumerate(_whole_model(layers, arguments, targets, loss_fn, timer, whole_stepper)):
             whole[kind].append(elapsed)
         for index, stepper in enumerate(steppers):
             if stepper is None:
@@ -151,8 +157,8 @@ def _in_sequence(
             stepper.step()
             times[index][2].append(timer.now() - start)
     medians = [[statistics.median(kind[warmup:]) for kind in layer] for layer in times]
-    runs: list[list[list[float]]] = [[], []]
-    for kind in (0, 1):
+    runs: list[list[list[float]]] = [[], [], []]
+    for kind in (0, 1, 2):
         total = sum(layer[kind] for layer in medians)
         scale = statistics.median(whole[kind][warmup:]) / total if total > 0 else 1.0
         for layer in medians:
@@ -162,8 +168,9 @@ def _in_sequence(
 
 
 def _whole_model(layers: Sequence[tuple[str, nn.Module]], arguments: tuple, targets: Any, loss_fn: LossFn,
-                 timer: _Timer) -> tuple[float, float]:
-    """Seconds for one forward of all layers (and the loss) and one backward call through them."""
+                 timer: _Timer, stepper: torch.optim.Optimizer | None) -> tuple[float, float, float]:
+    """Seconds for one forward of all layers (and the loss), one backward call through them,
+    and one ``stepper`` step on the gradients just made (0 without one)."""
     _, inputs = _fresh_inputs(arguments)
     start = timer.now()
     for _, module in layers:
@@ -173,7 +180,12 @@ def _whole_model(layers: Sequence[tuple[str, nn.Module]], arguments: tuple, targ
     forward_s = timer.now() - start
     start = timer.now()
     loss.backward()
-    return forward_s, timer.now() - start
+    backward_s = timer.now() - start
+    if stepper is None:
+        return forward_s, backward_s, 0.0
+    start = timer.now()
+    stepper.step()
+    return forward_s, backward_s, timer.now() - start
 
 
 def _fresh_inputs(arguments: tuple) -> tuple[tuple, tuple]:
