@@ -1,13 +1,16 @@
 """Does the planner's split beat an equal-layer split, and does its prediction hold?
 
 Profiles the built-in ``uneven-mlp`` (layers of very different cost) in 2 processes at
-once with one thread each (as the workers will run), plans a straight 2-stage pipeline for
-it, then trains with the planner's balance and with an equal layer-count balance, each on
-2 CPU worker processes with one thread, and prints measured step times, their ratio, and the plan's predicted step time
-(and its steady step, every action at its median) beside the measured one.
+once with one thread each, as the workers will run (their profiles pooled), plans a straight 2-stage pipeline for
+it, then trains with the planner's balance, with an equal layer-count balance and with the
+planner's balance again, each on 2 CPU worker processes with one thread, and prints
+measured step times (the planner's: the median over both of its runs), their ratio, and
+the plan's predicted step time (and its steady step, every action at its median) beside
+the measured one. How far the planner's two runs differ is printed too: no prediction can
+hold more tightly than the same run repeated.
 
 Step times on a shared machine move by ±15% from run to run, so the whole procedure
-(profile, plan, measure both splits) repeats for ``--rounds`` rounds and the medians and
+(profile, plan, measure the splits) repeats for ``--rounds`` rounds and the medians and
 ranges are printed.
 
     python benchmarks/bench_plan.py [--steps 60] [--batch-size 128] [--microbatches 4] [--rounds 5]
@@ -63,25 +66,33 @@ def main() -> None:
         planned_s = time.perf_counter() - started
         layers = len(profile.layers)
         equal = [layers // 2, layers - layers // 2]
-        measured = [
-            statistics.median(pipetrain.launch(train, 2, balance, plan.schedule, args.microbatches, args.batch_size,
-                                               args.steps, threads_per_worker=1)[0][WARMUP:])
-            for balance in (plan.balance, equal)
+        # the planner's split runs before and after the equal one: how far its two runs
+        # differ shows how well any prediction could hold on this machine
+        runs = [
+            pipetrain.launch(train, 2, balance, plan.schedule, args.microbatches, args.batch_size,
+                             args.steps, threads_per_worker=1)[0][WARMUP:]
+            for balance in (plan.balance, equal, plan.balance)
         ]
-        rows.append((plan.balance, measured[0], measured[1], plan.predicted_step_s, planned_s, plan.steady_step_s))
+        first, equal_s, again = (statistics.median(steps) for steps in runs)
+        ours = statistics.median(runs[0] + runs[2])
+        rows.append((plan.balance, ours, equal_s, plan.predicted_step_s, planned_s, plan.steady_step_s,
+                     abs(again - first) / ours))
     print(plan.describe())
     print(f"\n{'round':>5} {'planner balance':>16} {'planner ms':>11} {'equal ms':>9} {'speedup':>8} {'predicted ms':>13} "
-          f"{'pred/meas':>10} {'steady/meas':>12}")
-    for index, (balance, ours, theirs, predicted, _, steady) in enumerate(rows, 1):
+          f"{'pred/meas':>10} {'steady/meas':>12} {'rerun diff':>11}")
+    for index, (balance, ours, theirs, predicted, _, steady, rerun) in enumerate(rows, 1):
         print(f"{index:>5} {str(balance):>16} {ours * 1e3:11.2f} {theirs * 1e3:9.2f} {theirs / ours:8.2f} "
-              f"{predicted * 1e3:13.2f} {predicted / ours:10.3f} {steady / ours:12.3f}")
-    speedups = [theirs / ours for _, ours, theirs, _, _, _ in rows]
-    ratios = [predicted / ours for _, ours, _, predicted, _, _ in rows]
-    steady_ratios = [steady / ours for _, ours, _, _, _, steady in rows]
+              f"{predicted * 1e3:13.2f} {predicted / ours:10.3f} {steady / ours:12.3f} {rerun:11.1%}")
+    speedups = [theirs / ours for _, ours, theirs, *_ in rows]
+    ratios = [predicted / ours for _, ours, _, predicted, *_ in rows]
+    steady_ratios = [steady / ours for _, ours, _, _, _, steady, _ in rows]
+    reruns = [row[-1] for row in rows]
     print(f"\nplanner split vs equal split: median {statistics.median(speedups):.2f}x (range {min(speedups):.2f}-{max(speedups):.2f})")
     print(f"predicted/measured: median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}); "
           f"within 10% in {sum(abs(r - 1) <= 0.1 for r in ratios)} of {len(ratios)} rounds")
     print(f"steady (every action at its median) / measured: median {statistics.median(steady_ratios):.3f}")
+    print(f"the planner's split measured twice in a round: runs differ by median {statistics.median(reruns):.1%} "
+          f"(at most {max(reruns):.1%})")
     print(f"profiling and planning took {statistics.median(r[4] for r in rows):.1f} s (median)")
 
 

@@ -50,8 +50,9 @@ def profile(
     Per layer:
 
     - ``forward_s``, ``backward_s`` and ``optimizer_s`` come from the layers run in sequence;
-      forward and backward are scaled so that they add up to the whole model's forward and
-      backward, each timed as one call. Every timed run's forward and backward times, on
+      they are scaled so that they add up to the whole model's forward, backward and
+      optimizer step, each timed as one call (the step right after the backward, on the
+      gradients it made, as a stage steps at the end of a training step). Every timed run's forward and backward times, on
       the same scale, are kept in the profile's :class:`~pipetrain.profiler.costs.Spread`.
       ``weight_backward_s`` is ``backward_s`` times the weight-gradient share measured on
       the layer alone, where ``torch.autograd.grad`` with respect to the inputs and
@@ -60,7 +61,8 @@ def profile(
     - ``optimizer_bytes`` assumes Adam: ``optimizer_state_factor`` (2) times the bytes of
       the trainable parameters (two moment estimates).
     - ``optimizer_s`` is one step of ``optimizer`` (a function from parameters to an
-      optimizer; default Adam) on copies of the layer's trainable parameters.
+      optimizer; default Adam): timed per layer on copies of the layer's trainable
+      parameters, and for the whole model on the parameters themselves (put back after).
     - ``peak_memory_bytes`` on CUDA is the rise of ``torch.cuda.max_memory_allocated``
       over one forward and backward; on other devices it is an estimate, the output
       activation plus the weight gradients.
@@ -100,16 +102,19 @@ def _in_sequence(
     repeats: int, warmup: int, optimizer: Callable,
 ) -> tuple[list[tuple[float, float, float]], Spread]:
     """Per layer, median forward, backward and optimizer-step times with the layers run in
-    turn, as a stage runs them, and every timed run's forward and backward times: all forwards, then the backwards in reverse order with the
-    weight gradients accumulating, then an optimizer step per layer (on copies of its
-    weights). Timing a layer alone, over and over, keeps its weights in cache and comes out
-    faster than what a pipeline sees.
+    turn, as a stage runs them, and every timed run's forward and backward times: all
+    forwards, then the backwards in reverse order, then an optimizer step per layer (on
+    copies of its weights). Timing a layer alone, over and over, keeps its weights in cache
+    and comes out faster than what a pipeline sees.
 
     Timing each layer's backward needs a backward call per layer, and each call has a fixed
     cost that a stage, which runs its layers' backward as one call, pays only once (it came
-    to 40% of the backward on a small MLP). So every run also times the whole model forward
-    and backward in one call each, and the per-layer medians (and runs) are scaled so that
-    the medians add up to those totals' medians.
+    to 40% of the backward on a small MLP). So every run also times the whole model's
+    forward, backward and optimizer step in one call each, and the per-layer medians (and
+    runs) are scaled so that the medians add up to those totals' medians. A step taken
+    right after the backward that made its gradients is slower than one repeated on old
+    gradients (often by a third or more for Adam on a CPU), so the whole model's step is
+    taken that way, as a stage takes it.
     """
     count = len(layers)
     times: list[list[list[float]]] = [[[], [], []] for _ in range(count)]
