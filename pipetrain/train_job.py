@@ -273,8 +273,8 @@ class TrainReport:
             if any(getattr(self.costs, field))
         )
         planned = [] if config.planned_step_s is None else [
-            f"  planned           {format_seconds(config.planned_step_s)} a step, "
-            f"{config.planned_step_s / self.step_s:.2f} × the median step (the plan's prediction from the profile)"
+            (f"  planned           {format_seconds(config.planned_step_s)} a step, "
+             f"{config.planned_step_s / self.step_s:.2f} × the median step (the plan's prediction from the profile)")
         ]
         return "\n".join([
             f"{config.model} on {_placement(config)}, {config.schedule}, {config.microbatches} micro-batches "
