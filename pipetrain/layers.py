@@ -8,7 +8,8 @@ names, so a stage's ``state_dict()`` keys match the unpipelined model's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
 from numbers import Integral
 
 from torch import Tensor, nn
@@ -179,11 +180,7 @@ class StageModule(nn.Module):
 
     def forward(self, *inputs: Tensor) -> StageOutput:
         """Run the layers in order and return the last layer's output."""
-        arguments: tuple[Tensor, ...] = inputs
-        for name, module in self._layer_list:
-            output = _checked_output(name, module(*arguments))
-            arguments = output if isinstance(output, tuple) else (output,)
-        return output
+        return deque(self._outputs(inputs), maxlen=1)[0]
 
     def forward_layers(self, *inputs: Tensor) -> list[StageOutput]:
         """Run the layers in order and return every layer's output.
@@ -191,13 +188,15 @@ class StageModule(nn.Module):
         A layer that returns a tuple (or list) of tensors feeds the next layer with it
         unpacked, ``layer(*outputs)``; lists are returned as tuples.
         """
-        outputs: list[StageOutput] = []
-        arguments: tuple[Tensor, ...] = inputs
+        return list(self._outputs(inputs))
+
+    def _outputs(self, inputs: tuple[Tensor, ...]) -> Iterator[StageOutput]:
+        """Each layer's output in turn, each fed to the next layer (unpacked if a tuple)."""
+        arguments = inputs
         for name, module in self._layer_list:
             output = _checked_output(name, module(*arguments))
-            outputs.append(output)
+            yield output
             arguments = output if isinstance(output, tuple) else (output,)
-        return outputs
 
 
 def _checked_output(name: str, output: object) -> StageOutput:

@@ -60,8 +60,7 @@ def _profile_together(model: str, batch_size: int, microbatches: int, seed: int,
     measured = profile_builtin(model, batch_size, microbatches, seed, threads)
     gathered: list[Profile] | None = [measured] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(measured, gathered, dst=0)
-    sizes = torch.tensor([statistics.median(layer.activation_bytes for layer in measured.layers)])
-    message_s = _message_s(int(sizes.item()))
+    message_s = _message_s(int(statistics.median(layer.activation_bytes for layer in measured.layers)))
     return replace(pooled(gathered), message_s=message_s) if gathered is not None else None
 
 

@@ -83,7 +83,7 @@ class TrainConfig:
             self, plan=None, stages=plan.workers, schedule=plan.schedule, microbatches=plan.microbatches,
             balance=tuple(plan.balance), replicas=replicas, checkpoint=plan.checkpoint,
             virtual=max(plan.virtual, 2), batch_size=self.batch_size or plan.batch_size,
-            planned_step_s=plan.predicted_step_s if (self.batch_size or plan.batch_size) == plan.batch_size else None,
+            planned_step_s=plan.predicted_step_s if self.batch_size in (None, plan.batch_size) else None,
         )
 
     def check(self) -> None:

@@ -64,12 +64,6 @@ class StageFootprint:
         )
 
 
-def in_flight_depth(stage: int, replicas: Sequence[int]) -> int:
-    """PipeDream's in-flight mini-batches for a stage: ``⌈(r_s + … + r_{p-1}) / r_s⌉``, the
-    limit the schedule generators use."""
-    return in_flight_limit(replicas, stage)
-
-
 def in_flight(
     schedule: str,
     stage: int,
@@ -85,7 +79,7 @@ def in_flight(
     if schedule == "gpipe":
         return local
     if schedule in ONE_F_ONE_B_LIKE:
-        return min(local, in_flight_depth(stage, replicas))
+        return min(local, in_flight_limit(replicas, stage))
     if schedule == "interleaved":
         ranks = len(replicas)
         return min((ranks - stage - 1) * 2 + (virtual - 1) * ranks + 1, virtual * microbatches)
@@ -97,7 +91,7 @@ def weight_versions(schedule: str, stage: int, replicas: Sequence[int]) -> int:
     if schedule == "2bw":
         return 2
     if schedule == "pipedream":
-        return in_flight_depth(stage, replicas)
+        return in_flight_limit(replicas, stage)
     return 1
 
 

@@ -260,7 +260,7 @@ def _fastest(fitting: list[tuple[Candidate, list[float]]], topology: Topology) -
         ceiling = samples / max(candidate.lower_bound(costs), 1e-300)
         bounded.append((ceiling, max(memory), candidate, memory, costs))
     bounded.sort(key=lambda entry: (-entry[0], entry[1]))
-    best: tuple[float, float, Candidate, list[float], Costs, int] | None = None
+    best: tuple[float, float, Candidate, list[float], Costs, int, float] | None = None
     for ceiling, peak, candidate, memory, costs in bounded:
         if best is not None and ceiling < best[0] * (1 - _TIE):
             break
@@ -268,12 +268,12 @@ def _fastest(fitting: list[tuple[Candidate, list[float]]], topology: Topology) -
         size = candidate.profile.microbatch_size
         throughput = processed * size / timeline.makespan if timeline.makespan > 0 else math.inf
         if best is None or _better(throughput, peak, best[0], best[1]):
-            best = (throughput, peak, candidate, memory, costs, processed)
+            best = (throughput, peak, candidate, memory, costs, processed, timeline.makespan)
     assert best is not None
-    throughput, _, candidate, memory, costs, processed = best
+    _, _, candidate, memory, costs, processed, makespan = best
     # a training step ends with an all-reduce of the loss: one small message
     ending_s = candidate.profile.message_s
-    steady_step_s = processed * candidate.profile.microbatch_size / throughput + ending_s
+    steady_step_s = makespan + ending_s
     variation = candidate.variation()
     step_s = steady_step_s if variation is None else _varied_step_s(candidate, costs, variation) + ending_s
     return _as_plan(candidate, memory, step_s, steady_step_s, processed, costs)

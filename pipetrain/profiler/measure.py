@@ -4,7 +4,8 @@ Times come from the layers run one after another, as a pipeline stage runs them:
 forwards, the backwards in reverse order with the weight gradients accumulating, then an
 optimizer step per layer. (A layer timed alone, over and over, keeps its weights in cache and
 looks faster than a pipeline finds it.) Those per-layer times are scaled to add up to the
-whole model's forward and backward, each timed as one call, as a stage runs them. Each
+whole model's forward, backward and optimizer step, each timed as one call, as a stage
+runs them. Each
 layer is also run alone on its real input, the previous layer's output detached and
 marked as requiring a gradient, for its sizes and for how its backward splits into input
 and weight gradients. The model is left exactly as it was found.
@@ -52,8 +53,9 @@ def profile(
     - ``forward_s``, ``backward_s`` and ``optimizer_s`` come from the layers run in sequence;
       they are scaled so that they add up to the whole model's forward, backward and
       optimizer step, each timed as one call (the step right after the backward, on the
-      gradients it made, as a stage steps at the end of a training step). Every timed run's forward and backward times, on
-      the same scale, are kept in the profile's :class:`~pipetrain.profiler.costs.Spread`.
+      gradients it made, as a stage steps at the end of a training step). Every timed run's
+      forward and backward times, on the same scale, are kept in the profile's
+      :class:`~pipetrain.profiler.costs.Spread`.
       ``weight_backward_s`` is ``backward_s`` times the weight-gradient share measured on
       the layer alone, where ``torch.autograd.grad`` with respect to the inputs and
       parameters is timed against the inputs only (0 for a layer without parameters, all of
