@@ -58,7 +58,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     rows = []
-    for _ in range(args.rounds):
+    print(f"{'round':>5} {'planner balance':>16} {'planner ms':>11} {'equal ms':>9} {'speedup':>8} {'predicted ms':>13} "
+          f"{'pred/meas':>10} {'steady/meas':>12} {'rerun diff':>11}", flush=True)
+    for index in range(1, args.rounds + 1):
         started = time.perf_counter()
         profile = profile_builtin(MODEL, args.batch_size, args.microbatches, workers=2)
         plan = pipetrain.plan(profile, workers=2, replication=False, schedules=("1f1b",),
@@ -75,14 +77,12 @@ def main() -> None:
         ]
         first, equal_s, again = (statistics.median(steps) for steps in runs)
         ours = statistics.median(runs[0] + runs[2])
-        rows.append((plan.balance, ours, equal_s, plan.predicted_step_s, planned_s, plan.steady_step_s,
-                     abs(again - first) / ours))
-    print(plan.describe())
-    print(f"\n{'round':>5} {'planner balance':>16} {'planner ms':>11} {'equal ms':>9} {'speedup':>8} {'predicted ms':>13} "
-          f"{'pred/meas':>10} {'steady/meas':>12} {'rerun diff':>11}")
-    for index, (balance, ours, theirs, predicted, _, steady, rerun) in enumerate(rows, 1):
-        print(f"{index:>5} {str(balance):>16} {ours * 1e3:11.2f} {theirs * 1e3:9.2f} {theirs / ours:8.2f} "
-              f"{predicted * 1e3:13.2f} {predicted / ours:10.3f} {steady / ours:12.3f} {rerun:11.1%}")
+        rerun = abs(again - first) / ours
+        rows.append((plan.balance, ours, equal_s, plan.predicted_step_s, planned_s, plan.steady_step_s, rerun))
+        print(f"{index:>5} {plan.balance!s:>16} {ours * 1e3:11.2f} {equal_s * 1e3:9.2f} {equal_s / ours:8.2f} "
+              f"{plan.predicted_step_s * 1e3:13.2f} {plan.predicted_step_s / ours:10.3f} "
+              f"{plan.steady_step_s / ours:12.3f} {rerun:11.1%}", flush=True)
+    print(f"\nthe last round's plan:\n{plan.describe()}")
     speedups = [theirs / ours for _, ours, theirs, *_ in rows]
     ratios = [predicted / ours for _, ours, _, predicted, *_ in rows]
     steady_ratios = [steady / ours for _, ours, _, _, _, steady, _ in rows]

@@ -71,8 +71,8 @@ def id_batch(seed: int = 1, size: int = BATCH) -> tuple[torch.Tensor, torch.Tens
 
 
 def grads(pipe: pipetrain.Pipeline) -> dict[str, torch.Tensor]:
-    """This rank's gradients by full-model name."""
-    return {name: p.grad.clone() for name, p in pipe.named_parameters() if p.grad is not None}
+    """This rank's gradients by full-model name, on the host."""
+    return {name: p.grad.cpu().clone() for name, p in pipe.named_parameters() if p.grad is not None}
 
 
 def run_configs(configs: list[dict]) -> list[tuple[float, dict[str, torch.Tensor]]]:
@@ -222,3 +222,10 @@ def reducer_progress(bucket_bytes: float) -> list[int]:
     started.append(reducer.started)
     reducer.finish([a, b])
     return started + [int(a.grad[0]), int(b.grad[0]), reducer.started]
+
+
+def one_stage_on_the_default_device() -> tuple[float, str, dict[str, torch.Tensor]]:
+    """One train step of the whole model as one stage, on the device the backend implies."""
+    pipe = pipetrain.Pipeline(mlp(), balance=[5], microbatches=2, schedule="1f1b", loss_fn=nn.functional.cross_entropy)
+    loss = pipe.train_step(*batch())
+    return loss, str(pipe.device), grads(pipe)

@@ -68,6 +68,33 @@ THREE_RANK_CONFIGS = [
 ]
 
 
+GPU_CONFIGS = [
+    {"schedule": schedule, "balance": [3, 2], "checkpoint": checkpoint, "microbatches": 3, "device": "cuda"}
+    for schedule, checkpoint in [("gpipe", "never"), ("1f1b", "always"), ("zb-h1", "except_last")]
+] + [
+    {"schedule": "interleaved", "balance": [1, 1, 2, 1], "microbatches": 4, "device": "cuda"},
+    {"schedule": "1f1b", "balance": [2, 1], "microbatches": 2, "tuple": True, "device": "cuda"},
+    {"schedule": "1f1b", "balance": [3, 2], "microbatches": 2, "batch": 7, "device": "cuda"},
+]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_two_ranks_sharing_a_gpu_under_gloo_match_the_unpipelined_model() -> None:
+    # gloo sends only from host memory: every message is staged through pinned buffers
+    results = pipetrain.launch(cases.run_configs, 2, GPU_CONFIGS, timeout_s=120)
+    assert_transparent(GPU_CONFIGS, results, 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_under_nccl_a_rank_trains_on_its_own_gpu() -> None:
+    [(loss, device, got)] = pipetrain.launch(cases.one_stage_on_the_default_device, 1, backend="nccl", timeout_s=120)
+    expected_loss, expected_grads = reference()
+    assert device == "cuda:0"
+    assert loss == pytest.approx(expected_loss, rel=1e-5)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_every_schedule_balance_and_checkpoint_matches_the_unpipelined_model() -> None:
     results = pipetrain.launch(cases.run_configs, 2, TWO_RANK_CONFIGS, timeout_s=60)
     assert_transparent(TWO_RANK_CONFIGS, results, 2)

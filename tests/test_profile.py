@@ -196,6 +196,22 @@ def test_profile_leaves_the_model_unchanged(train: bool) -> None:
     assert torch.equal(rng_before, torch.random.get_rng_state())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_profile_on_a_gpu_measures_memory_and_leaves_the_model_there() -> None:
+    model = model_with_batchnorm().cuda()
+    inputs, targets = torch.randn(64, 6), torch.randint(0, 3, (64,))  # on the host: profile moves them
+    before = snapshot(model)
+    cuda_rng_before = torch.cuda.get_rng_state()
+    result = profile(model, inputs, targets, nn.CrossEntropyLoss(), device="cuda", repeats=3, warmup=1)
+    assert_same(before, snapshot(model))
+    assert before["devices"] == {torch.device("cuda", 0)}
+    assert torch.equal(cuda_rng_before, torch.cuda.get_rng_state())
+    for layer in result.layers:
+        assert layer.forward_s > 0 and layer.backward_s > 0
+        # the allocator's own high-water mark: at least the layer's output is held
+        assert layer.peak_memory_bytes >= layer.activation_bytes > 0
+
+
 def test_profile_measures_a_small_sequential() -> None:
     model = model_with_batchnorm()
     result = profile(

@@ -5,7 +5,8 @@ Shapes and dtypes travel once per channel, in a small header, and are then reuse
 ends remember them. When the shapes change (a smaller last micro-batch, say), the sender
 sends one buffer of the old size with the trailer set, then the new header, then the
 data, so the receiver always knows how many bytes to expect. Sends are asynchronous;
-receives can be posted early and waited on later.
+receives can be posted early and waited on later. Gloo cannot send from GPU memory, so
+under gloo a GPU stage's messages travel through pinned host buffers.
 """
 
 from __future__ import annotations
@@ -84,6 +85,14 @@ def decode_header(header: torch.Tensor) -> tuple[TensorMeta, ...]:
     return tuple(metas)
 
 
+def _wire_device(device: torch.device, group: dist.ProcessGroup | None) -> torch.device:
+    """Where messages of a stage on ``device`` travel from: the device itself, or the host
+    when the backend cannot send from it (gloo with CUDA tensors)."""
+    if device.type == "cuda" and dist.get_backend(group) != "nccl":
+        return torch.device("cpu")
+    return device
+
+
 class PendingReceive:
     """A posted receive: call :meth:`wait` for the tensors."""
 
@@ -97,7 +106,7 @@ class PendingReceive:
 
     def _post_data(self) -> None:
         _, size = _offsets(self._metas)
-        self._buffer = torch.empty(size + _TRAILER, dtype=torch.uint8, device=self._transport.device)
+        self._buffer = self._transport._wire_buffer(size + _TRAILER)
         self._work = self._transport._irecv(self._buffer, self._peer)
 
     def wait(self) -> tuple[torch.Tensor, ...]:
@@ -105,13 +114,13 @@ class PendingReceive:
         transport, key = self._transport, (self._peer, self._channel)
         while True:
             if self._metas is None:
-                header = torch.empty(_HEADER_SLOTS, dtype=torch.int64, device=transport.device)
+                header = torch.empty(_HEADER_SLOTS, dtype=torch.int64, device=transport.wire_device)
                 transport._wait(transport._irecv(header, self._peer), self._peer)
                 self._metas = transport._received_shapes[key] = decode_header(header.cpu())
                 self._post_data()
             transport._wait(self._work, self._peer)
             if int(self._buffer[-_TRAILER]) != _SHAPES_FOLLOW:
-                return _unpack(self._buffer, self._metas)
+                return _unpack(self._buffer.to(transport.device, non_blocking=True), self._metas)
             self._metas = None
 
 
@@ -135,6 +144,7 @@ class Transport:
         """Use ``group`` (the default group if ``None``); a wait longer than ``timeout_s`` raises."""
         self.device = device
         self.group = group
+        self.wire_device = _wire_device(device, group)
         self.timeout = timedelta(seconds=timeout_s)
         self._sent_shapes: dict[tuple[int, Hashable], tuple[TensorMeta, ...]] = {}
         self._received_shapes: dict[tuple[int, Hashable], tuple[TensorMeta, ...]] = {}
@@ -143,6 +153,11 @@ class Transport:
     def global_rank(self, peer: int) -> int:
         """The default group's rank of ``peer``, a rank of this transport's group."""
         return peer if self.group is None else dist.get_global_rank(self.group, peer)
+
+    def _wire_buffer(self, size: int) -> torch.Tensor:
+        """An uninitialised byte buffer where messages travel from (pinned when it stages a GPU's data)."""
+        pinned = self.wire_device != self.device
+        return torch.empty(size, dtype=torch.uint8, device=self.wire_device, pin_memory=pinned)
 
     def _irecv(self, buffer: torch.Tensor, peer: int) -> dist.Work:
         return dist.irecv(buffer, src=self.global_rank(peer), group=self.group)
@@ -166,13 +181,13 @@ class Transport:
         if previous != metas:
             if previous is not None:
                 _, size = _offsets(previous)
-                stale = torch.zeros(size + _TRAILER, dtype=torch.uint8, device=self.device)
+                stale = self._wire_buffer(size + _TRAILER).zero_()
                 stale[-_TRAILER] = _SHAPES_FOLLOW
                 self._isend(stale, peer)
-            self._isend(encode_header(metas).to(self.device), peer)
+            self._isend(encode_header(metas).to(self.wire_device), peer)
             self._sent_shapes[key] = metas
         offsets, size = _offsets(metas)
-        buffer = torch.empty(size + _TRAILER, dtype=torch.uint8, device=self.device)
+        buffer = self._wire_buffer(size + _TRAILER)
         for tensor, meta, offset in zip(tensors, metas, offsets):
             buffer[offset:offset + meta.nbytes].view(meta.dtype).view(meta.shape).copy_(tensor.detach())
         buffer[-_TRAILER:] = 0
