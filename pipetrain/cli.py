@@ -224,7 +224,9 @@ def _train_plan(args: argparse.Namespace):
 
     if args.plan != "auto":
         return Plan.load(args.plan)
-    chosen = auto_plan(args.model, args.stages or 2, args.batch_size or DEFAULT_BATCH_SIZE[args.model], args.seed, args.threads)
+    workers = args.stages or 2
+    print(f"profiling {args.model} on {workers} workers at once, then planning ...", file=sys.stderr, flush=True)
+    chosen = auto_plan(args.model, workers, args.batch_size or DEFAULT_BATCH_SIZE[args.model], args.seed, args.threads)
     if not args.json:
         print(chosen.describe() + "\n")
     return chosen

@@ -31,6 +31,12 @@ def parse_bytes(text: str) -> float:
     return float(number) * (1024 if binary else 1000) ** _POWERS[prefix]
 
 
+PROFILE_REPEATS, _WARMUP = 50, 5
+# separate launches of the same work can differ by a third in speed, each keeping its own
+# for its lifetime: a profile pools several launches to average that out
+PROFILE_LAUNCHES = 3
+
+
 def profile_builtin(model: str, batch_size: int, microbatches: int, seed: int = 0, threads: int = 1,
                     workers: int = 1) -> Profile:
     """Profile a built-in model on one micro-batch of its data, with ``threads`` torch
@@ -40,24 +46,40 @@ def profile_builtin(model: str, batch_size: int, microbatches: int, seed: int = 
     their profiles are pooled (:func:`pipetrain.profiler.pooled`): in a running pipeline
     every worker computes at once, and workers that share a machine slow each other down
     (memory bandwidth, caches), so costs measured on an idle machine would be optimistic.
-    Two of them then time activation messages between them (``message_s``).
+    Two of them then time activation messages between them (``message_s``). This is done
+    in several launches of fresh processes, with the repeats shared out among them, and
+    all their profiles are pooled: a process keeps the speed it happened to start with, and
+    one launch can be a third faster or slower than the next.
     """
     if batch_size < microbatches:
         raise ValueError(f"batch size {batch_size} is smaller than microbatches {microbatches}")
     if workers > 1:
-        return launch(_profile_together, workers, model, batch_size, microbatches, seed, threads, threads_per_worker=threads)[0]
+        repeats = -(-PROFILE_REPEATS // PROFILE_LAUNCHES)
+        launched = [
+            launch(_profile_together, workers, model, batch_size, microbatches, seed, threads, repeats,
+                   threads_per_worker=threads)[0]
+            for _ in range(PROFILE_LAUNCHES)
+        ]
+        return replace(pooled(launched), message_s=statistics.mean(p.message_s for p in launched))
+    return _profile_here(model, batch_size, microbatches, seed, threads, PROFILE_REPEATS)
+
+
+def _profile_here(model: str, batch_size: int, microbatches: int, seed: int, threads: int, repeats: int) -> Profile:
+    """Profile a built-in model in this process, ``repeats`` timed runs after warm-up."""
     torch.set_num_threads(threads)
     network = build_model(model, seed=seed)
     inputs, targets = next(BatchStream(model, batch_size, seed=seed))
     size = batch_size // microbatches
-    return profile(network, inputs[:size], targets[:size], loss_function(model), microbatch_size=size, repeats=50, warmup=5)
+    return profile(network, inputs[:size], targets[:size], loss_function(model), microbatch_size=size,
+                   repeats=repeats, warmup=_WARMUP)
 
 
-def _profile_together(model: str, batch_size: int, microbatches: int, seed: int, threads: int) -> Profile | None:
+def _profile_together(model: str, batch_size: int, microbatches: int, seed: int, threads: int,
+                      repeats: int) -> Profile | None:
     """Every rank profiles the model at once; rank 0 returns the pooled profile, with the
     time activation messages take between ranks 0 and 1."""
     dist.barrier()  # start together, so that every timing runs beside the others
-    measured = profile_builtin(model, batch_size, microbatches, seed, threads)
+    measured = _profile_here(model, batch_size, microbatches, seed, threads, repeats)
     gathered: list[Profile] | None = [measured] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(measured, gathered, dst=0)
     message_s = _message_s(int(statistics.median(layer.activation_bytes for layer in measured.layers)))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipetrain.plan import Plan
-from pipetrain.plan_job import parse_bytes
+from pipetrain.plan_job import PROFILE_LAUNCHES, PROFILE_REPEATS, parse_bytes, profile_builtin
 from pipetrain.profiler import Profile
 from test_cli import ROOT, run_cli
 
@@ -103,3 +103,22 @@ def test_memory_sizes_parse(text: str, expected: float) -> None:
 def test_a_bad_memory_size_is_named() -> None:
     with pytest.raises(ValueError, match="memory size '16 gigs' is not a size"):
         parse_bytes("16 gigs")
+
+
+def test_train_plan_auto_profiles_plans_and_trains() -> None:
+    done = run_cli("train", "--model", "mlp", "--plan", "auto", "--steps", "3", "--batch-size", "32", "--json")
+    assert done.returncode == 0, done.stderr
+    report = last_json(done.stdout)
+    assert report["batch_size"] == 32
+    assert len(report["losses"]) == 3 and all(math.isfinite(x) for x in report["losses"])
+    assert report["planned_step_s"] > 0
+
+
+def test_builtin_profiles_pool_every_worker_of_every_launch() -> None:
+    together = profile_builtin("mlp", 32, 2, workers=2)
+    alone = profile_builtin("mlp", 32, 2)
+    assert [layer.activation_bytes for layer in together.layers] == [layer.activation_bytes for layer in alone.layers]
+    assert len(alone.spread.forward_s) == PROFILE_REPEATS
+    per_launch = -(-PROFILE_REPEATS // PROFILE_LAUNCHES)
+    assert len(together.spread.forward_s) == len(together.spread.backward_s) == 2 * PROFILE_LAUNCHES * per_launch
+    assert together.message_s > 0 and alone.message_s == 0
