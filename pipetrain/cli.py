@@ -205,7 +205,7 @@ def _run_train(args: argparse.Namespace) -> None:
         model=args.model, stages=args.stages, schedule=args.schedule, microbatches=args.microbatches,
         steps=args.steps, batch_size=args.batch_size, balance=args.balance, checkpoint=args.checkpoint,
         lr=args.lr, virtual=args.virtual, seed=args.seed, threads=args.threads, replicas=args.replicas,
-        vertical_sync=args.vertical_sync, plan=_train_plan(args),
+        vertical_sync=args.vertical_sync, plan=_train_plan(args), plan_auto=args.plan == "auto",
     )
     report = run_training(config)
     if report is None:  # a torchrun rank other than 0: rank 0 reports
@@ -216,20 +216,11 @@ def _run_train(args: argparse.Namespace) -> None:
 
 
 def _train_plan(args: argparse.Namespace):
-    if args.plan is None:
+    if args.plan in (None, "auto"):
         return None
     from pipetrain.plan import Plan
-    from pipetrain.plan_job import auto_plan
-    from pipetrain.train_job import DEFAULT_BATCH_SIZE
 
-    if args.plan != "auto":
-        return Plan.load(args.plan)
-    workers = args.stages or 2
-    print(f"profiling {args.model} on {workers} workers at once, then planning ...", file=sys.stderr, flush=True)
-    chosen = auto_plan(args.model, workers, args.batch_size or DEFAULT_BATCH_SIZE[args.model], args.seed, args.threads)
-    if not args.json:
-        print(chosen.describe() + "\n")
-    return chosen
+    return Plan.load(args.plan)
 
 
 # profile --------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ from pipetrain.models import build_model, loss_function
 from pipetrain.plan import Plan, plan
 from pipetrain.profiler import Profile, pooled
 from pipetrain.profiler.measure import profile
-from pipetrain.runtime import launch
 from pipetrain.runtime.transport import Transport
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKMGT]?)(i?)B?\s*$")
@@ -32,40 +31,14 @@ def parse_bytes(text: str) -> float:
 
 
 PROFILE_REPEATS, _WARMUP = 50, 5
-# separate launches of the same work can differ by a third in speed, each keeping its own
-# for its lifetime: a profile pools several launches to average that out
-PROFILE_LAUNCHES = 3
 
 
 def profile_builtin(model: str, batch_size: int, microbatches: int, seed: int = 0, threads: int = 1,
-                    workers: int = 1) -> Profile:
-    """Profile a built-in model on one micro-batch of its data, with ``threads`` torch
-    threads as a local worker has.
-
-    With ``workers`` > 1, that many local processes profile the model at the same time and
-    their profiles are pooled (:func:`pipetrain.profiler.pooled`): in a running pipeline
-    every worker computes at once, and workers that share a machine slow each other down
-    (memory bandwidth, caches), so costs measured on an idle machine would be optimistic.
-    Two of them then time activation messages between them (``message_s``). This is done
-    in several launches of fresh processes, with the repeats shared out among them, and
-    all their profiles are pooled: a process keeps the speed it happened to start with, and
-    one launch can be a third faster or slower than the next.
-    """
+                    repeats: int = PROFILE_REPEATS) -> Profile:
+    """Profile a built-in model in this process on one micro-batch of its data, with
+    ``threads`` torch threads as a local worker has, over ``repeats`` timed runs."""
     if batch_size < microbatches:
         raise ValueError(f"batch size {batch_size} is smaller than microbatches {microbatches}")
-    if workers > 1:
-        repeats = -(-PROFILE_REPEATS // PROFILE_LAUNCHES)
-        launched = [
-            launch(_profile_together, workers, model, batch_size, microbatches, seed, threads, repeats,
-                   threads_per_worker=threads)[0]
-            for _ in range(PROFILE_LAUNCHES)
-        ]
-        return replace(pooled(launched), message_s=statistics.mean(p.message_s for p in launched))
-    return _profile_here(model, batch_size, microbatches, seed, threads, PROFILE_REPEATS)
-
-
-def _profile_here(model: str, batch_size: int, microbatches: int, seed: int, threads: int, repeats: int) -> Profile:
-    """Profile a built-in model in this process, ``repeats`` timed runs after warm-up."""
     torch.set_num_threads(threads)
     network = build_model(model, seed=seed)
     inputs, targets = next(BatchStream(model, batch_size, seed=seed))
@@ -74,12 +47,19 @@ def _profile_here(model: str, batch_size: int, microbatches: int, seed: int, thr
                    repeats=repeats, warmup=_WARMUP)
 
 
-def _profile_together(model: str, batch_size: int, microbatches: int, seed: int, threads: int,
-                      repeats: int) -> Profile | None:
-    """Every rank profiles the model at once; rank 0 returns the pooled profile, with the
-    time activation messages take between ranks 0 and 1."""
+def profile_together(model: str, batch_size: int, microbatches: int, seed: int = 0, threads: int = 1,
+                     repeats: int = PROFILE_REPEATS) -> Profile | None:
+    """Call on every rank of the default process group: every rank profiles the model at
+    once; rank 0 returns the pooled profile (:func:`pipetrain.profiler.pooled`) with the
+    time an activation message takes between ranks 0 and 1 (``message_s``), other ranks
+    ``None``.
+
+    In a running pipeline every worker computes at once, and workers that share a machine
+    slow each other down (memory bandwidth, caches), so costs measured on an idle machine
+    would be optimistic.
+    """
     dist.barrier()  # start together, so that every timing runs beside the others
-    measured = _profile_here(model, batch_size, microbatches, seed, threads, repeats)
+    measured = profile_builtin(model, batch_size, microbatches, seed, threads, repeats)
     gathered: list[Profile] | None = [measured] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(measured, gathered, dst=0)
     message_s = _message_s(int(statistics.median(layer.activation_bytes for layer in measured.layers)))
@@ -114,14 +94,21 @@ def _message_s(nbytes: int, rounds: int = 24, warmup: int = 4) -> float:
     return float(longest)
 
 
-def auto_plan(model: str, workers: int, batch_size: int, seed: int = 0, threads: int = 1) -> Plan:
-    """Profile a built-in model and plan it for ``workers`` local workers at ``batch_size``.
+def plan_together(model: str, batch_size: int, seed: int = 0, threads: int = 1) -> Plan:
+    """Call on every rank of the default process group: profile a built-in model on all
+    ranks at once (:func:`profile_together`), plan it on rank 0 for as many workers as the
+    group has, and return that plan on every rank.
 
-    The profile is taken at 4 micro-batches and the planner may halve or double that: a
-    profile scales times linearly with the micro-batch size, which holds near the measured
-    size but not for tiny micro-batches, whose fixed costs it would leave out.
+    Profiling in the processes that will train ties the prediction to them: separate
+    launches of the same work can run a third faster or slower than each other. The profile
+    is taken at 4 micro-batches and the planner may halve or double that: a profile scales
+    times linearly with the micro-batch size, which holds near the measured size but not for
+    tiny micro-batches, whose fixed costs it would leave out.
     """
     profiled = max(m for m in (1, 2, 4) if batch_size % m == 0)
     counts = tuple(m for m in (profiled // 2, profiled, profiled * 2) if m >= 1 and batch_size % m == 0)
-    measured = profile_builtin(model, batch_size, profiled, seed, threads, workers)
-    return plan(measured, workers=workers, batch_size=batch_size, microbatches=counts)
+    measured = profile_together(model, batch_size, profiled, seed, threads)
+    chosen = [plan(measured, workers=dist.get_world_size(), batch_size=batch_size, microbatches=counts)
+              if measured is not None else None]
+    dist.broadcast_object_list(chosen, src=0)
+    return chosen[0]

@@ -25,6 +25,7 @@ from pipetrain.models import build_model, loss_function
 from pipetrain.runtime import Pipeline, launch
 from pipetrain.runtime.checkpoint import check_mode
 from pipetrain.plan import Plan
+from pipetrain.plan_job import plan_together
 from pipetrain.schedules import SCHEDULE_NAMES, Schedule, build
 from pipetrain.simulate import Costs, measured_costs, simulate
 from pipetrain.trace import Timeline, format_seconds, plot_timelines
@@ -39,7 +40,8 @@ WARMUP_STEPS = 2  # left out of the median step time: first steps pay for alloca
 class TrainConfig:
     """What to train and how. ``None`` means the default (per model for ``batch_size`` and
     ``lr``; for ``stages``, 2 local workers or the torchrun world size). A ``plan`` sets the
-    split, schedule and micro-batches, and its prediction is kept as ``planned_step_s``."""
+    split, schedule and micro-batches, and its prediction is kept as ``planned_step_s``;
+    ``plan_auto`` has the workers profile the model and plan it for ``stages`` workers first."""
 
     model: str
     stages: int | None = None
@@ -56,6 +58,7 @@ class TrainConfig:
     replicas: tuple[int, ...] | None = None
     vertical_sync: bool = False
     plan: Plan | None = None
+    plan_auto: bool = False
     planned_step_s: float | None = None
 
     def resolved(self, world_size: int | None = None) -> TrainConfig:
@@ -64,7 +67,7 @@ class TrainConfig:
             raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(DEFAULT_LR)}")
         if self.plan is not None:
             return replace(self.from_plan(self.plan), lr=self.lr or DEFAULT_LR[self.model]).resolved(world_size)
-        stages = self.stages or (sum(self.replicas) if self.replicas else world_size) or DEFAULT_STAGES
+        stages = self.stages or (sum(self.replicas) if self.replicas and not self.plan_auto else world_size) or DEFAULT_STAGES
         if world_size is not None and stages != world_size:
             raise ValueError(f"stages {stages} differs from the torchrun world size {world_size}; give --stages {world_size} or omit it")
         config = replace(
@@ -73,7 +76,8 @@ class TrainConfig:
             batch_size=self.batch_size or DEFAULT_BATCH_SIZE[self.model],
             lr=self.lr or DEFAULT_LR[self.model],
         )
-        config.check()
+        if not self.plan_auto:  # an automatic plan is checked once the workers have made it
+            config.check()
         return config
 
     def from_plan(self, plan: Plan) -> TrainConfig:
@@ -142,8 +146,16 @@ class Progress:
 
 
 def train_worker(config: TrainConfig) -> dict[str, Any] | None:
-    """Train on this rank of the process group; rank 0 returns losses, step times and the
-    last step's timeline (as a dict), other ranks ``None``."""
+    """Train on this rank of the process group; rank 0 returns the configuration it ran
+    (with the plan's settings, for ``plan_auto``), losses, step times and the last step's
+    timeline (as a dict), other ranks ``None``."""
+    if config.plan_auto:
+        if dist.get_rank() == 0:
+            print(f"profiling {config.model} on {config.stages} workers at once, then planning ...", file=sys.stderr, flush=True)
+        chosen = plan_together(config.model, config.batch_size, config.seed, config.threads)
+        if dist.get_rank() == 0:
+            print(chosen.describe() + "\n", file=sys.stderr, flush=True)
+        config = replace(config, plan_auto=False, plan=chosen).resolved(dist.get_world_size())
     model = build_model(config.model, seed=config.seed)
     pipe = Pipeline(
         model,
@@ -175,7 +187,7 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
     timeline = pipe.timeline()
     if timeline is None:
         return None
-    return {"losses": losses, "step_times_s": step_times, "timeline": timeline.to_dict()}
+    return {"config": config, "losses": losses, "step_times_s": step_times, "timeline": timeline.to_dict()}
 
 
 def run_training(config: TrainConfig) -> TrainReport | None:
@@ -198,7 +210,7 @@ def run_training(config: TrainConfig) -> TrainReport | None:
     else:
         config = config.resolved()
         result = launch(train_worker, config.stages, config, threads_per_worker=config.threads)[0]
-    return None if result is None else TrainReport.build(config, result)
+    return None if result is None else TrainReport.build(result["config"], result)
 
 
 def _placement(config: TrainConfig) -> str:

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+import pipetrain
 from pipetrain.plan import Plan
-from pipetrain.plan_job import PROFILE_LAUNCHES, PROFILE_REPEATS, parse_bytes, profile_builtin
+from pipetrain.plan_job import parse_bytes, plan_together, profile_builtin, profile_together
 from pipetrain.profiler import Profile
 from test_cli import ROOT, run_cli
 
@@ -78,18 +79,23 @@ def test_train_runs_asynchronous_schedules(extra: list[str]) -> None:
     assert len(report["losses"]) == 3 and report["predicted_step_s"] > 0
 
 
-def test_replicated_plan_runs_under_torchrun() -> None:
+def run_torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", "-m", "pipetrain",
-               "train", "--model", "mlp", "--replicas", "2,1", "--balance", "3,2", "--steps", "3", "--json"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m",
+               "pipetrain", *args]
     # torchrun --standalone picks a free port and binds it later; on a machine busy with
     # other test processes that port is occasionally taken in between, so allow a new try
     for _ in range(3):
         done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
         if done.returncode == 0:
             break
+    return done
+
+
+def test_replicated_plan_runs_under_torchrun() -> None:
+    done = run_torchrun(3, "train", "--model", "mlp", "--replicas", "2,1", "--balance", "3,2", "--steps", "3", "--json")
     assert done.returncode == 0, done.stderr[:6000]
     report = last_json(done.stdout)
     assert report["stages"] == 3 and len(report["losses"]) == 3
@@ -105,20 +111,26 @@ def test_a_bad_memory_size_is_named() -> None:
         parse_bytes("16 gigs")
 
 
-def test_train_plan_auto_profiles_plans_and_trains() -> None:
-    done = run_cli("train", "--model", "mlp", "--plan", "auto", "--steps", "3", "--batch-size", "32", "--json")
-    assert done.returncode == 0, done.stderr
+@pytest.mark.parametrize("torchrun", [False, True])
+def test_train_plan_auto_profiles_plans_and_trains(torchrun: bool) -> None:
+    # under torchrun the ranks profile together and rank 0's plan reaches every rank
+    args = ("train", "--model", "mlp", "--plan", "auto", "--steps", "3", "--batch-size", "32", "--json")
+    done = run_torchrun(2, *args) if torchrun else run_cli(*args)
+    assert done.returncode == 0, done.stderr[:6000]
     report = last_json(done.stdout)
     assert report["batch_size"] == 32
     assert len(report["losses"]) == 3 and all(math.isfinite(x) for x in report["losses"])
     assert report["planned_step_s"] > 0
+    assert "predicted step" in done.stderr  # the plan is shown before training
 
 
-def test_builtin_profiles_pool_every_worker_of_every_launch() -> None:
-    together = profile_builtin("mlp", 32, 2, workers=2)
-    alone = profile_builtin("mlp", 32, 2)
-    assert [layer.activation_bytes for layer in together.layers] == [layer.activation_bytes for layer in alone.layers]
-    assert len(alone.spread.forward_s) == PROFILE_REPEATS
-    per_launch = -(-PROFILE_REPEATS // PROFILE_LAUNCHES)
-    assert len(together.spread.forward_s) == len(together.spread.backward_s) == 2 * PROFILE_LAUNCHES * per_launch
-    assert together.message_s > 0 and alone.message_s == 0
+def test_workers_profile_together_and_share_one_plan() -> None:
+    [pooled_profile, nothing] = pipetrain.launch(profile_together, 2, "mlp", 32, 2, 0, 1, 6)
+    alone = profile_builtin("mlp", 32, 2, repeats=6)
+    assert nothing is None
+    assert [layer.activation_bytes for layer in pooled_profile.layers] == [layer.activation_bytes for layer in alone.layers]
+    assert len(alone.spread.forward_s) == 6
+    assert len(pooled_profile.spread.forward_s) == len(pooled_profile.spread.backward_s) == 2 * 6  # both workers' runs
+    assert pooled_profile.message_s > 0 and alone.message_s == 0
+    plans = pipetrain.launch(plan_together, 2, "mlp", 32)
+    assert plans[0] == plans[1] and plans[0].workers == 2 and plans[0].batch_size == 32
