@@ -62,7 +62,8 @@ def profile_together(model: str, batch_size: int, microbatches: int, seed: int =
     measured = profile_builtin(model, batch_size, microbatches, seed, threads, repeats)
     gathered: list[Profile] | None = [measured] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(measured, gathered, dst=0)
-    message_s = _message_s(int(statistics.median(layer.activation_bytes for layer in measured.layers)))
+    alone = dist.get_world_size() == 1
+    message_s = 0.0 if alone else _message_s(int(statistics.median(layer.activation_bytes for layer in measured.layers)))
     return replace(pooled(gathered), message_s=message_s) if gathered is not None else None
 
 
