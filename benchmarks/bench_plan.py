@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 import pipetrain
+from pipetrain.cli import positive_int
 from pipetrain.data import BatchStream
 from pipetrain.models import build_model, loss_function
 from pipetrain.plan_job import profile_together
@@ -75,7 +76,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=positive_int, default=5)
     args = parser.parse_args()
     rows = []
     print(f"{'round':>5} {'planner balance':>16} {'planner ms':>11} {'equal ms':>9} {'speedup':>8} {'predicted ms':>13} "

@@ -13,11 +13,14 @@ import json
 import math
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from pipetrain.schedules import CHECKPOINT_MODES, SCHEDULE_NAMES, Schedule, ScheduleError
 from pipetrain.simulate_job import COST_FIELDS, run_simulation
 from pipetrain.trace import Timeline, format_seconds
+
+if TYPE_CHECKING:
+    from pipetrain.plan import Plan
 
 USAGE_ERROR = 2
 RUN_FAILED = 1
@@ -215,7 +218,8 @@ def _run_train(args: argparse.Namespace) -> None:
     emit(args, report.to_json(), report.summary(), ("timeline", args.trace) if args.trace else None)
 
 
-def _train_plan(args: argparse.Namespace):
+def _train_plan(args: argparse.Namespace) -> Plan | None:
+    """The saved plan that ``--plan`` names; ``None`` without one or for ``auto``."""
     if args.plan in (None, "auto"):
         return None
     from pipetrain.plan import Plan

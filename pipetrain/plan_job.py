@@ -49,8 +49,8 @@ def profile_builtin(model: str, batch_size: int, microbatches: int, seed: int = 
 
 def profile_together(model: str, batch_size: int, microbatches: int, seed: int = 0, threads: int = 1,
                      repeats: int = PROFILE_REPEATS) -> Profile | None:
-    """Call on every rank of the default process group: every rank profiles the model at
-    once; rank 0 returns the pooled profile (:func:`pipetrain.profiler.pooled`) with the
+    """Call on every rank of the default process group (gloo: the model is profiled on the
+    CPU): every rank profiles the model at once; rank 0 returns the pooled profile (:func:`pipetrain.profiler.pooled`) with the
     time an activation message takes between ranks 0 and 1 (``message_s``), other ranks
     ``None``.
 
@@ -96,7 +96,7 @@ def _message_s(nbytes: int, rounds: int = 24, warmup: int = 4) -> float:
 
 
 def plan_together(model: str, batch_size: int, seed: int = 0, threads: int = 1) -> Plan:
-    """Call on every rank of the default process group: profile a built-in model on all
+    """Call on every rank of the default process group (gloo): profile a built-in model on all
     ranks at once (:func:`profile_together`), plan it on rank 0 for as many workers as the
     group has, and return that plan on every rank.
 
@@ -109,7 +109,13 @@ def plan_together(model: str, batch_size: int, seed: int = 0, threads: int = 1) 
     profiled = max(m for m in (1, 2, 4) if batch_size % m == 0)
     counts = tuple(m for m in (profiled // 2, profiled, profiled * 2) if m >= 1 and batch_size % m == 0)
     measured = profile_together(model, batch_size, profiled, seed, threads)
-    chosen = [plan(measured, workers=dist.get_world_size(), batch_size=batch_size, microbatches=counts)
-              if measured is not None else None]
-    dist.broadcast_object_list(chosen, src=0)
-    return chosen[0]
+    outcome: list[Plan | Exception | None] = [None]
+    if measured is not None:
+        try:
+            outcome = [plan(measured, workers=dist.get_world_size(), batch_size=batch_size, microbatches=counts)]
+        except (ValueError, TypeError) as error:  # every rank must hear of it, not wait for a plan
+            outcome = [error]
+    dist.broadcast_object_list(outcome, src=0)
+    if isinstance(outcome[0], Exception):
+        raise outcome[0]
+    return outcome[0]

@@ -65,6 +65,8 @@ class TrainConfig:
         """The configuration with defaults filled in and checked; raises ValueError if it cannot run."""
         if self.model not in DEFAULT_LR:
             raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(DEFAULT_LR)}")
+        if self.plan is not None and self.plan_auto:
+            raise ValueError("give a plan or plan_auto=True, not both")
         if self.plan is not None:
             return replace(self.from_plan(self.plan), lr=self.lr or DEFAULT_LR[self.model]).resolved(world_size)
         stages = self.stages or (sum(self.replicas) if self.replicas and not self.plan_auto else world_size) or DEFAULT_STAGES
@@ -152,7 +154,8 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
     if config.plan_auto:
         if dist.get_rank() == 0:
             print(f"profiling {config.model} on {config.stages} workers at once, then planning ...", file=sys.stderr, flush=True)
-        chosen = plan_together(config.model, config.batch_size, config.seed, config.threads)
+        # profile with the threads this worker trains with (torchrun's setting, under torchrun)
+        chosen = plan_together(config.model, config.batch_size, config.seed, torch.get_num_threads())
         if dist.get_rank() == 0:
             print(chosen.describe() + "\n", file=sys.stderr, flush=True)
         config = replace(config, plan_auto=False, plan=chosen).resolved(dist.get_world_size())

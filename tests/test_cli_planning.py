@@ -118,7 +118,7 @@ def test_train_plan_auto_profiles_plans_and_trains(torchrun: bool) -> None:
     done = run_torchrun(2, *args) if torchrun else run_cli(*args)
     assert done.returncode == 0, done.stderr[:6000]
     report = last_json(done.stdout)
-    assert report["batch_size"] == 32
+    assert report["batch_size"] == 32 and report["stages"] == 2
     assert len(report["losses"]) == 3 and all(math.isfinite(x) for x in report["losses"])
     assert report["planned_step_s"] > 0
     assert "predicted step" in done.stderr  # the plan is shown before training
@@ -134,3 +134,11 @@ def test_workers_profile_together_and_share_one_plan() -> None:
     assert pooled_profile.message_s > 0 and alone.message_s == 0
     plans = pipetrain.launch(plan_together, 2, "mlp", 32)
     assert plans[0] == plans[1] and plans[0].workers == 2 and plans[0].batch_size == 32
+
+
+def test_a_plan_and_plan_auto_together_are_refused(mlp_profile: Path) -> None:
+    from pipetrain.train_job import TrainConfig
+
+    chosen = pipetrain.plan(Profile.load(mlp_profile), workers=2)
+    with pytest.raises(ValueError, match="a plan or plan_auto=True, not both"):
+        TrainConfig("mlp", plan=chosen, plan_auto=True).resolved()
