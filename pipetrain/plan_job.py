@@ -50,9 +50,9 @@ def profile_builtin(model: str, batch_size: int, microbatches: int, seed: int = 
 def profile_together(model: str, batch_size: int, microbatches: int, seed: int = 0, threads: int = 1,
                      repeats: int = PROFILE_REPEATS) -> Profile | None:
     """Call on every rank of the default process group (gloo: the model is profiled on the
-    CPU): every rank profiles the model at once; rank 0 returns the pooled profile (:func:`pipetrain.profiler.pooled`) with the
-    time an activation message takes between ranks 0 and 1 (``message_s``), other ranks
-    ``None``.
+    CPU): every rank profiles the model at once; rank 0 returns the pooled profile
+    (:func:`pipetrain.profiler.pooled`) with the time an activation message takes between
+    ranks 0 and 1 (``message_s``), other ranks ``None``.
 
     In a running pipeline every worker computes at once, and workers that share a machine
     slow each other down (memory bandwidth, caches), so costs measured on an idle machine

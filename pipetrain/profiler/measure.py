@@ -5,10 +5,9 @@ forwards, the backwards in reverse order with the weight gradients accumulating,
 optimizer step per layer. (A layer timed alone, over and over, keeps its weights in cache and
 looks faster than a pipeline finds it.) Those per-layer times are scaled to add up to the
 whole model's forward, backward and optimizer step, each timed as one call, as a stage
-runs them. Each
-layer is also run alone on its real input, the previous layer's output detached and
-marked as requiring a gradient, for its sizes and for how its backward splits into input
-and weight gradients. The model is left exactly as it was found.
+runs them. Each layer is also run alone on its real input, the previous layer's output
+detached and marked as requiring a gradient, for its sizes and for how its backward
+splits into input and weight gradients. The model is left exactly as it was found.
 """
 
 from __future__ import annotations

@@ -145,6 +145,7 @@ class Transport:
         self.device = device
         self.group = group
         self.wire_device = _wire_device(device, group)
+        self._pinned = self.wire_device != device  # host buffers that stage a GPU's data
         self.timeout = timedelta(seconds=timeout_s)
         self._sent_shapes: dict[tuple[int, Hashable], tuple[TensorMeta, ...]] = {}
         self._received_shapes: dict[tuple[int, Hashable], tuple[TensorMeta, ...]] = {}
@@ -156,8 +157,7 @@ class Transport:
 
     def _wire_buffer(self, size: int) -> torch.Tensor:
         """An uninitialised byte buffer where messages travel from (pinned when it stages a GPU's data)."""
-        pinned = self.wire_device != self.device
-        return torch.empty(size, dtype=torch.uint8, device=self.wire_device, pin_memory=pinned)
+        return torch.empty(size, dtype=torch.uint8, device=self.wire_device, pin_memory=self._pinned)
 
     def _irecv(self, buffer: torch.Tensor, peer: int) -> dist.Work:
         return dist.irecv(buffer, src=self.global_rank(peer), group=self.group)
