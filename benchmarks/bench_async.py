@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 import pipetrain
-from pipetrain.data import BatchStream
-from pipetrain.models import build_model, loss_function
-from pipetrain.simulate import measured_costs, simulate
-from pipetrain.trace import Timeline
+from pipetrain.app.data import BatchStream
+from pipetrain.app.models import build_model, loss_function
+from pipetrain.simulation import measured_costs, simulate
+from pipetrain.timeline import Timeline
 
 MODEL = "gpt"
 WARMUP = 2
@@ -31,10 +31,18 @@ WARMUP = 2
 
 def train(schedule: str, per_call: int, microbatch_size: int, steps: int) -> dict:
     """Worker: ``steps`` calls of ``train_step``; rank 0 returns call times and recorded timelines."""
-    options = {"1f1b": {"microbatches": 4}, "pipedream": {"microbatches": per_call},
-               "2bw": {"microbatches": 4, "rounds": per_call // 4}}[schedule]
-    pipe = pipetrain.Pipeline(build_model(MODEL), schedule=schedule, loss_fn=loss_function(MODEL),
-                              optimizer=lambda params: torch.optim.Adam(params, lr=1e-3), **options)
+    options = {
+        "1f1b": {"microbatches": 4},
+        "pipedream": {"microbatches": per_call},
+        "2bw": {"microbatches": 4, "rounds": per_call // 4},
+    }[schedule]
+    pipe = pipetrain.Pipeline(
+        build_model(MODEL),
+        schedule=schedule,
+        loss_fn=loss_function(MODEL),
+        optimizer=lambda params: torch.optim.Adam(params, lr=1e-3),
+        **options,
+    )
     samples = pipe.microbatches * microbatch_size
     stream = BatchStream(MODEL, samples, seed=0)
     times, timelines = [], []
@@ -66,17 +74,35 @@ def main() -> None:
     predicted: dict[str, list[float]] = {}
     for _ in range(args.rounds):
         for schedule in ("1f1b", "pipedream", "2bw"):
-            result = pipetrain.launch(train, 2, schedule, args.window, args.microbatch_size, args.steps, threads_per_worker=1)[0]
-            rates.setdefault(schedule, []).append(result["samples"] / statistics.median(result["times"]))
+            result = pipetrain.launch(
+                train,
+                2,
+                schedule,
+                args.window,
+                args.microbatch_size,
+                args.steps,
+                threads_per_worker=1,
+            )[0]
+            rates.setdefault(schedule, []).append(
+                result["samples"] / statistics.median(result["times"])
+            )
             costs = measured_costs([Timeline.from_dict(t) for t in result["timelines"]], 2)
-            predicted.setdefault(schedule, []).append(result["samples"] / simulate(result["schedule"], costs).makespan)
-    print(f"{MODEL}, micro-batches of {args.microbatch_size}, 2 stages, 2 processes x 1 thread, "
-          f"median of {args.rounds} alternating rounds")
-    print(f"{'schedule':10} {'samples/s':>10} {'vs 1f1b':>8} {'predicted/s':>12} {'predicted vs 1f1b':>18}")
+            predicted.setdefault(schedule, []).append(
+                result["samples"] / simulate(result["schedule"], costs).makespan
+            )
+    print(
+        f"{MODEL}, micro-batches of {args.microbatch_size}, 2 stages, 2 processes x 1 thread, "
+        f"median of {args.rounds} alternating rounds"
+    )
+    print(
+        f"{'schedule':10} {'samples/s':>10} {'vs 1f1b':>8} {'predicted/s':>12} {'predicted vs 1f1b':>18}"
+    )
     base, base_predicted = statistics.median(rates["1f1b"]), statistics.median(predicted["1f1b"])
     for schedule in rates:
         rate, guess = statistics.median(rates[schedule]), statistics.median(predicted[schedule])
-        print(f"{schedule:10} {rate:10.1f} {rate / base:8.2f} {guess:12.1f} {guess / base_predicted:18.2f}")
+        print(
+            f"{schedule:10} {rate:10.1f} {rate / base:8.2f} {guess:12.1f} {guess / base_predicted:18.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 import pipetrain
-from pipetrain.data import BatchStream
-from pipetrain.models import build_model, loss_function
+from pipetrain.app.data import BatchStream
+from pipetrain.app.models import build_model, loss_function
 
 STAGES = 2
 SCHEDULES = ("1f1b", "pipedream", "2bw")
@@ -51,12 +51,16 @@ class Setup:
     epochs: int
     updates_per_epoch: int
     microbatches: int  # micro-batches per update for 1f1b and 2bw
-    window: int  # updates per train_step call for pipedream and 2bw; the pipeline drains between calls
+    window: (
+        int  # updates per train_step call for pipedream and 2bw; the pipeline drains between calls
+    )
 
     def __post_init__(self) -> None:
         """Whole calls per epoch, so every run evaluates after the same samples."""
         if self.updates_per_epoch % self.window:
-            raise ValueError(f"updates_per_epoch {self.updates_per_epoch} must be a multiple of window {self.window}")
+            raise ValueError(
+                f"updates_per_epoch {self.updates_per_epoch} must be a multiple of window {self.window}"
+            )
 
     @property
     def samples_per_epoch(self) -> int:
@@ -75,12 +79,22 @@ class Setup:
         return self.lr * 0.5 * (1 + math.cos(math.pi * (window - warm) / (windows - warm)))
 
 
-def setups(quick: bool, gpt_lr: float = 3e-3, gpt_epochs: int = 28, warmup: float = 0.1) -> list[Setup]:
+def setups(
+    quick: bool, gpt_lr: float = 3e-3, gpt_epochs: int = 28, warmup: float = 0.1
+) -> list[Setup]:
     """The CNN and GPT runs; ``quick`` shortens both to a smoke test."""
-    digits_epoch = BatchStream("cnn", 32).epoch_size  # 44 updates of 32: one pass over the 1437 training digits
+    digits_epoch = BatchStream(
+        "cnn", 32
+    ).epoch_size  # 44 updates of 32: one pass over the 1437 training digits
     if quick:
-        return [Setup("cnn", 32, 1e-3, warmup, 2, digits_epoch, 4, 11), Setup("gpt", 32, gpt_lr, warmup, 2, 22, 4, 11)]
-    return [Setup("cnn", 32, 1e-3, warmup, 15, digits_epoch, 4, 11), Setup("gpt", 32, gpt_lr, warmup, gpt_epochs, 132, 4, 11)]
+        return [
+            Setup("cnn", 32, 1e-3, warmup, 2, digits_epoch, 4, 11),
+            Setup("gpt", 32, gpt_lr, warmup, 2, 22, 4, 11),
+        ]
+    return [
+        Setup("cnn", 32, 1e-3, warmup, 15, digits_epoch, 4, 11),
+        Setup("gpt", 32, gpt_lr, warmup, gpt_epochs, 132, 4, 11),
+    ]
 
 
 def held_out(model_name: str, outputs: torch.Tensor, targets: torch.Tensor) -> Metrics:
@@ -91,8 +105,13 @@ def held_out(model_name: str, outputs: torch.Tensor, targets: torch.Tensor) -> M
     return metrics
 
 
-def train(setup: Setup, updates_per_call: int, train_step: Callable[[torch.Tensor, torch.Tensor], float],
-          predict: Callable[[torch.Tensor], torch.Tensor | None], optimizer: torch.optim.Optimizer) -> list[Metrics] | None:
+def train(
+    setup: Setup,
+    updates_per_call: int,
+    train_step: Callable[[torch.Tensor, torch.Tensor], float],
+    predict: Callable[[torch.Tensor], torch.Tensor | None],
+    optimizer: torch.optim.Optimizer,
+) -> list[Metrics] | None:
     """Train for ``setup.epochs`` epochs, ``updates_per_call`` updates per ``train_step``; held-out
     metrics before training and after each epoch (``None`` where ``predict`` gives no output)."""
     stream = BatchStream(setup.model, setup.batch_size, seed=0)
@@ -151,7 +170,13 @@ def run_pipelined(setup: Setup, schedule: str) -> list[Metrics] | None:
         "2bw": {"microbatches": setup.microbatches, "rounds": setup.window},
     }[schedule]
     model = build_model(setup.model, seed=0)
-    pipe = pipetrain.Pipeline(model, schedule=schedule, loss_fn=loss_function(setup.model), optimizer=adam(setup.lr), **options)
+    pipe = pipetrain.Pipeline(
+        model,
+        schedule=schedule,
+        loss_fn=loss_function(setup.model),
+        optimizer=adam(setup.lr),
+        **options,
+    )
     updates_per_call = 1 if schedule == "1f1b" else setup.window
     return train(setup, updates_per_call, pipe.train_step, pipe.eval_step, pipe.optimizer)
 
@@ -164,7 +189,8 @@ def run_all(setup: Setup) -> dict[str, list[Metrics]]:
     }
     for schedule in SCHEDULES:
         runs[schedule] = lambda schedule=schedule: _last_rank(
-            pipetrain.launch(run_pipelined, STAGES, setup, schedule, threads_per_worker=1))
+            pipetrain.launch(run_pipelined, STAGES, setup, schedule, threads_per_worker=1)
+        )
     histories: dict[str, list[Metrics]] = {}
     for label, run in runs.items():
         began = time.perf_counter()
@@ -191,7 +217,12 @@ def table(setup: Setup, histories: dict[str, list[Metrics]]) -> list[str]:
         if setup.model == "cnn":
             accuracy_gap = final["accuracy"] - base["accuracy"]
             met = accuracy_gap >= -ACCURACY_TARGET_PP
-            cells = [f"{final['accuracy']:.2f}%", f"{accuracy_gap:+.2f} pp", f"{final['loss']:.4f}", f"{loss_gap:+.1f}%"]
+            cells = [
+                f"{final['accuracy']:.2f}%",
+                f"{accuracy_gap:+.2f} pp",
+                f"{final['loss']:.4f}",
+                f"{loss_gap:+.1f}%",
+            ]
         else:
             met = loss_gap <= LOSS_TARGET_PCT
             cells = ["", "", f"{final['loss']:.4f}", f"{loss_gap:+.2f}%"]
@@ -203,9 +234,30 @@ def table(setup: Setup, histories: dict[str, list[Metrics]]) -> list[str]:
 STYLES = {
     UNPIPELINED: {"color": "black", "linestyle": "-", "linewidth": 2.6, "zorder": 3},
     OTHER_INIT: {"color": "0.6", "linestyle": ":", "linewidth": 1.8, "zorder": 2},
-    "1f1b": {"color": "tab:blue", "linestyle": "--", "linewidth": 1.6, "marker": "o", "markersize": 3, "zorder": 4},
-    "pipedream": {"color": "tab:red", "linestyle": "-", "linewidth": 1.4, "marker": "s", "markersize": 3, "zorder": 5},
-    "2bw": {"color": "tab:green", "linestyle": "-.", "linewidth": 1.4, "marker": "^", "markersize": 3, "zorder": 5},
+    "1f1b": {
+        "color": "tab:blue",
+        "linestyle": "--",
+        "linewidth": 1.6,
+        "marker": "o",
+        "markersize": 3,
+        "zorder": 4,
+    },
+    "pipedream": {
+        "color": "tab:red",
+        "linestyle": "-",
+        "linewidth": 1.4,
+        "marker": "s",
+        "markersize": 3,
+        "zorder": 5,
+    },
+    "2bw": {
+        "color": "tab:green",
+        "linestyle": "-.",
+        "linewidth": 1.4,
+        "marker": "^",
+        "markersize": 3,
+        "zorder": 5,
+    },
 }
 
 
@@ -213,7 +265,9 @@ def _curve(setup: Setup, history: list[Metrics]) -> tuple[list[float], list[floa
     """x (epochs for the CNN, thousands of windows for the GPT) and the panel's metric."""
     if setup.model == "cnn":
         return list(range(len(history))), [m["accuracy"] for m in history]
-    return [epoch * setup.samples_per_epoch / 1000 for epoch in range(len(history))], [m["loss"] for m in history]
+    return [epoch * setup.samples_per_epoch / 1000 for epoch in range(len(history))], [
+        m["loss"] for m in history
+    ]
 
 
 def plot(results: list[tuple[Setup, dict[str, list[Metrics]]]], path: Path) -> None:
@@ -246,14 +300,21 @@ def plot(results: list[tuple[Setup, dict[str, list[Metrics]]]], path: Path) -> N
         else:
             last = [h[-1]["loss"] for h in histories.values()]
             axis.set_title(f"byte GPT on stdlib source ({detail})", fontsize=10)
-            axis.set_xlabel(f"training windows of 64 bytes, thousands (epoch = {setup.samples_per_epoch})")
+            axis.set_xlabel(
+                f"training windows of 64 bytes, thousands (epoch = {setup.samples_per_epoch})"
+            )
             axis.set_ylabel("held-out loss (nats/byte)")
             axis.set_ylim(min(last) - 0.1, max(first) + 0.15)
         axis.grid(alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
     figure.legend(handles, labels, loc="upper center", ncol=len(labels), frameon=False)
-    figure.suptitle(f"{STAGES} pipeline stages on {STAGES} processes; same initial weights, data order, batch and lr "
-                    "(except 'other init')", y=0.93, fontsize=9, color="0.3")
+    figure.suptitle(
+        f"{STAGES} pipeline stages on {STAGES} processes; same initial weights, data order, batch and lr "
+        "(except 'other init')",
+        y=0.93,
+        fontsize=9,
+        color="0.3",
+    )
     figure.tight_layout(rect=(0, 0, 1, 0.91))
     figure.savefig(path, dpi=130)
     plt.close(figure)
@@ -263,27 +324,49 @@ def main() -> None:
     """Train every run of both models, print the table and write the plot."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run (about a minute)")
-    parser.add_argument("--plot", type=Path, default=None,
-                        help="PNG to write (default benchmarks/convergence.png, or convergence_quick.png with --quick)")
-    parser.add_argument("--gpt-lr", type=float, default=3e-3, help="the GPT's peak learning rate (default 3e-3)")
-    parser.add_argument("--gpt-epochs", type=int, default=28, help="the GPT's training budget in epochs (default 28)")
-    parser.add_argument("--warmup", type=float, default=0.1,
-                        help="share of the updates with a linearly rising learning rate, every run (default 0.1)")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="PNG to write (default benchmarks/convergence.png, or convergence_quick.png with --quick)",
+    )
+    parser.add_argument(
+        "--gpt-lr", type=float, default=3e-3, help="the GPT's peak learning rate (default 3e-3)"
+    )
+    parser.add_argument(
+        "--gpt-epochs",
+        type=int,
+        default=28,
+        help="the GPT's training budget in epochs (default 28)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=0.1,
+        help="share of the updates with a linearly rising learning rate, every run (default 0.1)",
+    )
     args = parser.parse_args()
     if not 0 <= args.warmup < 1:
         parser.error(f"--warmup must be in [0, 1), got {args.warmup}")
-    path = args.plot or Path(__file__).with_name("convergence_quick.png" if args.quick else "convergence.png")
+    path = args.plot or Path(__file__).with_name(
+        "convergence_quick.png" if args.quick else "convergence.png"
+    )
     results = []
     for setup in setups(args.quick, args.gpt_lr, args.gpt_epochs, args.warmup):
-        print(f"{setup.model}: {setup.epochs} epochs of {setup.updates_per_epoch} updates x {setup.batch_size} samples; "
-              f"1f1b/2bw {setup.microbatches} micro-batches per update; pipedream/2bw {setup.window} updates per call", flush=True)
+        print(
+            f"{setup.model}: {setup.epochs} epochs of {setup.updates_per_epoch} updates x {setup.batch_size} samples; "
+            f"1f1b/2bw {setup.microbatches} micro-batches per update; pipedream/2bw {setup.window} updates per call",
+            flush=True,
+        )
         results.append((setup, run_all(setup)))
     print()
     print("| model | run | test accuracy | Δ accuracy | held-out loss | Δ loss | within target |")
     print("|---|---|---:|---:|---:|---:|:---:|")
     for setup, histories in results:
         print("\n".join(table(setup, histories)))
-    print(f"\ntarget: accuracy within {ACCURACY_TARGET_PP:g} pp (CNN), loss within {LOSS_TARGET_PCT:g}% (GPT) of unpipelined")
+    print(
+        f"\ntarget: accuracy within {ACCURACY_TARGET_PP:g} pp (CNN), loss within {LOSS_TARGET_PCT:g}% (GPT) of unpipelined"
+    )
     plot(results, path)
     print(f"wrote {path}")
 

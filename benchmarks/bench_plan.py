@@ -29,20 +29,28 @@ import torch
 import torch.distributed as dist
 
 import pipetrain
-from pipetrain.cli import positive_int
-from pipetrain.data import BatchStream
-from pipetrain.models import build_model, loss_function
-from pipetrain.plan_job import profile_together
+from pipetrain.app.cli import positive_int
+from pipetrain.app.data import BatchStream
+from pipetrain.app.models import build_model, loss_function
+from pipetrain.app.plan_job import profile_together
 
 MODEL = "uneven-mlp"
 WARMUP = 5
 
 
-def train(balance: list[int], schedule: str, microbatches: int, batch_size: int, steps: int) -> list[float]:
+def train(
+    balance: list[int], schedule: str, microbatches: int, batch_size: int, steps: int
+) -> list[float]:
     """Worker: step times of training ``MODEL`` split by ``balance``."""
     stream = BatchStream(MODEL, batch_size, seed=0)
-    pipe = pipetrain.Pipeline(build_model(MODEL), balance=balance, microbatches=microbatches, schedule=schedule,
-                              loss_fn=loss_function(MODEL), optimizer=lambda params: torch.optim.Adam(params, lr=1e-3))
+    pipe = pipetrain.Pipeline(
+        build_model(MODEL),
+        balance=balance,
+        microbatches=microbatches,
+        schedule=schedule,
+        loss_fn=loss_function(MODEL),
+        optimizer=lambda params: torch.optim.Adam(params, lr=1e-3),
+    )
     times = []
     for _ in range(steps):
         x, y = next(stream)
@@ -59,14 +67,27 @@ def round_worker(batch_size: int, microbatches: int, steps: int) -> tuple | None
     planning took, and the three runs' step times."""
     started = time.perf_counter()
     profile = profile_together(MODEL, batch_size, microbatches)
-    chosen = [pipetrain.plan(profile, workers=2, replication=False, schedules=("1f1b",), microbatches=(microbatches,),
-                             batch_size=batch_size) if profile is not None else None]
+    chosen = [
+        pipetrain.plan(
+            profile,
+            workers=2,
+            replication=False,
+            schedules=("1f1b",),
+            microbatches=(microbatches,),
+            batch_size=batch_size,
+        )
+        if profile is not None
+        else None
+    ]
     dist.broadcast_object_list(chosen, src=0)
     plan = chosen[0]
     planned_s = time.perf_counter() - started
     layers = sum(plan.balance)
     equal = [layers // 2, layers - layers // 2]
-    runs = [train(balance, plan.schedule, microbatches, batch_size, steps)[WARMUP:] for balance in (plan.balance, equal, plan.balance)]
+    runs = [
+        train(balance, plan.schedule, microbatches, batch_size, steps)[WARMUP:]
+        for balance in (plan.balance, equal, plan.balance)
+    ]
     return (plan, planned_s, runs) if dist.get_rank() == 0 else None
 
 
@@ -79,19 +100,32 @@ def main() -> None:
     parser.add_argument("--rounds", type=positive_int, default=5)
     args = parser.parse_args()
     rows = []
-    print(f"{'round':>5} {'planner balance':>16} {'planner ms':>11} {'equal ms':>9} {'speedup':>8} {'predicted ms':>13} "
-          f"{'pred/meas':>10} {'pred/first':>11} {'steady/meas':>12} {'rerun diff':>11}", flush=True)
+    print(
+        f"{'round':>5} {'planner balance':>16} {'planner ms':>11} {'equal ms':>9} {'speedup':>8} {'predicted ms':>13} "
+        f"{'pred/meas':>10} {'pred/first':>11} {'steady/meas':>12} {'rerun diff':>11}",
+        flush=True,
+    )
     for index in range(1, args.rounds + 1):
-        plan, planned_s, runs = pipetrain.launch(round_worker, 2, args.batch_size, args.microbatches, args.steps,
-                                                 threads_per_worker=1)[0]
+        plan, planned_s, runs = pipetrain.launch(
+            round_worker, 2, args.batch_size, args.microbatches, args.steps, threads_per_worker=1
+        )[0]
         first, equal_s, again = (statistics.median(steps) for steps in runs)
         ours = statistics.median(runs[0] + runs[2])
-        row = {"speedup": equal_s / ours, "meas": plan.predicted_step_s / ours, "first": plan.predicted_step_s / first,
-               "steady": plan.steady_step_s / ours, "rerun": abs(again - first) / ours, "planned_s": planned_s}
+        row = {
+            "speedup": equal_s / ours,
+            "meas": plan.predicted_step_s / ours,
+            "first": plan.predicted_step_s / first,
+            "steady": plan.steady_step_s / ours,
+            "rerun": abs(again - first) / ours,
+            "planned_s": planned_s,
+        }
         rows.append(row)
-        print(f"{index:>5} {plan.balance!s:>16} {ours * 1e3:11.2f} {equal_s * 1e3:9.2f} {row['speedup']:8.2f} "
-              f"{plan.predicted_step_s * 1e3:13.2f} {row['meas']:10.3f} {row['first']:11.3f} {row['steady']:12.3f} "
-              f"{row['rerun']:11.1%}", flush=True)
+        print(
+            f"{index:>5} {plan.balance!s:>16} {ours * 1e3:11.2f} {equal_s * 1e3:9.2f} {row['speedup']:8.2f} "
+            f"{plan.predicted_step_s * 1e3:13.2f} {row['meas']:10.3f} {row['first']:11.3f} {row['steady']:12.3f} "
+            f"{row['rerun']:11.1%}",
+            flush=True,
+        )
     print(f"\nthe last round's plan:\n{plan.describe()}\n")
 
     def column(name: str) -> list[float]:
@@ -102,11 +136,16 @@ def main() -> None:
         return f"median {statistics.median(values):{spec}} (range {min(values):{spec}}-{max(values):{spec}})"
 
     print(f"planner split vs equal split: {summary('speedup')}")
-    for name, what in (("meas", "both runs of the planner's split"), ("first", "its first run, right after planning")):
+    for name, what in (
+        ("meas", "both runs of the planner's split"),
+        ("first", "its first run, right after planning"),
+    ):
         within = sum(abs(r - 1) <= 0.1 for r in column(name))
         print(f"predicted / {what}: {summary(name)}; within 10% in {within} of {len(rows)} rounds")
     print(f"steady (every action at its median) / measured: {summary('steady')}")
-    print(f"the planner's split measured twice in a round: runs differ by {summary('rerun', '.1%')}")
+    print(
+        f"the planner's split measured twice in a round: runs differ by {summary('rerun', '.1%')}"
+    )
     print(f"profiling and planning took {statistics.median(column('planned_s')):.1f} s (median)")
 
 

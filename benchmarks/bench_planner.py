@@ -1,7 +1,7 @@
 """Time the planner on a large problem: 500 layers, 64 workers over two network levels.
 
 Run from the repository root: ``python benchmarks/bench_planner.py``. Prints the time of
-the replication planner alone and of the whole :func:`pipetrain.plan.plan` (which also
+the replication planner alone and of the whole :func:`pipetrain.planning.plan` (which also
 simulates candidate schedules), and the chosen plan. The target is under 2 s for the whole
 plan.
 """
@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from pipetrain.plan import Topology, plan, replicate
+from pipetrain.planning import Topology, plan, replicate
 from pipetrain.profiler import LayerCost, Profile, Spread
 
 
@@ -66,8 +66,13 @@ def main() -> None:
 
     rng = np.random.default_rng(1)
     runs = [[float(f) for f in rng.lognormal(0.0, 0.2, args.layers)] for _ in range(50)]
-    measured = replace(profile, spread=Spread([[layer.forward_s * f for layer, f in zip(profile.layers, run)] for run in runs],
-                                              [[layer.backward_s * f for layer, f in zip(profile.layers, run)] for run in runs]))
+    measured = replace(
+        profile,
+        spread=Spread(
+            [[layer.forward_s * f for layer, f in zip(profile.layers, run)] for run in runs],
+            [[layer.backward_s * f for layer, f in zip(profile.layers, run)] for run in runs],
+        ),
+    )
     start = time.perf_counter()
     varied = plan(measured, topology=topology, batch_size=args.batch_size, memory_limit=80e9)
     varied_s = time.perf_counter() - start
@@ -77,8 +82,10 @@ def main() -> None:
     print(f"whole plan (layouts, memory, simulation): {plan_s:.3f} s (target < 2 s)")
     print("\n".join(chosen.describe().splitlines()[:2]))
     print(f"layers per stage {chosen.balance}, replicas {chosen.replicas}")
-    print(f"with 50 measured runs per layer (steps simulated with variation): {varied_s:.3f} s, "
-          f"predicted step {varied.predicted_step_s:.4g} s against {varied.steady_step_s:.4g} s steady")
+    print(
+        f"with 50 measured runs per layer (steps simulated with variation): {varied_s:.3f} s, "
+        f"predicted step {varied.predicted_step_s:.4g} s against {varied.steady_step_s:.4g} s steady"
+    )
 
 
 if __name__ == "__main__":

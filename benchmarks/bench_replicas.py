@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 import pipetrain
-from pipetrain.data import BatchStream
-from pipetrain.models import build_model, loss_function
+from pipetrain.app.data import BatchStream
+from pipetrain.app.models import build_model, loss_function
 
 MODEL = "gpt"
 WARMUP = 5
@@ -36,12 +36,21 @@ ONE_BUCKET = float("inf")
 def run_pair(bucket_bytes: float, batch_size: int, steps: int) -> dict[str, list[float]]:
     """Worker: step times and all-reduce waits for one bucket vs ``bucket_bytes`` buckets."""
     pipes = {
-        label: pipetrain.Pipeline(build_model(MODEL), balance=[len(build_model(MODEL))], replicas=[2], microbatches=2,
-                                  loss_fn=loss_function(MODEL), optimizer=lambda params: torch.optim.Adam(params, lr=1e-3),
-                                  bucket_bytes=size, record=True)
+        label: pipetrain.Pipeline(
+            build_model(MODEL),
+            balance=[len(build_model(MODEL))],
+            replicas=[2],
+            microbatches=2,
+            loss_fn=loss_function(MODEL),
+            optimizer=lambda params: torch.optim.Adam(params, lr=1e-3),
+            bucket_bytes=size,
+            record=True,
+        )
         for label, size in (("one bucket", ONE_BUCKET), ("buckets", bucket_bytes))
     }
-    results: dict[str, list[float]] = {f"{label} {what}": [] for label in pipes for what in ("step", "wait")}
+    results: dict[str, list[float]] = {
+        f"{label} {what}": [] for label in pipes for what in ("step", "wait")
+    }
     stream = BatchStream(MODEL, batch_size, seed=0)
     for index in range(steps):
         x, y = next(stream)
@@ -52,7 +61,9 @@ def run_pair(bucket_bytes: float, batch_size: int, steps: int) -> dict[str, list
             elapsed = time.perf_counter() - start
             if index >= WARMUP:
                 results[f"{label} step"].append(elapsed)
-                results[f"{label} wait"] += [e.end - e.start for e in pipe.recorder.events if e.kind == "ALLREDUCE"]
+                results[f"{label} wait"] += [
+                    e.end - e.start for e in pipe.recorder.events if e.kind == "ALLREDUCE"
+                ]
     return results
 
 
@@ -64,18 +75,36 @@ def main() -> None:
     parser.add_argument("--bucket-kib", type=float, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    rounds = [pipetrain.launch(run_pair, 2, args.bucket_kib * 1024, args.batch_size, args.steps, threads_per_worker=1)[0]
-              for _ in range(args.rounds)]
+    rounds = [
+        pipetrain.launch(
+            run_pair, 2, args.bucket_kib * 1024, args.batch_size, args.steps, threads_per_worker=1
+        )[0]
+        for _ in range(args.rounds)
+    ]
     gradient_kib = sum(p.numel() * p.element_size() for p in build_model(MODEL).parameters()) / 1024
-    print(f"{MODEL} ({gradient_kib:.0f} KiB of gradients), 2 replicas x 1 thread, batch {args.batch_size}, "
-          f"medians of {args.rounds} rounds")
+    print(
+        f"{MODEL} ({gradient_kib:.0f} KiB of gradients), 2 replicas x 1 thread, batch {args.batch_size}, "
+        f"medians of {args.rounds} rounds"
+    )
     print(f"{'all-reduce':26} {'step ms':>8} {'wait ms':>8} {'step vs one bucket':>19}")
-    medians = {key: statistics.median(statistics.median(r[key]) for r in rounds) for key in rounds[0]}
-    for label, name in (("one bucket", "one bucket, after backward"), ("buckets", f"{args.bucket_kib:g} KiB buckets")):
-        print(f"{name:26} {medians[label + ' step'] * 1e3:8.2f} {medians[label + ' wait'] * 1e3:8.2f} "
-              f"{medians['one bucket step'] / medians[label + ' step']:19.2f}")
-    print("per round, step one bucket / buckets: "
-          + ", ".join(f"{statistics.median(r['one bucket step']) / statistics.median(r['buckets step']):.2f}" for r in rounds))
+    medians = {
+        key: statistics.median(statistics.median(r[key]) for r in rounds) for key in rounds[0]
+    }
+    for label, name in (
+        ("one bucket", "one bucket, after backward"),
+        ("buckets", f"{args.bucket_kib:g} KiB buckets"),
+    ):
+        print(
+            f"{name:26} {medians[label + ' step'] * 1e3:8.2f} {medians[label + ' wait'] * 1e3:8.2f} "
+            f"{medians['one bucket step'] / medians[label + ' step']:19.2f}"
+        )
+    print(
+        "per round, step one bucket / buckets: "
+        + ", ".join(
+            f"{statistics.median(r['one bucket step']) / statistics.median(r['buckets step']):.2f}"
+            for r in rounds
+        )
+    )
 
 
 if __name__ == "__main__":

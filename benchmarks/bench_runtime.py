@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 
 import pipetrain
-from pipetrain.layers import StageModule, stage_bounds, to_layers
-from pipetrain.data import BatchStream
-from pipetrain.models import build_model, loss_function
-from pipetrain.simulate import measured_costs, simulate
-from pipetrain.trace import Timeline
+from pipetrain.app.data import BatchStream
+from pipetrain.app.models import build_model, loss_function
+from pipetrain.model.layers import StageModule, stage_bounds, to_layers
+from pipetrain.simulation import measured_costs, simulate
+from pipetrain.timeline import Timeline
 
 WARMUP = 5
 
@@ -37,7 +37,9 @@ def _batches(model_name: str, batch_size: int, steps: int) -> list:
     return [next(stream) for _ in range(steps)]
 
 
-def run_both(model_name: str, schedule: str, microbatches: int, batch_size: int, steps: int) -> dict:
+def run_both(
+    model_name: str, schedule: str, microbatches: int, batch_size: int, steps: int
+) -> dict:
     """Worker: pipetrain and torch.distributed.pipelining on the same split, in the same two
     processes, step by step in turn, so that both see the same machine load.
 
@@ -48,13 +50,20 @@ def run_both(model_name: str, schedule: str, microbatches: int, batch_size: int,
 
     rank, world = dist.get_rank(), dist.get_world_size()
     loss_fn = loss_function(model_name)
-    pipe = pipetrain.Pipeline(build_model(model_name), microbatches=microbatches, schedule=schedule, loss_fn=loss_fn,
-                              optimizer=lambda params: torch.optim.Adam(params, lr=1e-3))
+    pipe = pipetrain.Pipeline(
+        build_model(model_name),
+        microbatches=microbatches,
+        schedule=schedule,
+        loss_fn=loss_fn,
+        optimizer=lambda params: torch.optim.Adam(params, lr=1e-3),
+    )
     layers = to_layers(build_model(model_name))
     module = StageModule(layers[slice(*stage_bounds(pipe.balance)[rank])])
     optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
     kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
-    runner = kind(PipelineStage(module, rank, world, torch.device("cpu")), microbatches, loss_fn=loss_fn)
+    runner = kind(
+        PipelineStage(module, rank, world, torch.device("cpu")), microbatches, loss_fn=loss_fn
+    )
 
     def torch_step(x, y) -> None:
         optimizer.zero_grad()
@@ -116,25 +125,44 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     common = (args.microbatches, args.batch_size, args.steps)
-    baseline = statistics.median(steady(run_unpipelined(args.model, args.batch_size, args.steps)) for _ in range(args.rounds))
-    print(f"{args.model}, batch {args.batch_size}, {args.microbatches} micro-batches, 2 stages, 2 processes x 1 thread, "
-          f"steps in turn, median of {args.rounds} rounds")
-    print(f"{'run':34} {'step ms':>9} {'vs unpipelined':>15} {'vs torch':>9} {'predicted ms':>13} {'pred/meas':>10}")
+    baseline = statistics.median(
+        steady(run_unpipelined(args.model, args.batch_size, args.steps)) for _ in range(args.rounds)
+    )
+    print(
+        f"{args.model}, batch {args.batch_size}, {args.microbatches} micro-batches, 2 stages, 2 processes x 1 thread, "
+        f"steps in turn, median of {args.rounds} rounds"
+    )
+    print(
+        f"{'run':34} {'step ms':>9} {'vs unpipelined':>15} {'vs torch':>9} {'predicted ms':>13} {'pred/meas':>10}"
+    )
     print(f"{'unpipelined (1 process)':34} {baseline * 1e3:9.2f} {1.0:15.2f}")
     for schedule in ("gpipe", "1f1b"):
         ours_runs, theirs_runs, predictions = [], [], []
         for _ in range(args.rounds):
-            result = pipetrain.launch(run_both, 2, args.model, schedule, *common, threads_per_worker=1)[0]
+            result = pipetrain.launch(
+                run_both, 2, args.model, schedule, *common, threads_per_worker=1
+            )[0]
             ours_runs.append(statistics.median(result["ours"]))
             theirs_runs.append(statistics.median(result["theirs"]))
             costs = measured_costs([Timeline.from_dict(t) for t in result["timelines"]], 2)
-            predictions.append(simulate(pipetrain.schedules.build(schedule, 2, args.microbatches), costs).makespan / ours_runs[-1])
-        ours_s, theirs_s, ratio = (statistics.median(v) for v in (ours_runs, theirs_runs, predictions))
-        print(f"{'pipetrain ' + schedule:34} {ours_s * 1e3:9.2f} {baseline / ours_s:15.2f} {theirs_s / ours_s:9.2f} "
-              f"{ratio * ours_s * 1e3:13.2f} {ratio:10.2f}")
-        print(f"{'torch.distributed.pipelining ' + schedule:34} {theirs_s * 1e3:9.2f} {baseline / theirs_s:15.2f} {1.0:9.2f}")
-        print(f"{'':34} per round, torch/pipetrain: {', '.join(f'{t / o:.2f}' for o, t in zip(ours_runs, theirs_runs))}; "
-              f"predicted/measured: {', '.join(f'{r:.2f}' for r in predictions)}")
+            predictions.append(
+                simulate(pipetrain.schedules.build(schedule, 2, args.microbatches), costs).makespan
+                / ours_runs[-1]
+            )
+        ours_s, theirs_s, ratio = (
+            statistics.median(v) for v in (ours_runs, theirs_runs, predictions)
+        )
+        print(
+            f"{'pipetrain ' + schedule:34} {ours_s * 1e3:9.2f} {baseline / ours_s:15.2f} {theirs_s / ours_s:9.2f} "
+            f"{ratio * ours_s * 1e3:13.2f} {ratio:10.2f}"
+        )
+        print(
+            f"{'torch.distributed.pipelining ' + schedule:34} {theirs_s * 1e3:9.2f} {baseline / theirs_s:15.2f} {1.0:9.2f}"
+        )
+        print(
+            f"{'':34} per round, torch/pipetrain: {', '.join(f'{t / o:.2f}' for o, t in zip(ours_runs, theirs_runs))}; "
+            f"predicted/measured: {', '.join(f'{r:.2f}' for r in predictions)}"
+        )
     print("'vs unpipelined' and 'vs torch' are speedups (>1 means this run is faster).")
 
 

@@ -13,7 +13,7 @@ import argparse
 import time
 
 from pipetrain.schedules import SCHEDULE_NAMES, build
-from pipetrain.simulate import Costs, simulate
+from pipetrain.simulation import Costs, simulate
 
 
 def best_of(runs: int, work) -> tuple[float, object]:
@@ -32,15 +32,28 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=64)
     parser.add_argument("--microbatches", type=int, default=512)
     args = parser.parse_args()
-    costs = Costs(forward_s=1.0, backward_s=1.0, weight_s=1.0, activation_bytes=1e6, bandwidth=1e9, latency_s=1e-5)
+    costs = Costs(
+        forward_s=1.0,
+        backward_s=1.0,
+        weight_s=1.0,
+        activation_bytes=1e6,
+        bandwidth=1e9,
+        latency_s=1e-5,
+    )
     print(f"{args.stages} stages x {args.microbatches} micro-batches")
     print(f"{'schedule':12} {'actions':>9} {'build s':>8} {'simulate s':>11} {'bubble':>8}")
     for name in SCHEDULE_NAMES:
         build_s, schedule = best_of(3, lambda: build(name, args.stages, args.microbatches))
-        per_chunk = Costs(**{**costs.__dict__, "forward_s": 0.5, "backward_s": 0.5, "weight_s": 0.5}) if name == "interleaved" else costs
+        per_chunk = (
+            Costs(**{**costs.__dict__, "forward_s": 0.5, "backward_s": 0.5, "weight_s": 0.5})
+            if name == "interleaved"
+            else costs
+        )
         simulate_s, timeline = best_of(3, lambda: simulate(schedule, per_chunk))
         actions = sum(len(actions) for actions in schedule.ranks)
-        print(f"{name:12} {actions:9d} {build_s:8.2f} {simulate_s:11.2f} {timeline.bubble_fraction:8.3f}")
+        print(
+            f"{name:12} {actions:9d} {build_s:8.2f} {simulate_s:11.2f} {timeline.bubble_fraction:8.3f}"
+        )
 
 
 if __name__ == "__main__":

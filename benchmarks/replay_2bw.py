@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from pipetrain.data import BatchStream
-from pipetrain.models import build_model, loss_function
+from pipetrain.app.data import BatchStream
+from pipetrain.app.models import build_model, loss_function
 
 MODEL = "gpt"
 BATCH = 32
@@ -76,7 +76,9 @@ def main() -> None:
     """Train both ways and print the held-out losses and the gap."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=14)
-    parser.add_argument("--warmup", type=float, default=0.0, help="share of the updates with a rising lr")
+    parser.add_argument(
+        "--warmup", type=float, default=0.0, help="share of the updates with a rising lr"
+    )
     parser.add_argument("--clip", type=float, default=0.0, help="gradient-norm clipping (0: none)")
     parser.add_argument("--lr", type=float, default=3e-3)
     args = parser.parse_args()
@@ -87,9 +89,14 @@ def main() -> None:
         began = time.perf_counter()
         history = train(stale, args.lr, args.warmup, args.clip, args.epochs)
         finals[label] = history[-1]
-        print(f"{label:12} {' '.join(f'{loss:.4f}' for loss in history)}  ({time.perf_counter() - began:.0f} s)", flush=True)
+        print(
+            f"{label:12} {' '.join(f'{loss:.4f}' for loss in history)}  ({time.perf_counter() - began:.0f} s)",
+            flush=True,
+        )
     gap = 100 * (finals["2BW rule"] - finals["unpipelined"]) / finals["unpipelined"]
-    print(f"final held-out loss: unpipelined {finals['unpipelined']:.4f}, 2BW rule {finals['2BW rule']:.4f} ({gap:+.1f}%)")
+    print(
+        f"final held-out loss: unpipelined {finals['unpipelined']:.4f}, 2BW rule {finals['2BW rule']:.4f} ({gap:+.1f}%)"
+    )
 
 
 if __name__ == "__main__":

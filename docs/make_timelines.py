@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipetrain.schedules import SCHEDULE_NAMES, build
-from pipetrain.simulate import Costs, simulate
+from pipetrain.simulation import Costs, simulate
 
 STAGES, MICROBATCHES, VIRTUAL = 4, 8, 2
 OUT = Path(__file__).resolve().parent / "timelines"
@@ -27,8 +27,12 @@ def costs_for(name: str) -> Costs:
 
 def title_for(name: str) -> str:
     """The chart title: schedule, shape and what is specific to it."""
-    detail = {"interleaved": f", {VIRTUAL} chunks per rank", "2bw": ", 2 updates in the window",
-              "pipedream": " (asynchronous, weight stashing)", "zb-h1": ", F = B = W"}.get(name, "")
+    detail = {
+        "interleaved": f", {VIRTUAL} chunks per rank",
+        "2bw": ", 2 updates in the window",
+        "pipedream": " (asynchronous, weight stashing)",
+        "zb-h1": ", F = B = W",
+    }.get(name, "")
     return f"{name}: {STAGES} stages, {MICROBATCHES} micro-batches{detail}"
 
 
@@ -40,8 +44,10 @@ def main() -> None:
         timeline = simulate(build(name, STAGES, MICROBATCHES, **options), costs_for(name))
         path = OUT / f"{name}.png"
         timeline.plot(path, title_for(name))
-        print(f"{path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}: "
-              f"makespan {timeline.makespan:g}, bubble {timeline.bubble_fraction:.1%}")
+        print(
+            f"{path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}: "
+            f"makespan {timeline.makespan:g}, bubble {timeline.bubble_fraction:.1%}"
+        )
 
 
 if __name__ == "__main__":

@@ -7,10 +7,10 @@ torch.distributed with GPipe, 1F1B, interleaved, zero-bubble or PipeDream schedu
 from typing import Any
 
 from pipetrain import schedules
-from pipetrain.plan import Level, Plan, PlanStage, Topology, plan
+from pipetrain.planning import Level, Plan, PlanStage, Topology, plan
 from pipetrain.profiler import LayerCost, Profile
-from pipetrain.simulate import Costs, simulate
-from pipetrain.trace import Event, Timeline, plot_timelines
+from pipetrain.simulation import Costs, simulate
+from pipetrain.timeline import Event, Timeline, plot_timelines
 
 __version__ = "0.1.0"
 

@@ -1,6 +1,6 @@
 """``python -m pipetrain``: the same as the ``pipetrain`` command."""
 
-from pipetrain.cli import main
+from pipetrain.app.cli import main
 
 if __name__ == "__main__":  # spawned worker processes import this module too
     raise SystemExit(main())

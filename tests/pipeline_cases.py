@@ -15,7 +15,11 @@ def mlp(seed: int = 0, dropout: float = 0.0) -> nn.Sequential:
     """Five layers of uneven kinds, so any balance over 2–5 stages is possible."""
     torch.manual_seed(seed)
     return nn.Sequential(
-        nn.Linear(FEATURES, 12), nn.Tanh(), nn.Dropout(dropout), nn.Linear(12, 12), nn.Linear(12, CLASSES)
+        nn.Linear(FEATURES, 12),
+        nn.Tanh(),
+        nn.Dropout(dropout),
+        nn.Linear(12, 12),
+        nn.Linear(12, CLASSES),
     )
 
 
@@ -61,13 +65,17 @@ def tuple_model(seed: int = 0) -> nn.Sequential:
 def batch(seed: int = 1, size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     """A deterministic batch of features and class labels."""
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(size, FEATURES, generator=generator), torch.randint(0, CLASSES, (size,), generator=generator)
+    return torch.randn(size, FEATURES, generator=generator), torch.randint(
+        0, CLASSES, (size,), generator=generator
+    )
 
 
 def id_batch(seed: int = 1, size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     """A deterministic batch of token ids and class labels."""
     generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 20, (size, 5), generator=generator), torch.randint(0, CLASSES, (size,), generator=generator)
+    return torch.randint(0, 20, (size, 5), generator=generator), torch.randint(
+        0, CLASSES, (size,), generator=generator
+    )
 
 
 def grads(pipe: pipetrain.Pipeline) -> dict[str, torch.Tensor]:
@@ -88,12 +96,18 @@ def run_configs(configs: list[dict]) -> list[tuple[float, dict[str, torch.Tensor
     return results
 
 
-def dropout_runs(checkpoints: list[str]) -> list[dict[str, torch.Tensor]]:
-    """Gradients of a dropout model under each checkpoint mode, from the same seed."""
+def dropout_runs(modes: list[str]) -> list[dict[str, torch.Tensor]]:
+    """Gradients of a dropout model under each recompute mode, from the same seed."""
     results = []
-    for checkpoint in checkpoints:
-        pipe = pipetrain.Pipeline(mlp(dropout=0.5), balance=[2, 3], microbatches=3, schedule="1f1b",
-                                  loss_fn=nn.functional.cross_entropy, checkpoint=checkpoint)
+    for recompute in modes:
+        pipe = pipetrain.Pipeline(
+            mlp(dropout=0.5),
+            balance=[2, 3],
+            microbatches=3,
+            schedule="1f1b",
+            loss_fn=nn.functional.cross_entropy,
+            recompute=recompute,
+        )
         torch.manual_seed(123)
         x, y = batch()
         pipe.train_step(x, y)
@@ -103,8 +117,15 @@ def dropout_runs(checkpoints: list[str]) -> list[dict[str, torch.Tensor]]:
 
 def optimizer_and_shapes() -> dict:
     """Two SGD steps with batch sizes 10 then 7 (a change of shape), then eval and a timeline."""
-    pipe = pipetrain.Pipeline(mlp(), balance=[3, 2], microbatches=3, schedule="1f1b", loss_fn=nn.functional.cross_entropy,
-                              optimizer=lambda params: torch.optim.SGD(params, lr=0.5), record=True)
+    pipe = pipetrain.Pipeline(
+        mlp(),
+        balance=[3, 2],
+        microbatches=3,
+        schedule="1f1b",
+        loss_fn=nn.functional.cross_entropy,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
+        record=True,
+    )
     losses = [pipe.train_step(*batch(seed=1, size=10)), pipe.train_step(*batch(seed=2, size=7))]
     timeline = pipe.timeline()
     output = pipe.eval_step(batch(seed=3)[0])
@@ -122,9 +143,13 @@ def argument_errors() -> list[str]:
     attempts = [
         lambda: pipetrain.Pipeline(mlp(), balance=[2, 2], loss_fn=nn.functional.cross_entropy),
         lambda: pipetrain.Pipeline(mlp(), balance=[2, 1, 2], loss_fn=nn.functional.cross_entropy),
-        lambda: pipetrain.Pipeline(mlp(), balance=[2, 3], loss_fn=nn.functional.cross_entropy, checkpoint="sometimes"),
+        lambda: pipetrain.Pipeline(
+            mlp(), balance=[2, 3], loss_fn=nn.functional.cross_entropy, recompute="sometimes"
+        ),
         lambda: pipetrain.Pipeline(mlp(), balance=[2, 3], loss_fn=None),
-        lambda: pipetrain.Pipeline(mlp(), balance=[2, 3], microbatches=12, loss_fn=nn.functional.cross_entropy).train_step(*batch()),
+        lambda: pipetrain.Pipeline(
+            mlp(), balance=[2, 3], microbatches=12, loss_fn=nn.functional.cross_entropy
+        ).train_step(*batch()),
     ]
     for attempt in attempts:
         try:
@@ -154,8 +179,14 @@ def failing_step(layer: str, ranks: int) -> None:
     torch.manual_seed(0)
     broken = Explode() if layer == "explode" else NotATensor()
     layers = [nn.Linear(FEATURES, FEATURES) for _ in range(ranks - 1)] + [broken]
-    pipe = pipetrain.Pipeline(nn.Sequential(*layers), balance=[1] * ranks, microbatches=2, schedule="1f1b",
-                              loss_fn=nn.functional.cross_entropy, timeout_s=60)
+    pipe = pipetrain.Pipeline(
+        nn.Sequential(*layers),
+        balance=[1] * ranks,
+        microbatches=2,
+        schedule="1f1b",
+        loss_fn=nn.functional.cross_entropy,
+        timeout_s=60,
+    )
     pipe.train_step(*batch())
 
 
@@ -168,22 +199,36 @@ def failing_step_messages(ranks: int) -> str:
     return "no error"
 
 
-def replicated_runs(configs: list[dict]) -> list[tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+def replicated_runs(
+    configs: list[dict],
+) -> list[tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
     """One SGD step per config: (loss, gradients, weights after the step) on this rank."""
     results = []
     for config in configs:
-        pipe = pipetrain.Pipeline(mlp(), loss_fn=nn.functional.cross_entropy,
-                                  optimizer=lambda params: torch.optim.SGD(params, lr=0.1), **config)
+        pipe = pipetrain.Pipeline(
+            mlp(),
+            loss_fn=nn.functional.cross_entropy,
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+            **config,
+        )
         loss = pipe.train_step(*batch())
         results.append((loss, grads(pipe), {k: v.clone() for k, v in pipe.state_dict().items()}))
     return results
 
 
-def asynchronous_runs(schedule: str, balance: list[int], microbatches: int, windows: int, options: dict) -> dict[str, torch.Tensor]:
+def asynchronous_runs(
+    schedule: str, balance: list[int], microbatches: int, windows: int, options: dict
+) -> dict[str, torch.Tensor]:
     """Train ``windows`` calls of an asynchronous schedule with SGD; return this rank's weights."""
-    pipe = pipetrain.Pipeline(mlp(), balance=balance, microbatches=microbatches, schedule=schedule,
-                              loss_fn=nn.functional.cross_entropy, optimizer=lambda params: torch.optim.SGD(params, lr=0.2),
-                              **options)
+    pipe = pipetrain.Pipeline(
+        mlp(),
+        balance=balance,
+        microbatches=microbatches,
+        schedule=schedule,
+        loss_fn=nn.functional.cross_entropy,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.2),
+        **options,
+    )
     for window in range(windows):
         pipe.train_step(*batch(seed=10 + window, size=pipe.microbatches * 2))
     return {k: v.clone() for k, v in pipe.state_dict().items()}
@@ -191,16 +236,28 @@ def asynchronous_runs(schedule: str, balance: list[int], microbatches: int, wind
 
 def targets_from_first_stage() -> float:
     """Only rank 0 is given data; the last stage gets its targets from it."""
-    pipe = pipetrain.Pipeline(mlp(), balance=[1, 2, 2], microbatches=3, schedule="1f1b",
-                              loss_fn=nn.functional.cross_entropy, targets_on_first_stage=True)
+    pipe = pipetrain.Pipeline(
+        mlp(),
+        balance=[1, 2, 2],
+        microbatches=3,
+        schedule="1f1b",
+        loss_fn=nn.functional.cross_entropy,
+        targets_on_first_stage=True,
+    )
     x, y = batch()
     return pipe.train_step(x, y) if pipe.rank == 0 else pipe.train_step()
 
 
 def replicated_eval() -> torch.Tensor | None:
     """eval_step with the last stage on two replicas: the first gathers every micro-batch."""
-    pipe = pipetrain.Pipeline(mlp(), balance=[2, 3], replicas=[1, 2], microbatches=4, schedule="1f1b",
-                              loss_fn=nn.functional.cross_entropy)
+    pipe = pipetrain.Pipeline(
+        mlp(),
+        balance=[2, 3],
+        replicas=[1, 2],
+        microbatches=4,
+        schedule="1f1b",
+        loss_fn=nn.functional.cross_entropy,
+    )
     return pipe.eval_step(batch(seed=3)[0])
 
 
@@ -226,6 +283,8 @@ def reducer_progress(bucket_bytes: float) -> list[int]:
 
 def one_stage_on_the_default_device() -> tuple[float, str, dict[str, torch.Tensor]]:
     """One train step of the whole model as one stage, on the device the backend implies."""
-    pipe = pipetrain.Pipeline(mlp(), balance=[5], microbatches=2, schedule="1f1b", loss_fn=nn.functional.cross_entropy)
+    pipe = pipetrain.Pipeline(
+        mlp(), balance=[5], microbatches=2, schedule="1f1b", loss_fn=nn.functional.cross_entropy
+    )
     loss = pipe.train_step(*batch())
     return loss, str(pipe.device), grads(pipe)

@@ -33,11 +33,17 @@ def vgg16_profile(microbatch_size: int = 64) -> Profile:
     for (out, inp, side, pooled), flops in zip(convolutions, conv_flops):
         compute = 0.985 * step_s * flops / sum(conv_flops)
         outputs = out * side * side // (4 if pooled else 1)
-        layers.append(_layer(compute, outputs * microbatch_size, out * inp * 9 + out, f"conv{len(layers)}"))
+        layers.append(
+            _layer(compute, outputs * microbatch_size, out * inp * 9 + out, f"conv{len(layers)}")
+        )
     for (inp, out), flops in zip(linears, linear_flops):
         compute = 0.015 * step_s * flops / sum(linear_flops)
         layers.append(_layer(compute, out * microbatch_size, inp * out + out, f"fc{len(layers)}"))
-    return Profile(layers, microbatch_size=microbatch_size, input_bytes=_FLOAT * 3 * 224 * 224 * microbatch_size)
+    return Profile(
+        layers,
+        microbatch_size=microbatch_size,
+        input_bytes=_FLOAT * 3 * 224 * 224 * microbatch_size,
+    )
 
 
 def resnet_like_profile(layers: int = 50, microbatch_size: int = 64, seed: int = 0) -> Profile:

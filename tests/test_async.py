@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import pipeline_cases as cases
 import pytest
 import torch
 from torch import nn
 
-import pipeline_cases as cases
 import pipetrain
-from pipetrain.layers import StageModule, stage_bounds, to_layers
+from pipetrain.model.layers import StageModule, stage_bounds, to_layers
 from pipetrain.runtime.reduce import DEFAULT_BUCKET_BYTES
 
 LR = 0.2
@@ -24,27 +24,47 @@ def stage_of(balance: list[int]) -> dict[str, int]:
     return owner
 
 
-def reference(balance: list[int], rule, per_update: int, updates: int, windows: int) -> dict[str, torch.Tensor]:
+def reference(
+    balance: list[int], rule, per_update: int, updates: int, windows: int
+) -> dict[str, torch.Tensor]:
     """Replay the rule in one process: update u of every stage uses the gradient of the
     mini-batch made of micro-batches u·per_update … (u+1)·per_update − 1, computed with
     stage s on weight version ``rule(s, u)`` (counted from the window's start)."""
     model = StageModule(to_layers(cases.mlp()))
     owner = stage_of(balance)
-    versions = [{name: p.detach().clone() for name, p in model.named_parameters()}]  # versions[v][name]
+    versions = [
+        {name: p.detach().clone() for name, p in model.named_parameters()}
+    ]  # versions[v][name]
     for window in range(windows):
         base = len(versions) - 1
         x, y = cases.batch(seed=10 + window, size=per_update * updates * 2)
         inputs, targets = torch.tensor_split(x, updates), torch.tensor_split(y, updates)
         for update in range(updates):
-            weights = {name: versions[base + rule(owner[name], update)][name].clone().requires_grad_(True) for name in owner}
-            loss = nn.functional.cross_entropy(torch.func.functional_call(model, weights, (inputs[update],)), targets[update])
+            weights = {
+                name: versions[base + rule(owner[name], update)][name].clone().requires_grad_(True)
+                for name in owner
+            }
+            loss = nn.functional.cross_entropy(
+                torch.func.functional_call(model, weights, (inputs[update],)), targets[update]
+            )
             grads = dict(zip(weights, torch.autograd.grad(loss, list(weights.values()))))
             versions.append({name: versions[-1][name] - LR * grads[name] for name in owner})
     return versions[-1]
 
 
-def run(schedule: str, balance: list[int], microbatches: int, windows: int, **options) -> dict[str, torch.Tensor]:
-    states = pipetrain.launch(cases.asynchronous_runs, len(balance), schedule, balance, microbatches, windows, options, timeout_s=60)
+def run(
+    schedule: str, balance: list[int], microbatches: int, windows: int, **options
+) -> dict[str, torch.Tensor]:
+    states = pipetrain.launch(
+        cases.asynchronous_runs,
+        len(balance),
+        schedule,
+        balance,
+        microbatches,
+        windows,
+        options,
+        timeout_s=60,
+    )
     merged = {}
     for state in states:
         merged.update(state)
@@ -107,18 +127,43 @@ def test_pipedream_with_a_replicated_stage(bucket_bytes: float) -> None:
         base = {stage: len(history) - 1 for stage, history in versions.items()}
         x, y = cases.batch(seed=10 + index, size=window * 2)
         pending = None
-        for k, (inputs, targets) in enumerate(zip(torch.tensor_split(x, window), torch.tensor_split(y, window))):
+        for k, (inputs, targets) in enumerate(
+            zip(torch.tensor_split(x, window), torch.tensor_split(y, window))
+        ):
             used = {0: base[0] + max(0, k // 2 - 1), 1: base[1] + k}
-            weights = {n: versions[owner[n]][used[owner[n]]][n].clone().requires_grad_(True) for n in owner}
-            loss = nn.functional.cross_entropy(torch.func.functional_call(model, weights, (inputs,)), targets)
+            weights = {
+                n: versions[owner[n]][used[owner[n]]][n].clone().requires_grad_(True) for n in owner
+            }
+            loss = nn.functional.cross_entropy(
+                torch.func.functional_call(model, weights, (inputs,)), targets
+            )
             grads = dict(zip(weights, torch.autograd.grad(loss, list(weights.values()))))
-            versions[1].append({n: versions[1][-1][n] - LR * grads[n] for n in owner if owner[n] == 1})
+            versions[1].append(
+                {n: versions[1][-1][n] - LR * grads[n] for n in owner if owner[n] == 1}
+            )
             if k % 2 == 0:
                 pending = grads
             else:
-                versions[0].append({n: versions[0][-1][n] - LR * (pending[n] + grads[n]) / 2 for n in owner if owner[n] == 0})
+                versions[0].append(
+                    {
+                        n: versions[0][-1][n] - LR * (pending[n] + grads[n]) / 2
+                        for n in owner
+                        if owner[n] == 0
+                    }
+                )
     expected = {**versions[0][-1], **versions[1][-1]}
-    states = pipetrain.launch(cases.asynchronous_runs, 3, "pipedream", balance, window, windows, {"replicas": [2, 1], "bucket_bytes": bucket_bytes}, timeout_s=60)
-    for name, value in states[1].items():  # the two replicas of stage 0 hold the same weights, bit for bit
+    states = pipetrain.launch(
+        cases.asynchronous_runs,
+        3,
+        "pipedream",
+        balance,
+        window,
+        windows,
+        {"replicas": [2, 1], "bucket_bytes": bucket_bytes},
+        timeout_s=60,
+    )
+    for name, value in states[
+        1
+    ].items():  # the two replicas of stage 0 hold the same weights, bit for bit
         assert torch.equal(value, states[0][name]), name
     assert_equal_weights({**states[0], **states[2]}, expected)

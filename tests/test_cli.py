@@ -15,10 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipetrain import cli
+from pipetrain.app.simulate_job import textbook_bubble
 from pipetrain.schedules import SCHEDULE_NAMES, build
-from pipetrain.simulate import Costs, simulate
-from pipetrain.simulate_job import textbook_bubble
-from pipetrain.trace import Event, Timeline
+from pipetrain.simulation import Costs, simulate
+from pipetrain.timeline import Event, Timeline
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,7 +28,12 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("WORLD_SIZE", None)  # never mistake the test run for a torchrun worker
     return subprocess.run(
-        [sys.executable, "-m", "pipetrain", *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=100
+        [sys.executable, "-m", "pipetrain", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=100,
     )
 
 
@@ -71,9 +76,23 @@ def test_simulate_costs_file_with_per_stage_lists_and_flag_override(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     costs_file = tmp_path / "costs.json"
-    costs_file.write_text(json.dumps({"forward_s": [1, 2, 1], "backward_s": 9, "activation_bytes": 1e6, "bandwidth": 1e7}))
+    costs_file.write_text(
+        json.dumps(
+            {"forward_s": [1, 2, 1], "backward_s": 9, "activation_bytes": 1e6, "bandwidth": 1e7}
+        )
+    )
     result = simulate_json(
-        capsys, "--schedule", "gpipe", "--stages", "3", "--microbatches", "5", "--costs", str(costs_file), "--backward", "2"
+        capsys,
+        "--schedule",
+        "gpipe",
+        "--stages",
+        "3",
+        "--microbatches",
+        "5",
+        "--costs",
+        str(costs_file),
+        "--backward",
+        "2",
     )
     costs = Costs(forward_s=[1, 2, 1], backward_s=2.0, activation_bytes=1e6, bandwidth=1e7)
     expected = simulate(build("gpipe", 3, 5), costs)
@@ -87,7 +106,11 @@ def test_simulate_costs_file_with_per_stage_lists_and_flag_override(
     name=st.sampled_from(SCHEDULE_NAMES),
     p=st.integers(1, 5),
     m=st.integers(1, 10),
-    costs=st.tuples(st.sampled_from([0.5, 1.0, 2.0]), st.sampled_from([0.5, 1.0, 3.0]), st.sampled_from([0.0, 0.5, 1.0])),
+    costs=st.tuples(
+        st.sampled_from([0.5, 1.0, 2.0]),
+        st.sampled_from([0.5, 1.0, 3.0]),
+        st.sampled_from([0.0, 0.5, 1.0]),
+    ),
 )
 def test_textbook_formula_agrees_with_the_simulator_wherever_it_is_given(
     name: str, p: int, m: int, costs: tuple[float, float, float]
@@ -107,10 +130,27 @@ def test_textbook_formula_agrees_with_the_simulator_wherever_it_is_given(
         assert textbook is not None  # uniform costs: these always have a closed form
 
 
-def test_simulate_writes_png_and_chrome_trace(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_simulate_writes_png_and_chrome_trace(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     png, trace = tmp_path / "t.png", tmp_path / "t.json"
     for path in (png, trace):
-        assert cli.main(["simulate", "--schedule", "zb-h1", "--stages", "3", "--microbatches", "4", "--out", str(path)]) == 0
+        assert (
+            cli.main(
+                [
+                    "simulate",
+                    "--schedule",
+                    "zb-h1",
+                    "--stages",
+                    "3",
+                    "--microbatches",
+                    "4",
+                    "--out",
+                    str(path),
+                ]
+            )
+            == 0
+        )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
     expected = simulate(build("zb-h1", 3, 4), Costs(1.0, 1.0, 1.0))
@@ -123,9 +163,48 @@ BAD_ARGUMENTS = [
     (["simulate", "--schedule", "1f1b", "--stages", "2", "--microbatches", "-3"], "-3"),
     (["simulate", "--schedule", "interleaved", "--stages", "4", "--microbatches", "6"], "6"),
     (["simulate", "--schedule", "zigzag", "--stages", "4", "--microbatches", "8"], "zigzag"),
-    (["simulate", "--schedule", "1f1b", "--stages", "2", "--microbatches", "2", "--costs", "no-such-file.json"], "no-such-file.json"),
-    (["simulate", "--schedule", "1f1b", "--stages", "2", "--microbatches", "2", "--out", "timeline.svg"], "timeline.svg"),
-    (["simulate", "--schedule", "1f1b", "--stages", "2", "--microbatches", "2", "--forward", "fast"], "fast"),
+    (
+        [
+            "simulate",
+            "--schedule",
+            "1f1b",
+            "--stages",
+            "2",
+            "--microbatches",
+            "2",
+            "--costs",
+            "no-such-file.json",
+        ],
+        "no-such-file.json",
+    ),
+    (
+        [
+            "simulate",
+            "--schedule",
+            "1f1b",
+            "--stages",
+            "2",
+            "--microbatches",
+            "2",
+            "--out",
+            "timeline.svg",
+        ],
+        "timeline.svg",
+    ),
+    (
+        [
+            "simulate",
+            "--schedule",
+            "1f1b",
+            "--stages",
+            "2",
+            "--microbatches",
+            "2",
+            "--forward",
+            "fast",
+        ],
+        "fast",
+    ),
     (["train", "--model", "transformer", "--stages", "2"], "transformer"),
 ]
 
@@ -142,14 +221,31 @@ def test_bad_arguments_give_one_line_and_status_2(args: list[str], named: str) -
 
 @pytest.mark.parametrize(
     ("content", "named"),
-    [("{not json", "not valid JSON"), ('{"forward": 1}', "forward_s"), ('{"forward_s": "slow"}', "slow"), ("[1, 2]", "JSON object")],
+    [
+        ("{not json", "not valid JSON"),
+        ('{"forward": 1}', "forward_s"),
+        ('{"forward_s": "slow"}', "slow"),
+        ("[1, 2]", "JSON object"),
+    ],
 )
 def test_bad_costs_files_give_one_line(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, content: str, named: str
 ) -> None:
     costs_file = tmp_path / "costs.json"
     costs_file.write_text(content)
-    status = cli.main(["simulate", "--schedule", "gpipe", "--stages", "2", "--microbatches", "2", "--costs", str(costs_file)])
+    status = cli.main(
+        [
+            "simulate",
+            "--schedule",
+            "gpipe",
+            "--stages",
+            "2",
+            "--microbatches",
+            "2",
+            "--costs",
+            str(costs_file),
+        ]
+    )
     error = capsys.readouterr().err
     assert status == 2
     assert len(error.strip().splitlines()) == 1
@@ -163,7 +259,7 @@ def test_python_m_pipetrain_help_lists_the_commands() -> None:
 
 
 def test_model_choices_match_the_library() -> None:
-    from pipetrain.models import MODEL_NAMES
+    from pipetrain.app.models import MODEL_NAMES
 
     assert cli.MODEL_NAMES == MODEL_NAMES
 
@@ -173,9 +269,9 @@ def unpipelined_losses(model_name: str, steps: int, batch_size: int) -> list[flo
     """Losses of the same model, data and optimizer trained without a pipeline."""
     import torch
 
-    from pipetrain.data import BatchStream
-    from pipetrain.models import build_model, loss_function
-    from pipetrain.train_job import DEFAULT_LR
+    from pipetrain.app.data import BatchStream
+    from pipetrain.app.models import build_model, loss_function
+    from pipetrain.app.train_job import DEFAULT_LR
 
     model = build_model(model_name, seed=0)
     optimizer = torch.optim.Adam(model.parameters(), lr=DEFAULT_LR[model_name])
@@ -194,37 +290,77 @@ def unpipelined_losses(model_name: str, steps: int, batch_size: int) -> list[flo
 def test_train_json_reports_every_key_and_the_unpipelined_losses(tmp_path: Path) -> None:
     trace = tmp_path / "last-step.png"
     result = run_cli(
-        "train", "--model", "mlp", "--stages", "2", "--steps", "3", "--microbatches", "2", "--json", "--trace", str(trace)
+        "train",
+        "--model",
+        "mlp",
+        "--stages",
+        "2",
+        "--steps",
+        "3",
+        "--microbatches",
+        "2",
+        "--json",
+        "--trace",
+        str(trace),
     )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    keys = {"losses", "final_loss", "step_s", "samples_per_s", "bubble_fraction", "predicted_step_s",
-            "model", "schedule", "stages", "microbatches", "batch_size"}
+    keys = {
+        "losses",
+        "final_loss",
+        "step_s",
+        "samples_per_s",
+        "bubble_fraction",
+        "predicted_step_s",
+        "model",
+        "schedule",
+        "stages",
+        "microbatches",
+        "batch_size",
+    }
     assert keys <= set(report)
     assert len(report["losses"]) == 3
-    assert all(math.isfinite(report[k]) for k in ("final_loss", "step_s", "samples_per_s", "bubble_fraction", "predicted_step_s"))
+    assert all(
+        math.isfinite(report[k])
+        for k in ("final_loss", "step_s", "samples_per_s", "bubble_fraction", "predicted_step_s")
+    )
     assert report["final_loss"] == report["losses"][-1]
     assert report["samples_per_s"] == pytest.approx(report["batch_size"] / report["step_s"])
-    assert report["losses"] == pytest.approx(unpipelined_losses("mlp", 3, report["batch_size"]), rel=1e-4)
+    assert report["losses"] == pytest.approx(
+        unpipelined_losses("mlp", 3, report["batch_size"]), rel=1e-4
+    )
     assert trace.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "step 3/3" in result.stderr  # progress, on stderr only
 
 
 def test_train_rejects_a_schedule_that_cannot_split_the_batch_before_starting_workers() -> None:
-    result = run_cli("train", "--model", "mlp", "--stages", "2", "--schedule", "interleaved", "--microbatches", "3")
+    result = run_cli(
+        "train",
+        "--model",
+        "mlp",
+        "--stages",
+        "2",
+        "--schedule",
+        "interleaved",
+        "--microbatches",
+        "3",
+    )
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1
     assert "multiple of stages" in result.stderr and "3" in result.stderr
 
 
 # measured costs and the prediction --------------------------------------------------------
-@pytest.mark.parametrize(("name", "costs"), [
-    ("1f1b", Costs(forward_s=[1.0, 2.0, 1.5], backward_s=[2.0, 3.0, 2.5], step_s=0.5)),
-    ("zb-h1", Costs(forward_s=[1.0, 2.0, 1.5], backward_s=1.0, weight_s=[0.5, 1.0, 0.5])),
-    ("gpipe", Costs(forward_s=1.0, backward_s=2.0)),
-])
+@pytest.mark.parametrize(
+    ("name", "costs"),
+    [
+        ("1f1b", Costs(forward_s=[1.0, 2.0, 1.5], backward_s=[2.0, 3.0, 2.5], step_s=0.5)),
+        ("zb-h1", Costs(forward_s=[1.0, 2.0, 1.5], backward_s=1.0, weight_s=[0.5, 1.0, 0.5])),
+        ("gpipe", Costs(forward_s=1.0, backward_s=2.0)),
+    ],
+)
 def test_measured_costs_recover_the_costs_a_timeline_was_made_with(name: str, costs: Costs) -> None:
-    from pipetrain.simulate import measured_costs
+    from pipetrain.simulation import measured_costs
 
     schedule = build(name, 3, 5)
     original = simulate(schedule, costs)
@@ -235,7 +371,7 @@ def test_measured_costs_recover_the_costs_a_timeline_was_made_with(name: str, co
 
 
 def test_transfer_time_counts_only_what_follows_the_send() -> None:
-    from pipetrain.simulate import measured_costs, transfer_time
+    from pipetrain.simulation import measured_costs, transfer_time
 
     events = [
         Event(0, "F", 0, 0, 0.0, 0.9),
@@ -249,48 +385,70 @@ def test_transfer_time_counts_only_what_follows_the_send() -> None:
     timeline = Timeline(events, 2)
     assert transfer_time(timeline) == pytest.approx(0.2)
     costs = measured_costs(timeline, 2)
-    assert costs.forward_s == pytest.approx([0.9 + 0.1, 0.0])  # the send's packing joins the forward
+    assert costs.forward_s == pytest.approx(
+        [0.9 + 0.1, 0.0]
+    )  # the send's packing joins the forward
     assert costs.backward_s == pytest.approx([0.0, 0.05])
 
 
 def test_progress_prints_about_every_tenth_step_when_not_on_a_terminal() -> None:
-    from pipetrain.train_job import Progress
+    from pipetrain.app.train_job import Progress
 
     stream = io.StringIO()
     progress = Progress(steps=25, batch_size=8, stream=stream)
     for step in range(1, 26):
         progress.update(step, 1.0 / step)
     lines = stream.getvalue().splitlines()
-    assert [line.split()[1] for line in lines] == [f"{s}/25" for s in (2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 25)]
+    assert [line.split()[1] for line in lines] == [
+        f"{s}/25" for s in (2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 25)
+    ]
     assert "\r" not in stream.getvalue()
 
 
 def test_train_report_writes_measured_chrome_trace(tmp_path: Path) -> None:
-    from pipetrain.train_job import TrainConfig, TrainReport
+    from pipetrain.app.train_job import TrainConfig, TrainReport
 
     config = TrainConfig(model="mlp", stages=2, microbatches=2, steps=4, batch_size=8, lr=1e-3)
     measured = simulate(build("1f1b", 2, 2), Costs(forward_s=[1.0, 1.5], backward_s=2.0))
-    result = {"losses": [4.0, 3.0, 2.0, 1.0], "step_times_s": [9.0, 8.0, 2.0, 4.0], "timeline": measured.to_dict()}
+    result = {
+        "losses": [4.0, 3.0, 2.0, 1.0],
+        "step_times_s": [9.0, 8.0, 2.0, 4.0],
+        "timeline": measured.to_dict(),
+    }
     report = TrainReport.build(config, result)
     assert report.step_s == 3.0  # median of the steps after the 2 warm-up steps
     assert report.to_json()["predicted_step_s"] == pytest.approx(measured.makespan)
     report.write_trace(str(tmp_path / "t.json"))
-    events = [e for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    events = [
+        e for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e["ph"] == "X"
+    ]
     assert len(events) == len(measured.events)
     assert "4.0000 -> 1.0000" in report.summary()
 
 
 def test_train_report_compares_a_plan_with_the_measured_step() -> None:
-    from pipetrain.plan import Plan, PlanStage
-    from pipetrain.train_job import TrainConfig, TrainReport
+    from pipetrain.app.train_job import TrainConfig, TrainReport
+    from pipetrain.planning import Plan, PlanStage
 
-    plan = Plan(stages=[PlanStage(0, 3), PlanStage(3, 5)], schedule="1f1b", microbatches=2, checkpoint="never",
-                predicted_step_s=6.0, predicted_throughput=4 / 6.0, stage_memory_bytes=[1.0, 1.0], workers=2,
-                microbatch_size=4)
+    plan = Plan(
+        stages=[PlanStage(0, 3), PlanStage(3, 5)],
+        schedule="1f1b",
+        microbatches=2,
+        recompute="never",
+        predicted_step_s=6.0,
+        predicted_throughput=4 / 6.0,
+        stage_memory_bytes=[1.0, 1.0],
+        workers=2,
+        microbatch_size=4,
+    )
     config = TrainConfig(model="mlp", steps=4, plan=plan).resolved()
     assert (config.balance, config.batch_size, config.planned_step_s) == ((3, 2), 8, 6.0)
     measured = simulate(build("1f1b", 2, 2), Costs(forward_s=[1.0, 1.5], backward_s=2.0))
-    result = {"losses": [4.0, 3.0, 2.0, 1.0], "step_times_s": [9.0, 8.0, 2.0, 4.0], "timeline": measured.to_dict()}
+    result = {
+        "losses": [4.0, 3.0, 2.0, 1.0],
+        "step_times_s": [9.0, 8.0, 2.0, 4.0],
+        "timeline": measured.to_dict(),
+    }
     report = TrainReport.build(config, result)
     assert report.to_json()["planned_step_s"] == 6.0
     assert "planned           6 s a step, 2.00 × the median step" in report.summary()
@@ -298,10 +456,22 @@ def test_train_report_compares_a_plan_with_the_measured_step() -> None:
     assert TrainConfig(model="mlp", batch_size=16, plan=plan).resolved().planned_step_s is None
 
 
-def test_interleaved_costs_per_rank_are_shared_by_its_chunks(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_interleaved_costs_per_rank_are_shared_by_its_chunks(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     costs_file = tmp_path / "costs.json"
     costs_file.write_text(json.dumps({"forward_s": [1.0, 2.0], "backward_s": 4.0}))
-    result = simulate_json(capsys, "--schedule", "interleaved", "--stages", "2", "--microbatches", "4", "--costs", str(costs_file))
+    result = simulate_json(
+        capsys,
+        "--schedule",
+        "interleaved",
+        "--stages",
+        "2",
+        "--microbatches",
+        "4",
+        "--costs",
+        str(costs_file),
+    )
     # model stages 0..3 sit on ranks 0, 1, 0, 1; each rank's time is split over its 2 chunks
     by_model_stage = Costs(forward_s=[0.5, 1.0, 0.5, 1.0], backward_s=2.0)
     expected = simulate(build("interleaved", 2, 4, virtual=2), by_model_stage)
@@ -309,6 +479,8 @@ def test_interleaved_costs_per_rank_are_shared_by_its_chunks(capsys: pytest.Capt
 
 
 def test_zero_bubble_fills_unspecified_costs_with_ones(capsys: pytest.CaptureFixture[str]) -> None:
-    result = simulate_json(capsys, "--schedule", "zb-h1", "--stages", "3", "--microbatches", "6", "--forward", "2")
+    result = simulate_json(
+        capsys, "--schedule", "zb-h1", "--stages", "3", "--microbatches", "6", "--forward", "2"
+    )
     expected = simulate(build("zb-h1", 3, 6), Costs(forward_s=2.0, backward_s=1.0, weight_s=1.0))
     assert result["makespan"] == pytest.approx(expected.makespan)

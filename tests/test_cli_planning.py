@@ -10,12 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_cli import ROOT, run_cli
 
 import pipetrain
-from pipetrain.plan import Plan
-from pipetrain.plan_job import parse_bytes, plan_together, profile_builtin, profile_together
+from pipetrain.app.plan_job import parse_bytes, plan_together, profile_builtin, profile_together
+from pipetrain.planning import Plan
 from pipetrain.profiler import Profile
-from test_cli import ROOT, run_cli
 
 
 def last_json(output: str) -> dict:
@@ -25,7 +25,18 @@ def last_json(output: str) -> dict:
 @pytest.fixture(scope="module")
 def mlp_profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("profile") / "mlp.json"
-    done = run_cli("profile", "--model", "mlp", "--batch-size", "32", "--microbatches", "2", "-o", str(path), "--json")
+    done = run_cli(
+        "profile",
+        "--model",
+        "mlp",
+        "--batch-size",
+        "32",
+        "--microbatches",
+        "2",
+        "-o",
+        str(path),
+        "--json",
+    )
     assert done.returncode == 0, done.stderr
     printed = last_json(done.stdout)
     assert len(printed["layers"]) == 5
@@ -43,7 +54,18 @@ def test_profile_measures_every_layer(mlp_profile: Path) -> None:
 
 def test_plan_prints_a_plan_and_saves_it(mlp_profile: Path, tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
-    done = run_cli("plan", "--profile", str(mlp_profile), "--workers", "2", "--batch-size", "32", "--no-replication", "-o", str(out))
+    done = run_cli(
+        "plan",
+        "--profile",
+        str(mlp_profile),
+        "--workers",
+        "2",
+        "--batch-size",
+        "32",
+        "--no-replication",
+        "-o",
+        str(out),
+    )
     assert done.returncode == 0, done.stderr
     plan = Plan.load(out)
     assert plan.workers == 2 and sum(plan.balance) == 5 and plan.replicas == [1] * len(plan.stages)
@@ -59,8 +81,23 @@ def test_plan_memory_error_names_the_smallest_fit(mlp_profile: Path) -> None:
 
 def test_train_follows_a_saved_plan(mlp_profile: Path, tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
-    assert run_cli("plan", "--profile", str(mlp_profile), "--workers", "2", "--batch-size", "32", "--no-replication",
-                   "--schedules", "gpipe", "-o", str(out)).returncode == 0
+    assert (
+        run_cli(
+            "plan",
+            "--profile",
+            str(mlp_profile),
+            "--workers",
+            "2",
+            "--batch-size",
+            "32",
+            "--no-replication",
+            "--schedules",
+            "gpipe",
+            "-o",
+            str(out),
+        ).returncode
+        == 0
+    )
     done = run_cli("train", "--model", "mlp", "--plan", str(out), "--steps", "3", "--json")
     assert done.returncode == 0, done.stderr
     report = last_json(done.stdout)
@@ -69,11 +106,18 @@ def test_train_follows_a_saved_plan(mlp_profile: Path, tmp_path: Path) -> None:
     assert len(report["losses"]) == 3 and all(math.isfinite(x) for x in report["losses"])
 
 
-@pytest.mark.parametrize("extra", [["--schedule", "pipedream", "--microbatches", "4"],
-                                   ["--schedule", "pipedream", "--vertical-sync"],
-                                   ["--schedule", "2bw", "--microbatches", "2"]])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--schedule", "pipedream", "--microbatches", "4"],
+        ["--schedule", "pipedream", "--vertical-sync"],
+        ["--schedule", "2bw", "--microbatches", "2"],
+    ],
+)
 def test_train_runs_asynchronous_schedules(extra: list[str]) -> None:
-    done = run_cli("train", "--model", "mlp", "--steps", "3", "--batch-size", "32", "--json", *extra)
+    done = run_cli(
+        "train", "--model", "mlp", "--steps", "3", "--batch-size", "32", "--json", *extra
+    )
     assert done.returncode == 0, done.stderr
     report = last_json(done.stdout)
     assert len(report["losses"]) == 3 and report["predicted_step_s"] > 0
@@ -83,25 +127,51 @@ def run_torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m",
-               "pipetrain", *args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        "pipetrain",
+        *args,
+    ]
     # torchrun --standalone picks a free port and binds it later; on a machine busy with
     # other test processes that port is occasionally taken in between, so allow a new try
     for _ in range(3):
-        done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+        done = subprocess.run(
+            command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120
+        )
         if done.returncode == 0:
             break
     return done
 
 
 def test_replicated_plan_runs_under_torchrun() -> None:
-    done = run_torchrun(3, "train", "--model", "mlp", "--replicas", "2,1", "--balance", "3,2", "--steps", "3", "--json")
+    done = run_torchrun(
+        3,
+        "train",
+        "--model",
+        "mlp",
+        "--replicas",
+        "2,1",
+        "--balance",
+        "3,2",
+        "--steps",
+        "3",
+        "--json",
+    )
     assert done.returncode == 0, done.stderr[:6000]
     report = last_json(done.stdout)
     assert report["stages"] == 3 and len(report["losses"]) == 3
 
 
-@pytest.mark.parametrize("text, expected", [("16GiB", 16 * 1024**3), ("500MB", 5e8), ("1024", 1024.0), ("1.5kB", 1500.0), ("1e9", 1e9)])
+@pytest.mark.parametrize(
+    "text, expected",
+    [("16GiB", 16 * 1024**3), ("500MB", 5e8), ("1024", 1024.0), ("1.5kB", 1500.0), ("1e9", 1e9)],
+)
 def test_memory_sizes_parse(text: str, expected: float) -> None:
     assert parse_bytes(text) == expected
 
@@ -114,7 +184,18 @@ def test_a_bad_memory_size_is_named() -> None:
 @pytest.mark.parametrize("torchrun", [False, True])
 def test_train_plan_auto_profiles_plans_and_trains(torchrun: bool) -> None:
     # under torchrun the ranks profile together and rank 0's plan reaches every rank
-    args = ("train", "--model", "mlp", "--plan", "auto", "--steps", "3", "--batch-size", "32", "--json")
+    args = (
+        "train",
+        "--model",
+        "mlp",
+        "--plan",
+        "auto",
+        "--steps",
+        "3",
+        "--batch-size",
+        "32",
+        "--json",
+    )
     done = run_torchrun(2, *args) if torchrun else run_cli(*args)
     assert done.returncode == 0, done.stderr[:6000]
     report = last_json(done.stdout)
@@ -128,16 +209,20 @@ def test_workers_profile_together_and_share_one_plan() -> None:
     [pooled_profile, nothing] = pipetrain.launch(profile_together, 2, "mlp", 32, 2, 0, 1, 6)
     alone = profile_builtin("mlp", 32, 2, repeats=6)
     assert nothing is None
-    assert [layer.activation_bytes for layer in pooled_profile.layers] == [layer.activation_bytes for layer in alone.layers]
+    assert [layer.activation_bytes for layer in pooled_profile.layers] == [
+        layer.activation_bytes for layer in alone.layers
+    ]
     assert len(alone.spread.forward_s) == 6
-    assert len(pooled_profile.spread.forward_s) == len(pooled_profile.spread.backward_s) == 2 * 6  # both workers' runs
+    assert (
+        len(pooled_profile.spread.forward_s) == len(pooled_profile.spread.backward_s) == 2 * 6
+    )  # both workers' runs
     assert pooled_profile.message_s > 0 and alone.message_s == 0
     plans = pipetrain.launch(plan_together, 2, "mlp", 32)
     assert plans[0] == plans[1] and plans[0].workers == 2 and plans[0].batch_size == 32
 
 
 def test_a_plan_and_plan_auto_together_are_refused(mlp_profile: Path) -> None:
-    from pipetrain.train_job import TrainConfig
+    from pipetrain.app.train_job import TrainConfig
 
     chosen = pipetrain.plan(Profile.load(mlp_profile), workers=2)
     with pytest.raises(ValueError, match="a plan or plan_auto=True, not both"):

@@ -12,8 +12,8 @@ from sklearn.datasets import load_digits
 from torch import Tensor
 
 from pipetrain import data
-from pipetrain.data import BatchStream, digits, stdlib_corpus
-from pipetrain.models import MODEL_NAMES
+from pipetrain.app.data import BatchStream, digits, stdlib_corpus
+from pipetrain.app.models import MODEL_NAMES
 
 
 def rows(tensor: Tensor) -> Counter:
@@ -26,7 +26,7 @@ def test_digits_shapes_dtypes_and_range() -> None:
     assert train_x.shape == (1437, 64) and test_x.shape == (360, 64)
     assert train_x.dtype == torch.float32 and train_y.dtype == torch.int64
     assert train_y.shape == (1437,) and test_y.shape == (360,)
-    assert 0.0 <= train_x.min() and train_x.max() == 1.0
+    assert train_x.min() >= 0.0 and train_x.max() == 1.0
     (image_x, image_y), _ = digits(flat=False)
     assert image_x.shape == (1437, 1, 8, 8)
     assert torch.equal(image_x.reshape(-1, 64), train_x) and torch.equal(image_y, train_y)

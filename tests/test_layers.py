@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from pipetrain.layers import (
+from pipetrain.model.layers import (
     StageModule,
     build_stage,
     check_balance,
@@ -71,8 +71,13 @@ def test_stage_keys_use_full_model_indices() -> None:
     stage = build_stage(small_model(), 2, 4)
     assert stage.layer_names == ["2", "3"]
     assert set(stage.state_dict()) == {
-        "2.weight", "2.bias", "2.running_mean", "2.running_var", "2.num_batches_tracked",
-        "3.weight", "3.bias",
+        "2.weight",
+        "2.bias",
+        "2.running_mean",
+        "2.running_var",
+        "2.num_batches_tracked",
+        "3.weight",
+        "3.bias",
     }
 
 
@@ -233,8 +238,12 @@ def test_check_balance_wrong_sum_names_both_numbers() -> None:
 
 @pytest.mark.parametrize(
     "balance, bad",
-    [([2, 0, 4], "0 at index 1"), ([-1, 7], "-1 at index 0"),
-     ([2.5, 3.5], "2.5 at index 0"), ([True, 5], "True at index 0")],
+    [
+        ([2, 0, 4], "0 at index 1"),
+        ([-1, 7], "-1 at index 0"),
+        ([2.5, 3.5], "2.5 at index 0"),
+        ([True, 5], "True at index 0"),
+    ],
 )
 def test_check_balance_bad_entry_names_entry_and_index(balance: list, bad: str) -> None:
     with pytest.raises(ValueError, match=bad):

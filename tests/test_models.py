@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from pipetrain.data import BatchStream
-from pipetrain.layers import to_layers
-from pipetrain.models import MODEL_NAMES, build_model, loss_function
+from pipetrain.app.data import BatchStream
+from pipetrain.app.models import MODEL_NAMES, build_model, loss_function
+from pipetrain.model.layers import to_layers
 
 OUTPUT_SHAPES = {"mlp": (16, 10), "cnn": (16, 10), "uneven-mlp": (16, 10), "gpt": (16, 64, 256)}
 
@@ -105,9 +105,14 @@ def test_gpt_is_causal() -> None:
 def test_gpt_loss_is_mean_token_cross_entropy() -> None:
     logits = torch.randn(2, 3, 256)
     targets = torch.randint(0, 256, (2, 3))
-    by_hand = -sum(
-        torch.log_softmax(logits[b, t], dim=0)[targets[b, t]] for b in range(2) for t in range(3)
-    ) / 6
+    by_hand = (
+        -sum(
+            torch.log_softmax(logits[b, t], dim=0)[targets[b, t]]
+            for b in range(2)
+            for t in range(3)
+        )
+        / 6
+    )
     torch.testing.assert_close(loss_function("gpt")(logits, targets), by_hand)
 
 

@@ -9,11 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipetrain.plan.partition import balance_by_time, bottleneck, partition
+from pipetrain.planning.partition import balance_by_time, bottleneck, partition
 from pipetrain.profiler import LayerCost, Profile
 
 
-def brute_force(compute: list[int], stages: int, sizes: list[int], links: list[float]) -> tuple[float, list[int]]:
+def brute_force(
+    compute: list[int], stages: int, sizes: list[int], links: list[float]
+) -> tuple[float, list[int]]:
     """Least bottleneck over every split, and the optimal balance with the most layers up front."""
     n = len(compute)
     best_value, best_balance = math.inf, []
@@ -34,7 +36,12 @@ def test_torchgpipe_example() -> None:
 
 @pytest.mark.parametrize(
     ("compute", "stages", "expected"),
-    [([1, 2, 3, 4, 5, 6], 3, [3, 2, 1]), ([1, 1, 1, 1], 4, [1, 1, 1, 1]), ([7], 1, [1]), ([0, 0, 0], 2, [2, 1])],
+    [
+        ([1, 2, 3, 4, 5, 6], 3, [3, 2, 1]),
+        ([1, 1, 1, 1], 4, [1, 1, 1, 1]),
+        ([7], 1, [1]),
+        ([0, 0, 0], 2, [2, 1]),
+    ],
 )
 def test_small_cases(compute: list[int], stages: int, expected: list[int]) -> None:
     assert partition(compute, stages) == expected
@@ -53,7 +60,13 @@ def test_matches_brute_force(data: st.DataObject) -> None:
     stages = data.draw(st.integers(1, n))
     compute = data.draw(st.lists(st.integers(0, 9), min_size=n, max_size=n))
     sizes = data.draw(st.lists(st.integers(0, 12), min_size=n, max_size=n))
-    links = data.draw(st.lists(st.sampled_from([0.5, 1.0, 2.0, 4.0, math.inf]), min_size=stages - 1, max_size=stages - 1))
+    links = data.draw(
+        st.lists(
+            st.sampled_from([0.5, 1.0, 2.0, 4.0, math.inf]),
+            min_size=stages - 1,
+            max_size=stages - 1,
+        )
+    )
     value, balance = brute_force(compute, stages, sizes, links)
     found = partition(compute, stages, sizes, links)
     assert bottleneck(compute, found, sizes, links) == value

@@ -1,21 +1,23 @@
-"""Pipelined training equals unpipelined training, across schedules, balances and checkpointing."""
+"""Pipelined training equals unpipelined training, across schedules, balances and recomputation."""
 
 from __future__ import annotations
 
 import itertools
 import time
 
+import pipeline_cases as cases
 import pytest
 import torch
 from torch import nn
 
-import pipeline_cases as cases
 import pipetrain
-from pipetrain.layers import StageModule, stage_bounds, to_layers
+from pipetrain.model.layers import StageModule, stage_bounds, to_layers
 from pipetrain.runtime.reduce import DEFAULT_BUCKET_BYTES
 
 
-def reference(make=cases.mlp, data=cases.batch, size: int = cases.BATCH) -> tuple[float, dict[str, torch.Tensor]]:
+def reference(
+    make=cases.mlp, data=cases.batch, size: int = cases.BATCH
+) -> tuple[float, dict[str, torch.Tensor]]:
     # the whole model as one stage: same tuple-unpacking rule, no pipeline
     model = StageModule(to_layers(make()))
     x, y = data(size=size)
@@ -34,7 +36,9 @@ def merged(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 
 def assert_transparent(configs: list[dict], results: list[list], ranks: int) -> None:
     for index, config in enumerate(configs):
-        make, data = (cases.tuple_model, cases.id_batch) if config.get("tuple") else (cases.mlp, cases.batch)
+        make, data = (
+            (cases.tuple_model, cases.id_batch) if config.get("tuple") else (cases.mlp, cases.batch)
+        )
         expected_loss, expected_grads = reference(make, data, config.get("batch", cases.BATCH))
         losses = [results[rank][index][0] for rank in range(ranks)]
         assert losses == [losses[0]] * ranks, f"{config}: ranks disagree on the loss"
@@ -42,35 +46,53 @@ def assert_transparent(configs: list[dict], results: list[list], ranks: int) -> 
         got = merged([results[rank][index][1] for rank in range(ranks)])
         assert sorted(got) == sorted(expected_grads), config
         for name, grad in expected_grads.items():
-            torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-6, msg=f"{config}: {name}")
+            torch.testing.assert_close(
+                got[name], grad, rtol=1e-5, atol=1e-6, msg=f"{config}: {name}"
+            )
 
 
-TWO_RANK_CONFIGS = [
-    {"schedule": schedule, "balance": balance, "checkpoint": checkpoint, "microbatches": m}
-    for schedule, balance, checkpoint, m in itertools.product(
-        ["gpipe", "1f1b", "zb-h1"], [[1, 4], [3, 2], [4, 1]], ["never", "except_last", "always"], [1, 3, 5]
-    )
-] + [
-    {"schedule": "interleaved", "balance": balance, "checkpoint": checkpoint, "microbatches": m}
-    for balance, checkpoint, m in itertools.product([[1, 1, 2, 1], [2, 1, 1, 1]], ["never", "always"], [2, 4])
-] + [
-    {"schedule": schedule, "balance": [2, 1], "microbatches": m, "tuple": True}
-    for schedule, m in [("gpipe", 3), ("1f1b", 2), ("zb-h1", 4)]
-] + [
-    {"schedule": "1f1b", "balance": None, "microbatches": 2, "batch": 7},
-]
+TWO_RANK_CONFIGS = (
+    [
+        {"schedule": schedule, "balance": balance, "recompute": recompute, "microbatches": m}
+        for schedule, balance, recompute, m in itertools.product(
+            ["gpipe", "1f1b", "zb-h1"],
+            [[1, 4], [3, 2], [4, 1]],
+            ["never", "except_last", "always"],
+            [1, 3, 5],
+        )
+    ]
+    + [
+        {"schedule": "interleaved", "balance": balance, "recompute": recompute, "microbatches": m}
+        for balance, recompute, m in itertools.product(
+            [[1, 1, 2, 1], [2, 1, 1, 1]], ["never", "always"], [2, 4]
+        )
+    ]
+    + [
+        {"schedule": schedule, "balance": [2, 1], "microbatches": m, "tuple": True}
+        for schedule, m in [("gpipe", 3), ("1f1b", 2), ("zb-h1", 4)]
+    ]
+    + [
+        {"schedule": "1f1b", "balance": None, "microbatches": 2, "batch": 7},
+    ]
+)
 
 THREE_RANK_CONFIGS = [
-    {"schedule": schedule, "balance": balance, "checkpoint": checkpoint, "microbatches": m}
-    for schedule, balance, checkpoint, m in itertools.product(
+    {"schedule": schedule, "balance": balance, "recompute": recompute, "microbatches": m}
+    for schedule, balance, recompute, m in itertools.product(
         ["gpipe", "1f1b", "zb-h1"], [[1, 1, 3], [2, 2, 1]], ["never", "except_last"], [1, 4]
     )
 ]
 
 
 GPU_CONFIGS = [
-    {"schedule": schedule, "balance": [3, 2], "checkpoint": checkpoint, "microbatches": 3, "device": "cuda"}
-    for schedule, checkpoint in [("gpipe", "never"), ("1f1b", "always"), ("zb-h1", "except_last")]
+    {
+        "schedule": schedule,
+        "balance": [3, 2],
+        "recompute": recompute,
+        "microbatches": 3,
+        "device": "cuda",
+    }
+    for schedule, recompute in [("gpipe", "never"), ("1f1b", "always"), ("zb-h1", "except_last")]
 ] + [
     {"schedule": "interleaved", "balance": [1, 1, 2, 1], "microbatches": 4, "device": "cuda"},
     {"schedule": "1f1b", "balance": [2, 1], "microbatches": 2, "tuple": True, "device": "cuda"},
@@ -87,7 +109,9 @@ def test_two_ranks_sharing_a_gpu_under_gloo_match_the_unpipelined_model() -> Non
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_under_nccl_a_rank_trains_on_its_own_gpu() -> None:
-    [(loss, device, got)] = pipetrain.launch(cases.one_stage_on_the_default_device, 1, backend="nccl", timeout_s=120)
+    [(loss, device, got)] = pipetrain.launch(
+        cases.one_stage_on_the_default_device, 1, backend="nccl", timeout_s=120
+    )
     expected_loss, expected_grads = reference()
     assert device == "cuda:0"
     assert loss == pytest.approx(expected_loss, rel=1e-5)
@@ -95,7 +119,7 @@ def test_under_nccl_a_rank_trains_on_its_own_gpu() -> None:
         torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_every_schedule_balance_and_checkpoint_matches_the_unpipelined_model() -> None:
+def test_every_schedule_balance_and_recompute_mode_matches_the_unpipelined_model() -> None:
     results = pipetrain.launch(cases.run_configs, 2, TWO_RANK_CONFIGS, timeout_s=60)
     assert_transparent(TWO_RANK_CONFIGS, results, 2)
 
@@ -106,7 +130,9 @@ def test_three_stages_match_the_unpipelined_model() -> None:
 
 
 def test_dropout_is_identical_with_and_without_recomputation() -> None:
-    never, always, except_last = zip(*pipetrain.launch(cases.dropout_runs, 2, ["never", "always", "except_last"]))
+    never, always, except_last = zip(
+        *pipetrain.launch(cases.dropout_runs, 2, ["never", "always", "except_last"])
+    )
     for rank_never, rank_always, rank_except in zip(never, always, except_last):
         assert rank_never.keys() == rank_always.keys()
         for name in rank_never:
@@ -139,7 +165,15 @@ def test_optimizer_steps_shape_changes_eval_and_timeline() -> None:
     timeline = pipetrain.Timeline.from_dict(rank0["timeline"])
     assert rank1["timeline"] is None
     kinds = {(e.rank, e.kind) for e in timeline.events}
-    assert {(0, "F"), (0, "B"), (1, "F"), (1, "B"), (1, "RECV_F"), (0, "RECV_B"), (0, "STEP")} <= kinds
+    assert {
+        (0, "F"),
+        (0, "B"),
+        (1, "F"),
+        (1, "B"),
+        (1, "RECV_F"),
+        (0, "RECV_B"),
+        (0, "STEP"),
+    } <= kinds
     assert sum(e.kind == "F" for e in timeline.events) == 2 * 3
 
 
@@ -147,7 +181,10 @@ def test_argument_errors_name_the_value() -> None:
     messages = pipetrain.launch(cases.argument_errors, 2)[0]
     assert messages[0].startswith("ValueError: balance [2, 2] sums to 4 but the model has 5 layers")
     assert "balance [2, 1, 2] has 3 stages, but 1f1b on 2 ranks needs 2" in messages[1]
-    assert messages[2] == "ValueError: checkpoint must be one of never, except_last, always, got 'sometimes'"
+    assert (
+        messages[2]
+        == "ValueError: recompute must be one of never, except_last, always, got 'sometimes'"
+    )
     assert messages[3].startswith("TypeError: loss_fn must be a callable")
     assert "batch of 10 samples is smaller than microbatches=12" in messages[4]
 
@@ -155,7 +192,10 @@ def test_argument_errors_name_the_value() -> None:
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_a_failing_rank_stops_every_rank_with_its_name(ranks: int) -> None:
     start = time.monotonic()
-    with pytest.raises(pipetrain.LaunchError, match=rf"rank {ranks - 1} \(stage {ranks - 1}\) failed at F{ranks - 1}.0: ValueError: bad shape on purpose") as error:
+    with pytest.raises(
+        pipetrain.LaunchError,
+        match=rf"rank {ranks - 1} \(stage {ranks - 1}\) failed at F{ranks - 1}.0: ValueError: bad shape on purpose",
+    ) as error:
         pipetrain.launch(cases.failing_step, ranks, "explode", ranks, timeout_s=60)
     assert error.value.rank == ranks - 1
     assert time.monotonic() - start < 30
@@ -163,9 +203,13 @@ def test_a_failing_rank_stops_every_rank_with_its_name(ranks: int) -> None:
 
 def test_other_ranks_name_the_rank_where_the_failure_began() -> None:
     messages = pipetrain.launch(cases.failing_step_messages, 3, 3, timeout_s=60)
-    assert messages[2].startswith("rank 2 (stage 2) failed at F2.0: ValueError: bad shape on purpose")
+    assert messages[2].startswith(
+        "rank 2 (stage 2) failed at F2.0: ValueError: bad shape on purpose"
+    )
     for rank in (0, 1):
-        assert messages[rank].startswith(f"rank {rank} (stage {rank}) stopped because rank 2 (stage 2) failed first")
+        assert messages[rank].startswith(
+            f"rank {rank} (stage {rank}) stopped because rank 2 (stage 2) failed first"
+        )
 
 
 def test_a_non_tensor_output_names_the_layer() -> None:
@@ -176,10 +220,19 @@ def test_a_non_tensor_output_names_the_layer() -> None:
 # bucket_bytes=1 gives every parameter a bucket of its own, started during the backward;
 # with one micro-batch, replicas without work contribute zeros
 REPLICATED_CONFIGS = [
-    {"schedule": schedule, "balance": balance, "replicas": replicas, "microbatches": m, "checkpoint": checkpoint,
-     "bucket_bytes": bucket_bytes}
-    for schedule, (balance, replicas), m, checkpoint, bucket_bytes in itertools.product(
-        ["gpipe", "1f1b"], [([2, 3], [2, 1]), ([4, 1], [1, 2]), ([5], [3])], [1, 3, 4], ["never", "always"],
+    {
+        "schedule": schedule,
+        "balance": balance,
+        "replicas": replicas,
+        "microbatches": m,
+        "recompute": recompute,
+        "bucket_bytes": bucket_bytes,
+    }
+    for schedule, (balance, replicas), m, recompute, bucket_bytes in itertools.product(
+        ["gpipe", "1f1b"],
+        [([2, 3], [2, 1]), ([4, 1], [1, 2]), ([5], [3])],
+        [1, 3, 4],
+        ["never", "always"],
         [DEFAULT_BUCKET_BYTES, 1],
     )
 ]
@@ -190,26 +243,42 @@ def test_replicated_stages_match_the_unpipelined_model_and_stay_identical() -> N
     for index, config in enumerate(REPLICATED_CONFIGS):
         expected_loss, expected_grads = reference()
         model = cases.mlp()
-        stepped = {name: p.detach() - 0.1 * expected_grads[name] for name, p in model.named_parameters()}
-        schedule = pipetrain.schedules.build(config["schedule"], len(config["balance"]), config["microbatches"],
-                                             replicas=config["replicas"])
+        stepped = {
+            name: p.detach() - 0.1 * expected_grads[name] for name, p in model.named_parameters()
+        }
+        schedule = pipetrain.schedules.build(
+            config["schedule"],
+            len(config["balance"]),
+            config["microbatches"],
+            replicas=config["replicas"],
+        )
         owned = {rank: stage for stage, ranks in enumerate(schedule.stage_ranks) for rank in ranks}
         bounds = stage_bounds(config["balance"])
         for rank in range(3):
             loss, grads, weights = results[rank][index]
             start, stop = bounds[owned[rank]]
-            assert set(grads) == {n for n in expected_grads if start <= int(n.split(".")[0]) < stop}, config
+            assert set(grads) == {
+                n for n in expected_grads if start <= int(n.split(".")[0]) < stop
+            }, config
             assert loss == pytest.approx(expected_loss, rel=1e-5), config
             for name, grad in grads.items():
-                torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-6, msg=f"{config}: {name}")
+                torch.testing.assert_close(
+                    grad, expected_grads[name], rtol=1e-5, atol=1e-6, msg=f"{config}: {name}"
+                )
                 torch.testing.assert_close(weights[name], stepped[name], rtol=1e-5, atol=1e-6)
         # replicas of a stage hold bit-identical weights after the step
-        for stage_ranks in pipetrain.schedules.build(config["schedule"], len(config["balance"]), config["microbatches"],
-                                                     replicas=config["replicas"]).stage_ranks:
+        for stage_ranks in pipetrain.schedules.build(
+            config["schedule"],
+            len(config["balance"]),
+            config["microbatches"],
+            replicas=config["replicas"],
+        ).stage_ranks:
             first = results[stage_ranks[0]][index][2]
             for other in stage_ranks[1:]:
                 for name, value in results[other][index][2].items():
-                    assert torch.equal(value, first[name]), f"{config}: replica {other} differs on {name}"
+                    assert torch.equal(value, first[name]), (
+                        f"{config}: replica {other} differs on {name}"
+                    )
 
 
 def test_targets_travel_from_the_input_stage_to_the_last() -> None:
@@ -220,4 +289,6 @@ def test_targets_travel_from_the_input_stage_to_the_last() -> None:
 def test_eval_gathers_the_outputs_of_a_replicated_last_stage() -> None:
     outputs = pipetrain.launch(cases.replicated_eval, 3)
     assert outputs[0] is None and outputs[2] is None
-    torch.testing.assert_close(outputs[1], cases.mlp()(cases.batch(seed=3)[0]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        outputs[1], cases.mlp()(cases.batch(seed=3)[0]), rtol=1e-5, atol=1e-6
+    )

@@ -9,16 +9,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from planning_cases import VGG16_CONVOLUTIONS, resnet_like_profile, vgg16_profile
 
-from pipetrain.plan import Plan, PlanStage, StageFootprint, plan, worker_memory
-from pipetrain.plan.memory import in_flight
+from pipetrain.planning import Plan, PlanStage, StageFootprint, plan, worker_memory
+from pipetrain.planning.memory import in_flight
 from pipetrain.profiler import LayerCost, Profile, Spread
 from pipetrain.schedules import build
-from pipetrain.simulate import Costs, simulate
+from pipetrain.simulation import Costs, simulate
 
 
 def uniform(layers: int, forward: float = 1.0, backward: float = 2.0, **sizes: float) -> Profile:
     """``layers`` identical layers."""
-    return Profile([LayerCost(forward_s=forward, backward_s=backward, **sizes) for _ in range(layers)])
+    return Profile(
+        [LayerCost(forward_s=forward, backward_s=backward, **sizes) for _ in range(layers)]
+    )
 
 
 # ---- memory model -------------------------------------------------------------------------
@@ -35,8 +37,12 @@ SECOND = StageFootprint.of(TWO_LAYERS, 1, 2)
 
 
 def test_footprint_holds_the_stage_input_and_every_output() -> None:
-    assert FIRST == StageFootprint(parameter_bytes=100, optimizer_bytes=200, activation_bytes=15, input_bytes=5)
-    assert SECOND == StageFootprint(parameter_bytes=50, optimizer_bytes=100, activation_bytes=30, input_bytes=10)
+    assert StageFootprint(
+        parameter_bytes=100, optimizer_bytes=200, activation_bytes=15, input_bytes=5
+    ) == FIRST
+    assert StageFootprint(
+        parameter_bytes=50, optimizer_bytes=100, activation_bytes=30, input_bytes=10
+    ) == SECOND
 
 
 @pytest.mark.parametrize(
@@ -56,17 +62,29 @@ def test_footprint_holds_the_stage_input_and_every_output() -> None:
     ],
 )
 def test_worker_memory_by_hand(
-    schedule: str, stage: int, microbatches: int, replicas: list[int], recompute: bool, expected: float
+    schedule: str,
+    stage: int,
+    microbatches: int,
+    replicas: list[int],
+    recompute: bool,
+    expected: float,
 ) -> None:
     footprint = [FIRST, SECOND][stage]
-    assert worker_memory([footprint], [recompute], schedule, stage, microbatches, replicas) == expected
+    assert (
+        worker_memory([footprint], [recompute], schedule, stage, microbatches, replicas) == expected
+    )
 
 
 def test_interleaved_memory_by_hand() -> None:
     # Rank 0 of 2 holds two chunks; Megatron's warm-up keeps (2-0-1)*2 + (2-1)*2 + 1 = 5 chunk micro-batches.
     both = [FIRST, SECOND]
-    assert worker_memory(both, [False, False], "interleaved", 0, 4, [1, 1]) == 600 + 5 * (15 + 30) / 2
-    assert worker_memory(both, [True, False], "interleaved", 0, 4, [1, 1]) == 600 + 5 * (5 + 30) / 2 + 15
+    assert (
+        worker_memory(both, [False, False], "interleaved", 0, 4, [1, 1]) == 600 + 5 * (15 + 30) / 2
+    )
+    assert (
+        worker_memory(both, [True, False], "interleaved", 0, 4, [1, 1])
+        == 600 + 5 * (5 + 30) / 2 + 15
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -79,18 +97,26 @@ def test_in_flight_counts_match_the_simulated_peaks(name: str, stages: int, grou
     microbatches = stages * groups
     virtual = 2 if name == "interleaved" else 1
     timeline = simulate(build(name, stages, microbatches), Costs(1.0, 1.0, weight_s=1.0))
-    expected = [in_flight(name, rank, microbatches, [1] * stages, virtual) for rank in range(stages)]
+    expected = [
+        in_flight(name, rank, microbatches, [1] * stages, virtual) for rank in range(stages)
+    ]
     assert timeline.peak_activations == expected
 
 
 @settings(max_examples=30, deadline=None)
 @given(replicas=st.lists(st.integers(1, 3), min_size=1, max_size=3), microbatches=st.integers(1, 9))
-def test_replicated_in_flight_counts_match_the_simulated_peaks(replicas: list[int], microbatches: int) -> None:
+def test_replicated_in_flight_counts_match_the_simulated_peaks(
+    replicas: list[int], microbatches: int
+) -> None:
     for name in ("gpipe", "1f1b"):
-        peaks = simulate(build(name, len(replicas), microbatches, replicas=replicas), Costs(1.0, 1.0)).peak_activations
+        peaks = simulate(
+            build(name, len(replicas), microbatches, replicas=replicas), Costs(1.0, 1.0)
+        ).peak_activations
         first = 0
         for stage, count in enumerate(replicas):
-            assert max(peaks[first : first + count]) == in_flight(name, stage, microbatches, replicas)
+            assert max(peaks[first : first + count]) == in_flight(
+                name, stage, microbatches, replicas
+            )
             first += count
 
 
@@ -105,14 +131,22 @@ def test_straight_1f1b_step_time_is_the_textbook_formula() -> None:
 
 
 def test_zero_bubble_wins_when_the_weight_gradient_can_be_deferred() -> None:
-    profile = Profile([LayerCost(forward_s=1.0, backward_s=2.0, weight_backward_s=1.0) for _ in range(4)])
+    profile = Profile(
+        [LayerCost(forward_s=1.0, backward_s=2.0, weight_backward_s=1.0) for _ in range(4)]
+    )
     chosen = plan(profile, workers=4, microbatches=(8,), replication=False)
     assert chosen.schedule == "zb-h1"
     assert chosen.predicted_step_s == pytest.approx(3 * 8 + 4 - 1)
 
 
 def test_interleaving_wins_with_few_microbatches() -> None:
-    chosen = plan(uniform(8), workers=4, schedules=("1f1b", "interleaved"), microbatches=(4,), replication=False)
+    chosen = plan(
+        uniform(8),
+        workers=4,
+        schedules=("1f1b", "interleaved"),
+        microbatches=(4,),
+        replication=False,
+    )
     assert (chosen.schedule, chosen.virtual, chosen.workers) == ("interleaved", 2, 4)
     assert chosen.balance == [1] * 8
     # bubble (p - 1) / (v·m + p - 1) with chunks of F = 1, B = 2
@@ -138,7 +172,13 @@ def test_small_weights_on_one_fast_level_give_data_parallelism() -> None:
 
 def test_predicted_step_is_the_simulated_makespan() -> None:
     profile = uniform(6, activation_bytes=1e6, parameter_bytes=1e6)
-    chosen = plan(profile, topology="2x1GB/s,2x0.1GB/s", schedules=("gpipe",), microbatches=(4,), replication=False)
+    chosen = plan(
+        profile,
+        topology="2x1GB/s,2x0.1GB/s",
+        schedules=("gpipe",),
+        microbatches=(4,),
+        replication=False,
+    )
     assert chosen.balance == [2, 2, 1, 1]  # the least bottleneck, earlier stages fuller
     layer = profile.layers[0]
     bounds = [(s.start, s.stop) for s in chosen.stages]
@@ -163,10 +203,17 @@ def test_the_step_ends_with_the_loss_all_reduce() -> None:
 def test_measured_runs_stretch_the_prediction() -> None:
     # every measured run took twice the median: every action does, and so does the step
     layers = uniform(6).layers
-    slow_runs = Spread([[2 * layer.forward_s for layer in layers]] * 3, [[2 * layer.backward_s for layer in layers]] * 3)
+    slow_runs = Spread(
+        [[2 * layer.forward_s for layer in layers]] * 3,
+        [[2 * layer.backward_s for layer in layers]] * 3,
+    )
     steady = plan(Profile(layers), workers=3, schedules=("1f1b",), microbatches=(4,))
-    varied = plan(Profile(layers, spread=slow_runs), workers=3, schedules=("1f1b",), microbatches=(4,))
-    assert varied.balance == steady.balance and varied.steady_step_s == pytest.approx(steady.predicted_step_s)
+    varied = plan(
+        Profile(layers, spread=slow_runs), workers=3, schedules=("1f1b",), microbatches=(4,)
+    )
+    assert varied.balance == steady.balance and varied.steady_step_s == pytest.approx(
+        steady.predicted_step_s
+    )
     assert varied.predicted_step_s == pytest.approx(2 * steady.predicted_step_s)
     assert varied.predicted_throughput == pytest.approx(steady.predicted_throughput / 2)
     assert "with every action at its median time" in varied.describe()
@@ -180,11 +227,20 @@ def heavy_activations() -> Profile:
 
 
 def test_recomputation_is_chosen_when_only_it_fits() -> None:
-    free = plan(heavy_activations(), workers=4, schedules=("gpipe",), microbatches=(8,), replication=False)
-    assert free.checkpoint == "never"
+    free = plan(
+        heavy_activations(), workers=4, schedules=("gpipe",), microbatches=(8,), replication=False
+    )
+    assert free.recompute == "never"
     limit = max(free.stage_memory_bytes) / 2
-    tight = plan(heavy_activations(), workers=4, schedules=("gpipe",), microbatches=(8,), replication=False, memory_limit=limit)
-    assert tight.checkpoint in ("except_last", "always")
+    tight = plan(
+        heavy_activations(),
+        workers=4,
+        schedules=("gpipe",),
+        microbatches=(8,),
+        replication=False,
+        memory_limit=limit,
+    )
+    assert tight.recompute in ("except_last", "always")
     assert max(tight.stage_memory_bytes) <= limit
     assert tight.predicted_step_s > free.predicted_step_s
 
@@ -217,7 +273,9 @@ def test_an_infeasible_limit_names_the_smallest_fit_and_the_knobs() -> None:
 
 
 def test_batch_size_sets_the_microbatch_size() -> None:
-    profile = Profile([LayerCost(1.0, 2.0, activation_bytes=8.0) for _ in range(4)], microbatch_size=8)
+    profile = Profile(
+        [LayerCost(1.0, 2.0, activation_bytes=8.0) for _ in range(4)], microbatch_size=8
+    )
     chosen = plan(profile, workers=2, batch_size=64, microbatches=(1, 2, 4, 8, 3))
     assert chosen.microbatch_size * chosen.microbatches == 64 == chosen.batch_size
     with pytest.raises(ValueError, match="divides batch_size=64"):
@@ -225,7 +283,9 @@ def test_batch_size_sets_the_microbatch_size() -> None:
 
 
 def test_replication_false_gives_one_worker_per_stage() -> None:
-    chosen = plan(resnet_like_profile(), topology="8x300GB/s", replication=False, schedules=("1f1b",))
+    chosen = plan(
+        resnet_like_profile(), topology="8x300GB/s", replication=False, schedules=("1f1b",)
+    )
     assert chosen.replicas == [1] * 8 and len(chosen.stages) == 8
     with pytest.raises(ValueError, match="at least one layer per worker"):
         plan(uniform(3), workers=4, replication=False)
@@ -262,7 +322,7 @@ def test_plan_stage_accessors() -> None:
         stages=[PlanStage(0, 3, 2), PlanStage(3, 4, 1)],
         schedule="1f1b",
         microbatches=4,
-        checkpoint="never",
+        recompute="never",
         predicted_step_s=1.0,
         predicted_throughput=4.0,
         stage_memory_bytes=[1.0, 1.0],

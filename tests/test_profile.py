@@ -15,7 +15,15 @@ from pipetrain.profiler import LayerCost, Profile, Spread, pooled, profile
 
 
 @pytest.mark.parametrize(
-    "field", ["forward_s", "backward_s", "activation_bytes", "parameter_bytes", "optimizer_bytes", "peak_memory_bytes"]
+    "field",
+    [
+        "forward_s",
+        "backward_s",
+        "activation_bytes",
+        "parameter_bytes",
+        "optimizer_bytes",
+        "peak_memory_bytes",
+    ],
 )
 def test_negative_values_name_the_layer_and_field(field: str) -> None:
     bad = LayerCost(forward_s=1.0, backward_s=1.0, name="head")
@@ -70,7 +78,11 @@ def test_unknown_format_versions_are_rejected(tmp_path) -> None:
 
 def with_spread() -> Profile:
     """The sample profile with two measured runs."""
-    return Profile(sample_profile().layers, microbatch_size=4, spread=Spread([[0.5, 1.5], [1.0, 2.0]], [[1.0, 3.0], [2.0, 3.5]]))
+    return Profile(
+        sample_profile().layers,
+        microbatch_size=4,
+        spread=Spread([[0.5, 1.5], [1.0, 2.0]], [[1.0, 3.0], [2.0, 3.5]]),
+    )
 
 
 def test_spread_round_trips_and_scales(tmp_path) -> None:
@@ -119,18 +131,27 @@ def test_pooled_profiles_by_hand() -> None:
     )
     both = pooled([with_spread(), slower])
     first, second = both.layers
-    assert (first.forward_s, first.backward_s, first.weight_backward_s, first.optimizer_s) == (1.0, 1.5, 0.5, 0.25)
+    assert (first.forward_s, first.backward_s, first.weight_backward_s, first.optimizer_s) == (
+        1.0,
+        1.5,
+        0.5,
+        0.25,
+    )
     assert (first.activation_bytes, first.parameter_bytes, first.name) == (400.0, 1000.0, "embed")
     # one profile did not measure the second layer's weight share, so the pool has none
     assert (second.forward_s, second.backward_s, second.weight_backward_s) == (2.0, 3.5, None)
     # every worker's runs are kept
-    assert both.spread == Spread([[0.5, 1.5], [1.0, 2.0], [2.0, 3.0]], [[1.0, 3.0], [2.0, 3.5], [3.0, 4.0]])
+    assert both.spread == Spread(
+        [[0.5, 1.5], [1.0, 2.0], [2.0, 3.0]], [[1.0, 3.0], [2.0, 3.5], [3.0, 4.0]]
+    )
     assert pooled([with_spread(), sample_profile()]).spread is None
     assert pooled([sample_profile()]) == sample_profile()
 
 
 def test_pooling_different_models_is_refused() -> None:
-    with pytest.raises(ValueError, match="profile 1 has 2 layers at micro-batch size 8, profile 0 has 2 at 4"):
+    with pytest.raises(
+        ValueError, match="profile 1 has 2 layers at micro-batch size 8, profile 0 has 2 at 4"
+    ):
         pooled([sample_profile(), sample_profile().scaled(8)])
     with pytest.raises(ValueError, match="at least one profile"):
         pooled([])
@@ -141,7 +162,11 @@ def test_scaled_by_hand() -> None:
     assert double.microbatch_size == 8 and double.input_bytes == 128.0
     first, second = double.layers
     assert (first.forward_s, first.backward_s, first.weight_backward_s) == (1.0, 2.0, 0.5)
-    assert (first.activation_bytes, first.parameter_bytes, first.optimizer_bytes) == (800.0, 1000.0, 2000.0)
+    assert (first.activation_bytes, first.parameter_bytes, first.optimizer_bytes) == (
+        800.0,
+        1000.0,
+        2000.0,
+    )
     assert first.peak_memory_bytes == 1000.0 + 2 * 500.0
     assert second.weight_backward_s is None and second.peak_memory_bytes == 1600.0
     assert sample_profile().scaled(4) == sample_profile()
@@ -157,13 +182,17 @@ def test_weight_share_defaults_to_half_the_backward() -> None:
 
 def model_with_batchnorm() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.5), nn.Linear(8, 3))
+    return nn.Sequential(
+        nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.5), nn.Linear(8, 3)
+    )
 
 
 def snapshot(model: nn.Module) -> dict[str, object]:
     return {
         "state": {k: v.clone() for k, v in model.state_dict().items()},
-        "grads": {k: None if p.grad is None else p.grad.clone() for k, p in model.named_parameters()},
+        "grads": {
+            k: None if p.grad is None else p.grad.clone() for k, p in model.named_parameters()
+        },
         "modes": [m.training for m in model.modules()],
         "devices": {p.device for p in model.parameters()},
         "identity": [id(p) for p in model.parameters()],
@@ -187,7 +216,9 @@ def assert_same(before: dict, after: dict) -> None:
 @pytest.mark.parametrize("train", [True, False])
 def test_profile_leaves_the_model_unchanged(train: bool) -> None:
     model = model_with_batchnorm().train(train)
-    model[0].weight.grad = torch.full_like(model[0].weight, 0.5)  # an existing gradient must survive
+    model[0].weight.grad = torch.full_like(
+        model[0].weight, 0.5
+    )  # an existing gradient must survive
     inputs, targets = torch.randn(16, 6), torch.randint(0, 3, (16,))
     before = snapshot(model)
     rng_before = torch.random.get_rng_state()
@@ -199,10 +230,15 @@ def test_profile_leaves_the_model_unchanged(train: bool) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_profile_on_a_gpu_measures_memory_and_leaves_the_model_there() -> None:
     model = model_with_batchnorm().cuda()
-    inputs, targets = torch.randn(64, 6), torch.randint(0, 3, (64,))  # on the host: profile moves them
+    inputs, targets = (
+        torch.randn(64, 6),
+        torch.randint(0, 3, (64,)),
+    )  # on the host: profile moves them
     before = snapshot(model)
     cuda_rng_before = torch.cuda.get_rng_state()
-    result = profile(model, inputs, targets, nn.CrossEntropyLoss(), device="cuda", repeats=3, warmup=1)
+    result = profile(
+        model, inputs, targets, nn.CrossEntropyLoss(), device="cuda", repeats=3, warmup=1
+    )
     assert_same(before, snapshot(model))
     assert before["devices"] == {torch.device("cuda", 0)}
     assert torch.equal(cuda_rng_before, torch.cuda.get_rng_state())
@@ -215,13 +251,30 @@ def test_profile_on_a_gpu_measures_memory_and_leaves_the_model_there() -> None:
 def test_profile_measures_a_small_sequential() -> None:
     model = model_with_batchnorm()
     result = profile(
-        model, torch.randn(16, 6), torch.randint(0, 3, (16,)), nn.CrossEntropyLoss(), microbatch_size=4, repeats=3
+        model,
+        torch.randn(16, 6),
+        torch.randint(0, 3, (16,)),
+        nn.CrossEntropyLoss(),
+        microbatch_size=4,
+        repeats=3,
     )
     assert result.microbatch_size == 4
     assert result.input_bytes == 4 * 6 * 4
     assert [layer.name for layer in result.layers] == ["0", "1", "2", "3", "4"]
-    assert [layer.parameter_bytes for layer in result.layers] == [4 * (6 * 8 + 8), 4 * 16, 0, 0, 4 * (8 * 3 + 3)]
-    assert [layer.optimizer_bytes for layer in result.layers] == [2 * 4 * 56, 2 * 4 * 16, 0, 0, 2 * 4 * 27]
+    assert [layer.parameter_bytes for layer in result.layers] == [
+        4 * (6 * 8 + 8),
+        4 * 16,
+        0,
+        0,
+        4 * (8 * 3 + 3),
+    ]
+    assert [layer.optimizer_bytes for layer in result.layers] == [
+        2 * 4 * 56,
+        2 * 4 * 16,
+        0,
+        0,
+        2 * 4 * 27,
+    ]
     assert [layer.activation_bytes for layer in result.layers] == [4 * 4 * 8] * 4 + [4 * 4 * 3]
     for layer in result.layers:
         assert layer.forward_s > 0 and layer.backward_s > 0
@@ -231,8 +284,12 @@ def test_profile_measures_a_small_sequential() -> None:
     # every timed run is kept, on the scale of the medians
     assert len(result.spread.forward_s) == len(result.spread.backward_s) == 3
     for index, layer in enumerate(result.layers):
-        assert statistics.median(run[index] for run in result.spread.forward_s) == pytest.approx(layer.forward_s)
-        assert statistics.median(run[index] for run in result.spread.backward_s) == pytest.approx(layer.backward_s)
+        assert statistics.median(run[index] for run in result.spread.forward_s) == pytest.approx(
+            layer.forward_s
+        )
+        assert statistics.median(run[index] for run in result.spread.backward_s) == pytest.approx(
+            layer.backward_s
+        )
 
 
 def test_the_optimizer_steps_all_weights_on_fresh_gradients() -> None:
@@ -243,7 +300,9 @@ def test_the_optimizer_steps_all_weights_on_fresh_gradients() -> None:
 
     class Recording(torch.optim.SGD):
         def step(self, closure=None):  # type: ignore[override]
-            gradients_seen.append(all(p.grad is not None for group in self.param_groups for p in group["params"]))
+            gradients_seen.append(
+                all(p.grad is not None for group in self.param_groups for p in group["params"])
+            )
             return super().step(closure)
 
     def factory(parameters: list[Tensor]) -> torch.optim.Optimizer:
@@ -251,8 +310,15 @@ def test_the_optimizer_steps_all_weights_on_fresh_gradients() -> None:
         return Recording(parameters, lr=0.1)
 
     before = snapshot(model)
-    result = profile(model, torch.randn(8, 6), torch.randint(0, 3, (8,)), nn.CrossEntropyLoss(), repeats=3, warmup=1,
-                     optimizer=factory)
+    result = profile(
+        model,
+        torch.randn(8, 6),
+        torch.randint(0, 3, (8,)),
+        nn.CrossEntropyLoss(),
+        repeats=3,
+        warmup=1,
+        optimizer=factory,
+    )
     # one optimizer over the whole model (timed as a stage steps), one per layer with weights
     assert made == [trainable, 2, 2, 2]
     # every run steps the whole model and each layer once, always with gradients present
@@ -303,6 +369,8 @@ def test_argument_errors() -> None:
 
 
 def test_in_place_layers_can_be_profiled() -> None:
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 2), nn.ReLU(inplace=True))
+    model = nn.Sequential(
+        nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 2), nn.ReLU(inplace=True)
+    )
     result = profile(model, torch.randn(8, 4), torch.randn(8, 2), nn.MSELoss(), repeats=1, warmup=0)
     assert all(layer.backward_s > 0 for layer in result.layers)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import pipeline_cases as cases
 import pytest
 import torch
 
-import pipeline_cases as cases
 import pipetrain
 from pipetrain.runtime.reduce import DEFAULT_BUCKET_BYTES, GradientReducer, buckets_of
 
@@ -18,7 +18,9 @@ def test_buckets_run_from_the_last_parameter_and_respect_the_size() -> None:
 
 
 @pytest.mark.parametrize(("bucket_bytes", "started_after_b"), [(1, 2), (DEFAULT_BUCKET_BYTES, 1)])
-def test_buckets_start_during_the_backward_in_bucket_order(bucket_bytes: float, started_after_b: int) -> None:
+def test_buckets_start_during_the_backward_in_bucket_order(
+    bucket_bytes: float, started_after_b: int
+) -> None:
     results = pipetrain.launch(cases.reducer_progress, 2, bucket_bytes, timeout_s=60)
     # nothing starts before the backward, nor when only the first parameter's (second
     # bucket's) gradient is ready; everything once the last parameter's is; sums 1+2 and 3+3

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from planning_cases import VGG16_CONVOLUTIONS, resnet_like_profile, vgg16_profile
 
-from pipetrain.plan.replicate import replicate
-from pipetrain.plan.topology import Level, Topology
+from pipetrain.planning.replicate import replicate
+from pipetrain.planning.topology import Level, Topology
 from pipetrain.profiler import Profile
 
 # A nested plan: stages (start, stop, replicas, pipeline inside one component of the level below).
@@ -34,7 +34,9 @@ def every_plan(levels: list[Level], level: int, start: int, stop: int) -> Iterat
         yield from assignments(levels, level, stages, levels[level].count)
 
 
-def assignments(levels: list[Level], level: int, stages: list[tuple[int, int]], budget: int) -> Iterator[Nested]:
+def assignments(
+    levels: list[Level], level: int, stages: list[tuple[int, int]], budget: int
+) -> Iterator[Nested]:
     """Every replica count (total at most ``budget``) and inner pipeline for ``stages``."""
     if not stages:
         yield []
@@ -74,7 +76,11 @@ def cost(
 
 
 def brute_force(
-    compute: list[float], weights: list[float], activations: list[float], topology: Topology, sync: str
+    compute: list[float],
+    weights: list[float],
+    activations: list[float],
+    topology: Topology,
+    sync: str,
 ) -> float:
     """The least bottleneck over every nested plan."""
     levels = list(topology.levels)
@@ -86,7 +92,12 @@ def brute_force(
 
 
 def flat_brute_force(
-    compute: list[float], weights: list[float], activations: list[float], workers: int, bandwidth: float, sync: str
+    compute: list[float],
+    weights: list[float],
+    activations: list[float],
+    workers: int,
+    bandwidth: float,
+    sync: str,
 ) -> float:
     """Cut points × replica counts (total at most ``workers``), PipeDream's flat objective."""
     best = math.inf
@@ -114,9 +125,13 @@ values = st.one_of(st.just(0.0), st.floats(0.01, 10.0))
     bandwidth=st.sampled_from([0.5, 1.0, 4.0, math.inf]),
     sync=st.sampled_from(["step", "replica"]),
 )
-def test_flat_planner_matches_brute_force(data: st.DataObject, workers: int, bandwidth: float, sync: str) -> None:
+def test_flat_planner_matches_brute_force(
+    data: st.DataObject, workers: int, bandwidth: float, sync: str
+) -> None:
     n = data.draw(st.integers(1, 5))
-    compute, weights, activations = (data.draw(st.lists(values, min_size=n, max_size=n)) for _ in range(3))
+    compute, weights, activations = (
+        data.draw(st.lists(values, min_size=n, max_size=n)) for _ in range(3)
+    )
     result = replicate(compute, weights, activations, Topology.flat(workers, bandwidth), sync)
     expected = flat_brute_force(compute, weights, activations, workers, bandwidth, sync)
     assert result.bottleneck == pytest.approx(expected, rel=1e-9, abs=1e-12)
@@ -124,7 +139,9 @@ def test_flat_planner_matches_brute_force(data: st.DataObject, workers: int, ban
     assert [s.start for s in result.stages] == [0] + [s.stop for s in result.stages[:-1]]
     assert result.stages[-1].stop == n
     nested = [(s.start, s.stop, s.replicas, []) for s in result.stages]
-    achieved = cost([Level(workers, bandwidth)], 0, nested, 1.0, compute, weights, activations, sync)
+    achieved = cost(
+        [Level(workers, bandwidth)], 0, nested, 1.0, compute, weights, activations, sync
+    )
     assert achieved == pytest.approx(result.bottleneck, rel=1e-12, abs=1e-15)
 
 
@@ -139,7 +156,9 @@ def test_hierarchical_planner_matches_brute_force(
     data: st.DataObject, counts: list[int], bandwidths: list[float], sync: str
 ) -> None:
     n = data.draw(st.integers(1, 4))
-    compute, weights, activations = (data.draw(st.lists(values, min_size=n, max_size=n)) for _ in range(3))
+    compute, weights, activations = (
+        data.draw(st.lists(values, min_size=n, max_size=n)) for _ in range(3)
+    )
     topology = Topology([Level(c, b) for c, b in zip(counts, bandwidths)])
     result = replicate(compute, weights, activations, topology, sync)
     expected = brute_force(compute, weights, activations, topology, sync)
@@ -147,7 +166,9 @@ def test_hierarchical_planner_matches_brute_force(
     assert result.workers <= topology.workers
 
 
-def columns(profile: Profile, microbatches: int = 1) -> tuple[list[float], list[float], list[float]]:
+def columns(
+    profile: Profile, microbatches: int = 1
+) -> tuple[list[float], list[float], list[float]]:
     """Compute and activations for ``microbatches`` micro-batches, and weights, per layer."""
     layers = profile.layers
     return (
@@ -159,7 +180,9 @@ def columns(profile: Profile, microbatches: int = 1) -> tuple[list[float], list[
 
 def test_vgg16_replicates_the_convolutions_and_not_the_classifier() -> None:
     """PipeDream's formula on 4 servers × 4 GPUs over 10 Gbit/s (its "15-1" setting)."""
-    result = replicate(*columns(vgg16_profile()), Topology.parse("4x16GB/s,4x10Gbit/s"), sync="replica")
+    result = replicate(
+        *columns(vgg16_profile()), Topology.parse("4x16GB/s,4x10Gbit/s"), sync="replica"
+    )
     convolutions = [s for s in result.stages if s.start < VGG16_CONVOLUTIONS]
     classifier = [s for s in result.stages if s.stop > VGG16_CONVOLUTIONS]
     assert min(s.replicas for s in convolutions) >= 8

@@ -13,11 +13,15 @@ sizes = st.integers(min_value=1, max_value=7)
 
 
 def compute_keys(schedule: Schedule, kind: Kind) -> list[tuple[int, int]]:
-    return [(a.stage, a.microbatch) for actions in schedule.ranks for a in actions if a.kind is kind]
+    return [
+        (a.stage, a.microbatch) for actions in schedule.ranks for a in actions if a.kind is kind
+    ]
 
 
 @settings(max_examples=60, deadline=None)
-@given(name=st.sampled_from(["gpipe", "1f1b", "zb-h1", "pipedream"]), stages=sizes, microbatches=sizes)
+@given(
+    name=st.sampled_from(["gpipe", "1f1b", "zb-h1", "pipedream"]), stages=sizes, microbatches=sizes
+)
 def test_generators_cover_every_microbatch_once(name: str, stages: int, microbatches: int) -> None:
     schedule = build(name, stages, microbatches)
     expected = sorted((s, k) for s in range(stages) for k in range(microbatches))
@@ -37,8 +41,14 @@ def test_interleaved_is_valid_for_multiples_of_ranks(ranks: int, groups: int, vi
 
 
 @settings(max_examples=40, deadline=None)
-@given(replicas=st.lists(st.integers(1, 3), min_size=1, max_size=4), microbatches=sizes, name=st.sampled_from(["gpipe", "1f1b"]))
-def test_replicated_stages_route_round_robin(replicas: list[int], microbatches: int, name: str) -> None:
+@given(
+    replicas=st.lists(st.integers(1, 3), min_size=1, max_size=4),
+    microbatches=sizes,
+    name=st.sampled_from(["gpipe", "1f1b"]),
+)
+def test_replicated_stages_route_round_robin(
+    replicas: list[int], microbatches: int, name: str
+) -> None:
     schedule = build(name, len(replicas), microbatches, replicas=replicas)
     assert schedule.num_ranks == sum(replicas)
     for rank, actions in enumerate(schedule.ranks):
@@ -62,16 +72,34 @@ def test_1f1b_orders_match_the_textbook() -> None:
 def test_sends_and_receives_connect_neighbours() -> None:
     schedule = build("1f1b", 2, 2)
     assert [str(a) for a in schedule.ranks[0]] == [
-        "F0.0", "SEND_F0.0@1", "F0.1", "SEND_F0.1@1", "RECV_B0.0@1", "B0.0", "RECV_B0.1@1", "B0.1", "STEP0",
+        "F0.0",
+        "SEND_F0.0@1",
+        "F0.1",
+        "SEND_F0.1@1",
+        "RECV_B0.0@1",
+        "B0.0",
+        "RECV_B0.1@1",
+        "B0.1",
+        "STEP0",
     ]
     assert [str(a) for a in schedule.ranks[1]] == [
-        "RECV_F1.0@0", "F1.0", "B1.0", "SEND_B1.0@0", "RECV_F1.1@0", "F1.1", "B1.1", "SEND_B1.1@0", "STEP1",
+        "RECV_F1.0@0",
+        "F1.0",
+        "B1.0",
+        "SEND_B1.0@0",
+        "RECV_F1.1@0",
+        "F1.1",
+        "B1.1",
+        "SEND_B1.1@0",
+        "STEP1",
     ]
 
 
 @settings(max_examples=40, deadline=None)
 @given(stages=sizes, microbatches=sizes, vertical_sync=st.booleans())
-def test_pipedream_stashes_the_version_its_forward_used(stages: int, microbatches: int, vertical_sync: bool) -> None:
+def test_pipedream_stashes_the_version_its_forward_used(
+    stages: int, microbatches: int, vertical_sync: bool
+) -> None:
     schedule = build("pipedream", stages, microbatches, vertical_sync=vertical_sync)
     forward_version = {}
     for actions in schedule.ranks:
@@ -108,74 +136,163 @@ def test_2bw_uses_one_step_stale_weights(stages: int, extra: int, rounds: int) -
 
 
 def two_rank_schedule(rank0: list[Action], rank1: list[Action], **kw) -> Schedule:
-    return Schedule("hand", 2, kw.pop("microbatches", 1), (tuple(rank0), tuple(rank1)), ((0,), (1,)), **kw)
+    return Schedule(
+        "hand", 2, kw.pop("microbatches", 1), (tuple(rank0), tuple(rank1)), ((0,), (1,)), **kw
+    )
 
 
 F, B, W, STEP = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT, Kind.STEP
 
 
 def test_validator_accepts_a_hand_written_schedule() -> None:
-    validate(two_rank_schedule(
-        [Action(F, 0, 0), Action(Kind.SEND_F, 0, 0, peer=1), Action(Kind.RECV_B, 0, 0, peer=1), Action(B, 0, 0), Action(STEP, 0)],
-        [Action(Kind.RECV_F, 1, 0, peer=0), Action(F, 1, 0), Action(B, 1, 0), Action(Kind.SEND_B, 1, 0, peer=0), Action(STEP, 1)],
-    ))
+    validate(
+        two_rank_schedule(
+            [
+                Action(F, 0, 0),
+                Action(Kind.SEND_F, 0, 0, peer=1),
+                Action(Kind.RECV_B, 0, 0, peer=1),
+                Action(B, 0, 0),
+                Action(STEP, 0),
+            ],
+            [
+                Action(Kind.RECV_F, 1, 0, peer=0),
+                Action(F, 1, 0),
+                Action(B, 1, 0),
+                Action(Kind.SEND_B, 1, 0, peer=0),
+                Action(STEP, 1),
+            ],
+        )
+    )
 
 
 def test_validator_finds_a_deadlock() -> None:
-    with pytest.raises(ScheduleError, match="deadlocks: rank 0 at RECV_B0.0@1, rank 1 at RECV_F1.0@0"):
-        validate(two_rank_schedule(
-            [Action(F, 0, 0), Action(Kind.RECV_B, 0, 0, peer=1), Action(Kind.SEND_F, 0, 0, peer=1), Action(B, 0, 0), Action(STEP, 0)],
-            [Action(Kind.RECV_F, 1, 0, peer=0), Action(F, 1, 0), Action(B, 1, 0), Action(Kind.SEND_B, 1, 0, peer=0), Action(STEP, 1)],
-        ))
+    with pytest.raises(
+        ScheduleError, match="deadlocks: rank 0 at RECV_B0.0@1, rank 1 at RECV_F1.0@0"
+    ):
+        validate(
+            two_rank_schedule(
+                [
+                    Action(F, 0, 0),
+                    Action(Kind.RECV_B, 0, 0, peer=1),
+                    Action(Kind.SEND_F, 0, 0, peer=1),
+                    Action(B, 0, 0),
+                    Action(STEP, 0),
+                ],
+                [
+                    Action(Kind.RECV_F, 1, 0, peer=0),
+                    Action(F, 1, 0),
+                    Action(B, 1, 0),
+                    Action(Kind.SEND_B, 1, 0, peer=0),
+                    Action(STEP, 1),
+                ],
+            )
+        )
 
 
 def test_validator_rejects_backward_before_forward() -> None:
     with pytest.raises(ScheduleError, match="B0.0 runs before its forward"):
-        validate(Schedule("hand", 1, 1, ((Action(B, 0, 0), Action(F, 0, 0), Action(STEP, 0)),), ((0,),)))
+        validate(
+            Schedule("hand", 1, 1, ((Action(B, 0, 0), Action(F, 0, 0), Action(STEP, 0)),), ((0,),))
+        )
 
 
 def test_validator_rejects_a_missing_and_a_repeated_microbatch() -> None:
     with pytest.raises(ScheduleError, match="stage 0 micro-batch 1 appears 0 times"):
-        validate(Schedule("hand", 1, 2, ((Action(F, 0, 0), Action(B, 0, 0), Action(STEP, 0)),), ((0,),)))
+        validate(
+            Schedule("hand", 1, 2, ((Action(F, 0, 0), Action(B, 0, 0), Action(STEP, 0)),), ((0,),))
+        )
     with pytest.raises(ScheduleError, match="appears 2 times"):
-        validate(Schedule("hand", 1, 1, ((Action(F, 0, 0), Action(F, 0, 0), Action(B, 0, 0), Action(STEP, 0)),), ((0,),)))
+        validate(
+            Schedule(
+                "hand",
+                1,
+                1,
+                ((Action(F, 0, 0), Action(F, 0, 0), Action(B, 0, 0), Action(STEP, 0)),),
+                ((0,),),
+            )
+        )
 
 
 def test_validator_rejects_out_of_order_channels() -> None:
-    rank0 = [Action(F, 0, 0), Action(Kind.SEND_F, 0, 0, peer=1), Action(F, 0, 1), Action(Kind.SEND_F, 0, 1, peer=1),
-             Action(Kind.RECV_B, 0, 0, peer=1), Action(B, 0, 0), Action(Kind.RECV_B, 0, 1, peer=1), Action(B, 0, 1), Action(STEP, 0)]
-    rank1 = [Action(Kind.RECV_F, 1, 1, peer=0), Action(F, 1, 1), Action(Kind.RECV_F, 1, 0, peer=0), Action(F, 1, 0),
-             Action(B, 1, 0), Action(Kind.SEND_B, 1, 0, peer=0), Action(B, 1, 1), Action(Kind.SEND_B, 1, 1, peer=0), Action(STEP, 1)]
+    rank0 = [
+        Action(F, 0, 0),
+        Action(Kind.SEND_F, 0, 0, peer=1),
+        Action(F, 0, 1),
+        Action(Kind.SEND_F, 0, 1, peer=1),
+        Action(Kind.RECV_B, 0, 0, peer=1),
+        Action(B, 0, 0),
+        Action(Kind.RECV_B, 0, 1, peer=1),
+        Action(B, 0, 1),
+        Action(STEP, 0),
+    ]
+    rank1 = [
+        Action(Kind.RECV_F, 1, 1, peer=0),
+        Action(F, 1, 1),
+        Action(Kind.RECV_F, 1, 0, peer=0),
+        Action(F, 1, 0),
+        Action(B, 1, 0),
+        Action(Kind.SEND_B, 1, 0, peer=0),
+        Action(B, 1, 1),
+        Action(Kind.SEND_B, 1, 1, peer=0),
+        Action(STEP, 1),
+    ]
     with pytest.raises(ScheduleError, match="would be matched with RECV_F1.0"):
         validate(two_rank_schedule(rank0, rank1, microbatches=2))
 
 
 def test_connect_reorders_receives_into_channel_order() -> None:
     # rank 1 consumes micro-batch 1 first; its receives still follow rank 0's send order
-    orders = [[Action(F, 0, 0), Action(F, 0, 1), Action(B, 0, 0), Action(B, 0, 1), Action(STEP, 0)],
-              [Action(F, 1, 1), Action(F, 1, 0), Action(B, 1, 0), Action(B, 1, 1), Action(STEP, 1)]]
+    orders = [
+        [Action(F, 0, 0), Action(F, 0, 1), Action(B, 0, 0), Action(B, 0, 1), Action(STEP, 0)],
+        [Action(F, 1, 1), Action(F, 1, 0), Action(B, 1, 0), Action(B, 1, 1), Action(STEP, 1)],
+    ]
     ranks = connect(orders, [(0,), (1,)])
     assert [str(a) for a in ranks[1][:4]] == ["RECV_F1.0@0", "RECV_F1.1@0", "F1.1", "F1.0"]
     validate(Schedule("hand", 2, 2, ranks, ((0,), (1,))))
 
 
 def test_validator_rejects_a_backward_on_a_different_version() -> None:
-    schedule = Schedule("hand", 1, 1, ((Action(F, 0, 0, version=0), Action(B, 0, 0, version=1), Action(STEP, 0, version=1)),),
-                        ((0,),), asynchronous=True)
+    schedule = Schedule(
+        "hand",
+        1,
+        1,
+        ((Action(F, 0, 0, version=0), Action(B, 0, 0, version=1), Action(STEP, 0, version=1)),),
+        ((0,),),
+        asynchronous=True,
+    )
     with pytest.raises(ScheduleError, match="uses version 1 but its forward used 0"):
         validate(schedule)
 
 
 def test_validator_rejects_future_weights_and_too_many_versions() -> None:
-    future = Schedule("hand", 1, 1, ((Action(F, 0, 0, version=1), Action(B, 0, 0, version=1), Action(STEP, 0, version=1)),),
-                      ((0,),), asynchronous=True)
+    future = Schedule(
+        "hand",
+        1,
+        1,
+        ((Action(F, 0, 0, version=1), Action(B, 0, 0, version=1), Action(STEP, 0, version=1)),),
+        ((0,),),
+        asynchronous=True,
+    )
     with pytest.raises(ScheduleError, match="only 0 updates have been applied"):
         validate(future)
     # at the second step, micro-batches on versions 0 and 1 are in flight beside the new version 2
-    actions = [Action(F, 0, 0, version=0), Action(F, 0, 1, version=0), Action(F, 0, 2, version=0), Action(B, 0, 0, version=0),
-               Action(STEP, 0, version=1), Action(F, 0, 3, version=1), Action(B, 0, 1, version=0), Action(STEP, 0, version=2),
-               Action(B, 0, 2, version=0), Action(STEP, 0, version=3), Action(B, 0, 3, version=1), Action(STEP, 0, version=4)]
-    many = Schedule("hand", 1, 4, (tuple(actions),), ((0,),), asynchronous=True, options={"max_versions": 2})
+    actions = [
+        Action(F, 0, 0, version=0),
+        Action(F, 0, 1, version=0),
+        Action(F, 0, 2, version=0),
+        Action(B, 0, 0, version=0),
+        Action(STEP, 0, version=1),
+        Action(F, 0, 3, version=1),
+        Action(B, 0, 1, version=0),
+        Action(STEP, 0, version=2),
+        Action(B, 0, 2, version=0),
+        Action(STEP, 0, version=3),
+        Action(B, 0, 3, version=1),
+        Action(STEP, 0, version=4),
+    ]
+    many = Schedule(
+        "hand", 1, 4, (tuple(actions),), ((0,),), asynchronous=True, options={"max_versions": 2}
+    )
     with pytest.raises(ScheduleError, match="needs 3 weight versions"):
         validate(many)
 
@@ -202,7 +319,10 @@ def test_bad_arguments_name_the_value(call, message: str) -> None:
 def test_pipedream_replicas_update_together(replicas: list[int], pairs: int) -> None:
     schedule = build("pipedream", len(replicas), 2 * pairs, replicas=replicas)
     for stage, ranks in enumerate(schedule.stage_ranks):
-        lists = [[a for a in schedule.ranks[rank] if a.kind in (Kind.ALLREDUCE, Kind.STEP)] for rank in ranks]
+        lists = [
+            [a for a in schedule.ranks[rank] if a.kind in (Kind.ALLREDUCE, Kind.STEP)]
+            for rank in ranks
+        ]
         # every replica reduces and steps the same number of times: one update per replicas mini-batches
         assert all(len(steps) == len(lists[0]) for steps in lists)
         assert sum(a.kind is Kind.STEP for a in lists[0]) == 2 * pairs // len(ranks)
@@ -211,5 +331,7 @@ def test_pipedream_replicas_update_together(replicas: list[int], pairs: int) -> 
 def test_pipedream_replicas_need_whole_rounds_and_no_vertical_sync() -> None:
     with pytest.raises(ValueError, match="multiples of every replica count"):
         build("pipedream", 2, 5, replicas=[2, 1])
-    with pytest.raises(ValueError, match="vertical_sync needs every stage to update once per mini-batch"):
+    with pytest.raises(
+        ValueError, match="vertical_sync needs every stage to update once per mini-batch"
+    ):
         build("pipedream", 2, 4, replicas=[1, 2], vertical_sync=True)

@@ -9,11 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipetrain.schedules import build
-from pipetrain.simulate import Costs, Variation, median_makespan, simulate
+from pipetrain.simulation import Costs, Variation, median_makespan, simulate
 
 
 @settings(max_examples=50, deadline=None)
-@given(p=st.integers(1, 8), m=st.integers(1, 16), name=st.sampled_from(["gpipe", "1f1b", "pipedream"]))
+@given(
+    p=st.integers(1, 8), m=st.integers(1, 16), name=st.sampled_from(["gpipe", "1f1b", "pipedream"])
+)
 def test_fill_drain_bubble(p: int, m: int, name: str) -> None:
     timeline = simulate(build(name, p, m), Costs(forward_s=1.0, backward_s=2.0))
     assert timeline.makespan == pytest.approx(3 * (m + p - 1))
@@ -24,7 +26,9 @@ def test_fill_drain_bubble(p: int, m: int, name: str) -> None:
 @given(p=st.integers(1, 6), groups=st.integers(1, 4), v=st.integers(2, 4))
 def test_interleaved_bubble(p: int, groups: int, v: int) -> None:
     m = p * groups
-    timeline = simulate(build("interleaved", p, m, virtual=v), Costs(forward_s=1.0 / v, backward_s=2.0 / v))
+    timeline = simulate(
+        build("interleaved", p, m, virtual=v), Costs(forward_s=1.0 / v, backward_s=2.0 / v)
+    )
     assert timeline.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1))
 
 
@@ -54,7 +58,9 @@ def test_peak_activations(p: int, m: int) -> None:
 
 def test_communication_on_the_critical_path() -> None:
     # 2 stages, 1 micro-batch: F0, send, F1, B1, send back, B0
-    costs = Costs(forward_s=1.0, backward_s=2.0, activation_bytes=1e6, bandwidth=1e7, latency_s=0.05)
+    costs = Costs(
+        forward_s=1.0, backward_s=2.0, activation_bytes=1e6, bandwidth=1e7, latency_s=0.05
+    )
     timeline = simulate(build("gpipe", 2, 1), costs)
     assert timeline.makespan == pytest.approx(1 + 0.15 + 1 + 2 + 0.15 + 2)
     kinds = {e.kind for e in timeline.events}
@@ -74,7 +80,9 @@ def test_a_link_carries_one_transfer_at_a_time() -> None:
 
 def test_replicated_stage_allreduce_waits_for_all_replicas() -> None:
     schedule = build("1f1b", 2, 4, replicas=[2, 1])
-    timeline = simulate(schedule, Costs(forward_s=[2.0, 1.0], backward_s=[2.0, 1.0], allreduce_s=[0.5, 0.0]))
+    timeline = simulate(
+        schedule, Costs(forward_s=[2.0, 1.0], backward_s=[2.0, 1.0], allreduce_s=[0.5, 0.0])
+    )
     allreduces = [e for e in timeline.events if e.kind == "ALLREDUCE"]
     assert {e.rank for e in allreduces} == {0, 1}
     assert allreduces[0].start == allreduces[1].start
@@ -104,12 +112,28 @@ def test_costs_are_checked() -> None:
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1"])
 def test_a_fixed_factor_scales_every_compute_action(name: str) -> None:
     schedule = build(name, 3, 4)
-    costs = Costs(forward_s=[1.0, 2.0, 1.5], backward_s=[2.0, 1.0, 3.0], weight_s=[0.5, 1.0, 0.25], latency_s=0.1)
-    doubled = Costs(forward_s=[2.0, 4.0, 3.0], backward_s=[4.0, 2.0, 6.0], weight_s=[1.0, 2.0, 0.5], latency_s=0.1)
-    assert simulate(schedule, costs, Variation([[1.0]] * 3, [[1.0]] * 3)).makespan == pytest.approx(simulate(schedule, costs).makespan)
+    costs = Costs(
+        forward_s=[1.0, 2.0, 1.5],
+        backward_s=[2.0, 1.0, 3.0],
+        weight_s=[0.5, 1.0, 0.25],
+        latency_s=0.1,
+    )
+    doubled = Costs(
+        forward_s=[2.0, 4.0, 3.0],
+        backward_s=[4.0, 2.0, 6.0],
+        weight_s=[1.0, 2.0, 0.5],
+        latency_s=0.1,
+    )
+    assert simulate(schedule, costs, Variation([[1.0]] * 3, [[1.0]] * 3)).makespan == pytest.approx(
+        simulate(schedule, costs).makespan
+    )
     twice = Variation([[2.0]] * 3, [[2.0]] * 3)
-    assert simulate(schedule, costs, twice).makespan == pytest.approx(simulate(schedule, doubled).makespan)
-    assert median_makespan(schedule, costs, twice, runs=3) == pytest.approx(simulate(schedule, doubled).makespan)
+    assert simulate(schedule, costs, twice).makespan == pytest.approx(
+        simulate(schedule, doubled).makespan
+    )
+    assert median_makespan(schedule, costs, twice, runs=3) == pytest.approx(
+        simulate(schedule, doubled).makespan
+    )
 
 
 def test_one_slow_action_on_a_one_rank_pipeline_adds_its_extra_time() -> None:

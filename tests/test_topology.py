@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipetrain.plan.topology import Level, Topology, resolve
+from pipetrain.planning.topology import Level, Topology, resolve
 
 
 @pytest.mark.parametrize(
@@ -32,7 +32,9 @@ def test_parse(text: str, levels: list[tuple[int, float]]) -> None:
     assert topology.workers == math.prod(count for count, _ in levels)
 
 
-@pytest.mark.parametrize("text", ["4x16", "x16GB/s", "4x16GB/s,", "", "4x10gbit/s", "4x16GB/s;2x1GB/s", "4.5x1GB/s"])
+@pytest.mark.parametrize(
+    "text", ["4x16", "x16GB/s", "4x16GB/s,", "", "4x10gbit/s", "4x16GB/s;2x1GB/s", "4.5x1GB/s"]
+)
 def test_malformed_strings_quote_the_input_and_the_syntax(text: str) -> None:
     with pytest.raises(ValueError) as error:
         Topology.parse(text)

@@ -1,4 +1,4 @@
-"""Tests for pipetrain.trace: timeline figures, serialisation and exports."""
+"""Tests for pipetrain.timeline: timeline figures, serialisation and exports."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipetrain.trace import BUSY_KINDS, Event, Timeline, plot_timelines
+from pipetrain.timeline import BUSY_KINDS, Event, Timeline, plot_timelines
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -66,7 +66,7 @@ def test_makespan_uses_earliest_start_not_zero() -> None:
 
 
 def test_step_and_weight_count_as_busy_but_wait_does_not() -> None:
-    assert BUSY_KINDS == {"F", "B", "W", "STEP"}
+    assert {"F", "B", "W", "STEP"} == BUSY_KINDS
     events = [
         Event(0, "W", 0, 0, 0.0, 1.0),
         Event(0, "STEP", 0, None, 1.0, 2.0),
@@ -318,7 +318,7 @@ def test_bad_num_ranks_and_rank_queries_are_rejected() -> None:
 def test_import_does_not_load_matplotlib() -> None:
     repo = str(Path(__file__).resolve().parents[1])
     code = (
-        f"import sys; sys.path.insert(0, {repo!r}); import pipetrain.trace; "
+        f"import sys; sys.path.insert(0, {repo!r}); import pipetrain.timeline; "
         "print('matplotlib' in sys.modules)"
     )
     result = subprocess.run(

@@ -83,22 +83,35 @@ class Spread:
                 raise ValueError(f"Spread.{name} must be a non-empty list of runs, got {runs!r}")
             for index, run in enumerate(runs):
                 if not isinstance(run, list) or len(run) != layers:
-                    raise ValueError(f"Spread.{name} run {index} must list {layers} layer times (one per layer)")
+                    raise ValueError(
+                        f"Spread.{name} run {index} must list {layers} layer times (one per layer)"
+                    )
                 for value in run:
                     _check_amount(name, value, f"Spread run {index}")
 
-    def stage_factors(self, start: int, stop: int, medians: tuple[float, float]) -> tuple[list[float], list[float]]:
+    def stage_factors(
+        self, start: int, stop: int, medians: tuple[float, float]
+    ) -> tuple[list[float], list[float]]:
         """Per run, layers ``start..stop-1``'s forward and backward time over their medians' sums
         ``medians``: how much slower or faster than the median prediction that stage ran."""
         forward_median, backward_median = medians
         return (
-            [sum(run[start:stop]) / forward_median if forward_median > 0 else 1.0 for run in self.forward_s],
-            [sum(run[start:stop]) / backward_median if backward_median > 0 else 1.0 for run in self.backward_s],
+            [
+                sum(run[start:stop]) / forward_median if forward_median > 0 else 1.0
+                for run in self.forward_s
+            ],
+            [
+                sum(run[start:stop]) / backward_median if backward_median > 0 else 1.0
+                for run in self.backward_s
+            ],
         )
 
     def scaled(self, factor: float) -> Spread:
         """The same runs with every time multiplied by ``factor``."""
-        return Spread([[t * factor for t in run] for run in self.forward_s], [[t * factor for t in run] for run in self.backward_s])
+        return Spread(
+            [[t * factor for t in run] for run in self.forward_s],
+            [[t * factor for t in run] for run in self.backward_s],
+        )
 
 
 @dataclass
@@ -133,7 +146,9 @@ class Profile(JsonFile):
         _check_amount("message_s", self.message_s, "Profile")
         if self.spread is not None:
             if not isinstance(self.spread, Spread):
-                raise TypeError(f"Profile.spread must be a Spread or None, got {type(self.spread).__name__}")
+                raise TypeError(
+                    f"Profile.spread must be a Spread or None, got {type(self.spread).__name__}"
+                )
             self.spread.check(len(self.layers))
 
     def __len__(self) -> int:
@@ -146,7 +161,11 @@ class Profile(JsonFile):
         Weights and optimizer state do not change. The peak memory keeps its
         ``parameter_bytes`` part (weight gradients) and scales the rest.
         """
-        if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) or microbatch_size < 1:
+        if (
+            isinstance(microbatch_size, bool)
+            or not isinstance(microbatch_size, int)
+            or microbatch_size < 1
+        ):
             raise ValueError(f"microbatch_size must be a positive integer, got {microbatch_size!r}")
         factor = microbatch_size / self.microbatch_size
         return Profile(
@@ -192,9 +211,17 @@ class Profile(JsonFile):
         spread = data.get("spread")
         if spread is not None:
             if not isinstance(spread, dict) or set(spread) != {"forward_s", "backward_s"}:
-                raise ValueError("profile spread must be an object with forward_s and backward_s (lists of runs)")
+                raise ValueError(
+                    "profile spread must be an object with forward_s and backward_s (lists of runs)"
+                )
             spread = Spread(**spread)
-        return cls(layers, data.get("microbatch_size", 1), data.get("input_bytes", 0.0), data.get("message_s", 0.0), spread)
+        return cls(
+            layers,
+            data.get("microbatch_size", 1),
+            data.get("input_bytes", 0.0),
+            data.get("message_s", 0.0),
+            spread,
+        )
 
 
 def pooled(profiles: Sequence[Profile]) -> Profile:
@@ -216,13 +243,23 @@ def pooled(profiles: Sequence[Profile]) -> Profile:
     layers = []
     for index, layer in enumerate(first.layers):
         column = [profile.layers[index] for profile in profiles]
-        times = {name: statistics.mean(getattr(c, name) for c in column) for name in ("forward_s", "backward_s", "optimizer_s")}
+        times = {
+            name: statistics.mean(getattr(c, name) for c in column)
+            for name in ("forward_s", "backward_s", "optimizer_s")
+        }
         shares = [c.weight_backward_s for c in column]
-        times["weight_backward_s"] = None if None in shares else min(statistics.mean(shares), times["backward_s"])
+        times["weight_backward_s"] = (
+            None if None in shares else min(statistics.mean(shares), times["backward_s"])
+        )
         layers.append(replace(layer, **times))
     spreads = [profile.spread for profile in profiles]
-    spread = None if None in spreads else Spread(
-        [run for s in spreads for run in s.forward_s], [run for s in spreads for run in s.backward_s]
+    spread = (
+        None
+        if None in spreads
+        else Spread(
+            [run for s in spreads for run in s.forward_s],
+            [run for s in spreads for run in s.backward_s],
+        )
     )
     return replace(first, layers=layers, spread=spread)
 
@@ -230,7 +267,9 @@ def pooled(profiles: Sequence[Profile]) -> Profile:
 def _check_layer(index: int, layer: object) -> None:
     """Raise if a layer entry is not a LayerCost or holds a negative or non-finite value."""
     if not isinstance(layer, LayerCost):
-        raise TypeError(f"layer {index} is a {type(layer).__name__}; Profile.layers must hold LayerCost values")
+        raise TypeError(
+            f"layer {index} is a {type(layer).__name__}; Profile.layers must hold LayerCost values"
+        )
     where = f"layer {index}" + (f" ({layer.name})" if layer.name else "")
     for field in fields(LayerCost):
         value = getattr(layer, field.name)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from pipetrain.layers import to_layers
+from pipetrain.model.layers import to_layers
 from pipetrain.profiler.costs import LayerCost, Profile, Spread
 
 LossFn = Callable[[Any, Any], Tensor]
@@ -41,7 +41,7 @@ def profile(
 ) -> Profile:
     """Measure forward and backward time, activation, weight and memory sizes of every layer.
 
-    Layers come from :func:`pipetrain.layers.to_layers`. ``sample_inputs`` (a tensor or a
+    Layers come from :func:`pipetrain.model.layers.to_layers`. ``sample_inputs`` (a tensor or a
     tuple of tensors fed to the first layer) and ``sample_targets`` are cut to the first
     ``microbatch_size`` samples (default: all of them). Times are medians over ``repeats``
     runs after ``warmup`` untimed runs, in training mode. The last layer's forward and
@@ -89,9 +89,22 @@ def profile(
             measured = _LayerRun(module, arguments, targets if is_last else None, loss_fn, timer)
             costs.append(measured.cost(name, repeats, warmup, optimizer_state_factor))
             arguments = measured.output
-        timed, spread = _in_sequence(layers, first_arguments, targets, loss_fn, timer, repeats, warmup, optimizer or torch.optim.Adam)
+        timed, spread = _in_sequence(
+            layers,
+            first_arguments,
+            targets,
+            loss_fn,
+            timer,
+            repeats,
+            warmup,
+            optimizer or torch.optim.Adam,
+        )
         for cost, (forward_s, backward_s, optimizer_s) in zip(costs, timed):
-            share = cost.weight_backward_s / cost.backward_s if cost.weight_backward_s and cost.backward_s else 0.0
+            share = (
+                cost.weight_backward_s / cost.backward_s
+                if cost.weight_backward_s and cost.backward_s
+                else 0.0
+            )
             cost.forward_s, cost.backward_s, cost.optimizer_s = forward_s, backward_s, optimizer_s
             if cost.weight_backward_s is not None:
                 cost.weight_backward_s = share * backward_s
@@ -99,8 +112,14 @@ def profile(
 
 
 def _in_sequence(
-    layers: Sequence[tuple[str, nn.Module]], arguments: tuple, targets: Any, loss_fn: LossFn, timer: _Timer,
-    repeats: int, warmup: int, optimizer: Callable,
+    layers: Sequence[tuple[str, nn.Module]],
+    arguments: tuple,
+    targets: Any,
+    loss_fn: LossFn,
+    timer: _Timer,
+    repeats: int,
+    warmup: int,
+    optimizer: Callable,
 ) -> tuple[list[tuple[float, float, float]], Spread]:
     """Per layer, median forward, backward and optimizer-step times with the layers run in
     turn, as a stage runs them, and every timed run's forward and backward times: all
@@ -124,7 +143,9 @@ def _in_sequence(
     whole_stepper = optimizer(trainable) if trainable else None
     steppers = []
     for _, module in layers:
-        copies = [p.detach().clone().requires_grad_(True) for p in module.parameters() if p.requires_grad]
+        copies = [
+            p.detach().clone().requires_grad_(True) for p in module.parameters() if p.requires_grad
+        ]
         for copy in copies:
             copy.grad = torch.randn_like(copy)
         steppers.append(optimizer(copies) if copies else None)
@@ -147,13 +168,19 @@ def _in_sequence(
         incoming: list[Tensor | None] = [torch.ones_like(saved[-1][1][0])]
         for index in reversed(range(count)):
             leaves, outputs = saved[index]
-            pairs = [(o, g) for o, g in zip(outputs, incoming) if isinstance(o, Tensor) and o.requires_grad and g is not None]
+            pairs = [
+                (o, g)
+                for o, g in zip(outputs, incoming)
+                if isinstance(o, Tensor) and o.requires_grad and g is not None
+            ]
             start = timer.now()
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             times[index][1].append(timer.now() - start)
             incoming = [x.grad if isinstance(x, Tensor) else None for x in leaves]
-        for kind, elapsed in enumerate(_whole_model(layers, arguments, targets, loss_fn, timer, whole_stepper)):
+        for kind, elapsed in enumerate(
+            _whole_model(layers, arguments, targets, loss_fn, timer, whole_stepper)
+        ):
             whole[kind].append(elapsed)
         for index, stepper in enumerate(steppers):
             if stepper is None:
@@ -169,12 +196,20 @@ def _in_sequence(
         scale = statistics.median(whole[kind][warmup:]) / total if total > 0 else 1.0
         for layer in medians:
             layer[kind] *= scale
-        runs[kind] = [[layer[kind][run] * scale for layer in times] for run in range(warmup, warmup + repeats)]
+        runs[kind] = [
+            [layer[kind][run] * scale for layer in times] for run in range(warmup, warmup + repeats)
+        ]
     return [tuple(layer) for layer in medians], Spread(runs[0], runs[1])
 
 
-def _whole_model(layers: Sequence[tuple[str, nn.Module]], arguments: tuple, targets: Any, loss_fn: LossFn,
-                 timer: _Timer, stepper: torch.optim.Optimizer | None) -> tuple[float, float, float]:
+def _whole_model(
+    layers: Sequence[tuple[str, nn.Module]],
+    arguments: tuple,
+    targets: Any,
+    loss_fn: LossFn,
+    timer: _Timer,
+    stepper: torch.optim.Optimizer | None,
+) -> tuple[float, float, float]:
     """Seconds for one forward of all layers (and the loss), one backward call through them,
     and one ``stepper`` step on the gradients just made (0 without one)."""
     _, inputs = _fresh_inputs(arguments)
@@ -200,7 +235,10 @@ def _fresh_inputs(arguments: tuple) -> tuple[tuple, tuple]:
     The layer gets copies of the floating-point leaves, so that in-place layers such as
     ``ReLU(inplace=True)`` do not modify a leaf that requires a gradient.
     """
-    leaves = tuple(x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, Tensor) else x for x in arguments)
+    leaves = tuple(
+        x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, Tensor) else x
+        for x in arguments
+    )
     fed = tuple(x.clone() if isinstance(x, Tensor) and x.is_floating_point() else x for x in leaves)
     return leaves, fed
 
@@ -223,7 +261,9 @@ class _Timer:
 class _LayerRun:
     """One layer measured on fixed inputs: forward, full backward and input-only backward."""
 
-    def __init__(self, module: nn.Module, arguments: tuple, targets: Any, loss_fn: LossFn, timer: _Timer) -> None:
+    def __init__(
+        self, module: nn.Module, arguments: tuple, targets: Any, loss_fn: LossFn, timer: _Timer
+    ) -> None:
         """Measure ``module`` on ``arguments``; ``targets`` (not None) means it is the last layer."""
         self.module, self.arguments, self.targets = module, arguments, targets
         self.loss_fn, self.timer = loss_fn, timer
@@ -235,7 +275,9 @@ class _LayerRun:
         leaves, fed = _fresh_inputs(self.arguments)
         start = self.timer.now()
         output = self.module(*fed)
-        roots = [self.loss_fn(output, self.targets)] if self.targets is not None else _tensors(output)
+        roots = (
+            [self.loss_fn(output, self.targets)] if self.targets is not None else _tensors(output)
+        )
         elapsed = self.timer.now() - start
         self.output = tuple(output) if isinstance(output, (tuple, list)) else (output,)
         return leaves, [r for r in roots if r.requires_grad], elapsed
@@ -245,10 +287,14 @@ class _LayerRun:
         if not roots or not wrt:
             return 0.0
         start = self.timer.now()
-        torch.autograd.grad(roots, wrt, grad_outputs=[torch.ones_like(r) for r in roots], allow_unused=True)
+        torch.autograd.grad(
+            roots, wrt, grad_outputs=[torch.ones_like(r) for r in roots], allow_unused=True
+        )
         return self.timer.now() - start
 
-    def cost(self, name: str, repeats: int, warmup: int, optimizer_state_factor: float) -> LayerCost:
+    def cost(
+        self, name: str, repeats: int, warmup: int, optimizer_state_factor: float
+    ) -> LayerCost:
         """Time the layer and size its output, weights and memory."""
         forward, full, inputs_only = [], [], []
         for run in range(warmup + repeats):
@@ -333,7 +379,9 @@ def _check_counts(repeats: int, warmup: int, optimizer_state_factor: float) -> N
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup must be a non-negative integer, got {warmup!r}")
     if optimizer_state_factor < 0:
-        raise ValueError(f"optimizer_state_factor must be >= 0 (2 for Adam, 1 for SGD with momentum), got {optimizer_state_factor!r}")
+        raise ValueError(
+            f"optimizer_state_factor must be >= 0 (2 for Adam, 1 for SGD with momentum), got {optimizer_state_factor!r}"
+        )
 
 
 def _microbatch_size(inputs: tuple, requested: int | None) -> int:
@@ -344,7 +392,11 @@ def _microbatch_size(inputs: tuple, requested: int | None) -> int:
     available = tensors[0].shape[0]
     if requested is None:
         return int(available)
-    if isinstance(requested, bool) or not isinstance(requested, int) or not 1 <= requested <= available:
+    if (
+        isinstance(requested, bool)
+        or not isinstance(requested, int)
+        or not 1 <= requested <= available
+    ):
         raise ValueError(
             f"microbatch_size {requested!r} must be an integer between 1 and the sample batch size {available}"
         )

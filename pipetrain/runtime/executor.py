@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pipetrain.runtime.checkpoint import RandomState, recompute, recomputes
+from pipetrain.runtime.recompute import RandomState, recompute, recomputes
 from pipetrain.runtime.recorder import Recorder
 from pipetrain.runtime.reduce import GradientReducer
 from pipetrain.runtime.stash import WeightStash
@@ -30,7 +30,9 @@ def as_tuple(value: torch.Tensor | Sequence[torch.Tensor]) -> Tensors:
 
 def as_leaves(tensors: Tensors) -> Tensors:
     """Detached copies of boundary tensors; floating ones require grad so their gradient can be sent back."""
-    return tuple(t.detach().requires_grad_(True) if t.is_floating_point() else t.detach() for t in tensors)
+    return tuple(
+        t.detach().requires_grad_(True) if t.is_floating_point() else t.detach() for t in tensors
+    )
 
 
 @dataclass
@@ -38,7 +40,7 @@ class _Slot:
     """What a stage keeps for one micro-batch between its forward and its backward."""
 
     inputs: Tensors
-    outputs: Tensors | None  # None while checkpointed (recomputed at the backward)
+    outputs: Tensors | None  # None while recomputing (recomputed at the backward)
     version: int | None = None  # absolute weight version (asynchronous schedules)
     random_state: RandomState | None = None
     loss: torch.Tensor | None = None
@@ -52,7 +54,9 @@ class ActionFailed(RuntimeError):
 
     def __init__(self, rank: int, action: Action, error: BaseException) -> None:
         """Wrap ``error`` raised while running ``action`` on ``rank``."""
-        super().__init__(f"rank {rank} (stage {action.stage}) failed at {action}: {type(error).__name__}: {error}")
+        super().__init__(
+            f"rank {rank} (stage {action.stage}) failed at {action}: {type(error).__name__}: {error}"
+        )
         self.rank, self.stage, self.action = rank, action.stage, action
 
 
@@ -66,7 +70,7 @@ class Executor:
         modules: dict[int, nn.Module],
         transport: Transport,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        checkpoint: str,
+        recompute: str,
         recorder: Recorder,
         step: Callable[[int], None],
         reducers: dict[int, GradientReducer] | None = None,
@@ -77,11 +81,14 @@ class Executor:
         replicas; ``stashes`` hold each stage's weight versions when the schedule is
         asynchronous."""
         self.schedule, self.rank, self.modules = schedule, rank, modules
-        self.transport, self.loss_fn, self.checkpoint = transport, loss_fn, checkpoint
+        self.transport, self.loss_fn, self.recompute_mode = transport, loss_fn, recompute
         self.recorder, self.step = recorder, step
         self.reducers = reducers or {}
         self.stashes = stashes or {}
-        self._trainable = {stage: [p for p in module.parameters() if p.requires_grad] for stage, module in modules.items()}
+        self._trainable = {
+            stage: [p for p in module.parameters() if p.requires_grad]
+            for stage, module in modules.items()
+        }
         self._prefetch = transport.device.type == "cuda"
         self.last_stage = schedule.stages - 1
         self._handlers = {
@@ -96,16 +103,27 @@ class Executor:
             Kind.ALLREDUCE: self._allreduce,
         }
 
-    def run(self, inputs: Sequence[Tensors] | None, targets: Sequence[torch.Tensor] | None, scales: Sequence[float] | None) -> torch.Tensor | None:
+    def run(
+        self,
+        inputs: Sequence[Tensors] | None,
+        targets: Sequence[torch.Tensor] | None,
+        scales: Sequence[float] | None,
+    ) -> torch.Tensor | None:
         """Play the rank's actions for one mini-batch; return the summed loss on last-stage ranks."""
         self._inputs, self._targets, self._scales = inputs, targets, scales
         self._slots: dict[tuple[int, int], _Slot] = {}
-        self._activations: dict[tuple[int, int], Tensors] = {}  # outputs waiting to be sent or used locally
+        self._activations: dict[
+            tuple[int, int], Tensors
+        ] = {}  # outputs waiting to be sent or used locally
         self._received: dict[tuple[int, int], Tensors] = {}  # inputs of (stage, mb)
-        self._output_grads: dict[tuple[int, int], Tensors] = {}  # gradients of (stage, mb)'s outputs
+        self._output_grads: dict[
+            tuple[int, int], Tensors
+        ] = {}  # gradients of (stage, mb)'s outputs
         self._input_grads: dict[tuple[int, int], Tensors] = {}  # gradients of (stage, mb)'s inputs
         self._loss: torch.Tensor | None = None
-        self.outputs: dict[int, Tensors] = {}  # last stage's outputs by micro-batch, kept when there are no targets
+        self.outputs: dict[
+            int, Tensors
+        ] = {}  # last stage's outputs by micro-batch, kept when there are no targets
         self._prepare_versions()
         actions = self.schedule.ranks[self.rank]
         self._receives = [a for a in actions if a.kind in RECV_KINDS]
@@ -124,7 +142,9 @@ class Executor:
             except Exception as error:
                 raise ActionFailed(self.rank, action, error) from error
             if recorder.enabled:
-                recorder.add(action.kind.value, action.stage, action.microbatch, start, recorder.now())
+                recorder.add(
+                    action.kind.value, action.stage, action.microbatch, start, recorder.now()
+                )
         return self._loss
 
     # gradient all-reduce --------------------------------------------------------------
@@ -175,7 +195,11 @@ class Executor:
             needed = self._needed[action.stage]
             if action.kind is Kind.STEP:
                 needed.insert(0, set(needed[0]) if needed else set())
-            elif action.version is not None and action.kind in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT):
+            elif action.version is not None and action.kind in (
+                Kind.FORWARD,
+                Kind.BACKWARD,
+                Kind.WEIGHT,
+            ):
                 if not needed:
                     needed.insert(0, set())
                 needed[0].add(self._base[action.stage] + action.version)
@@ -205,7 +229,9 @@ class Executor:
             return as_leaves(self._activations.pop(key))
         return as_leaves(self._received.pop((stage, microbatch)))
 
-    def _run_stage(self, stage: int, microbatch: int, inputs: Tensors, version: int | None) -> tuple[Tensors, torch.Tensor | None]:
+    def _run_stage(
+        self, stage: int, microbatch: int, inputs: Tensors, version: int | None
+    ) -> tuple[Tensors, torch.Tensor | None]:
         if version is None:
             outputs = as_tuple(self.modules[stage](*inputs))
         else:
@@ -220,7 +246,7 @@ class Executor:
         stage, mb = action.stage, action.microbatch
         inputs = self._stage_inputs(stage, mb)
         version = self._base[stage] + action.version if self._stashing else None
-        if recomputes(self.checkpoint, mb, self.schedule.microbatches):
+        if recomputes(self.recompute_mode, mb, self.schedule.microbatches):
             random_state = RandomState(inputs[0].device if inputs else torch.device("cpu"))
             with torch.no_grad():
                 outputs, loss = self._run_stage(stage, mb, inputs, version)
@@ -241,12 +267,17 @@ class Executor:
         """The tensors to differentiate and their incoming gradients."""
         if slot.outputs is None:
             slot.outputs, slot.loss = recompute(
-                lambda: self._run_stage(stage, microbatch, slot.inputs, slot.version), slot.random_state
+                lambda: self._run_stage(stage, microbatch, slot.inputs, slot.version),
+                slot.random_state,
             )
         if stage == self.last_stage:
             return (slot.loss,), (torch.ones_like(slot.loss),)
         key = (stage + 1, microbatch)
-        grads = self._input_grads.pop(key) if key in self._input_grads else self._output_grads.pop((stage, microbatch))
+        grads = (
+            self._input_grads.pop(key)
+            if key in self._input_grads
+            else self._output_grads.pop((stage, microbatch))
+        )
         floating = [t for t in slot.outputs if t.is_floating_point()]
         pairs = [(t, g) for t, g in zip(floating, grads) if t.requires_grad]
         return tuple(t for t, _ in pairs), tuple(g for _, g in pairs)
@@ -258,7 +289,11 @@ class Executor:
         leaves = [t for t in slot.inputs if t.requires_grad]
         if self.schedule.split_backward:
             # input gradients only; the weight gradients follow in W on the kept graph
-            input_grads = torch.autograd.grad(tensors, leaves, grads, retain_graph=True, allow_unused=True) if leaves and tensors else ()
+            input_grads = (
+                torch.autograd.grad(tensors, leaves, grads, retain_graph=True, allow_unused=True)
+                if leaves and tensors
+                else ()
+            )
             slot.differentiable, slot.output_grads = tensors, grads
         else:
             self._arm_if_last(stage, mb, slot.version)
@@ -270,7 +305,8 @@ class Executor:
             floating = [t for t in slot.inputs if t.is_floating_point()]
             by_leaf = dict(zip(map(id, leaves), input_grads))
             self._input_grads[(stage, mb)] = tuple(
-                by_leaf.get(id(t)) if by_leaf.get(id(t)) is not None else torch.zeros_like(t) for t in floating
+                by_leaf.get(id(t)) if by_leaf.get(id(t)) is not None else torch.zeros_like(t)
+                for t in floating
             )
 
     def _weight(self, action: Action) -> None:
@@ -307,8 +343,8 @@ class Executor:
             if action.peer in self._busy_peers:
                 return
             self._busy_peers.add(action.peer)
-            self._posted[(action.kind, action.stage, action.microbatch)] = self.transport.post_receive(
-                action.peer, self._channel(action)
+            self._posted[(action.kind, action.stage, action.microbatch)] = (
+                self.transport.post_receive(action.peer, self._channel(action))
             )
             self._next_receive += 1
 

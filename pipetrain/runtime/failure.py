@@ -40,7 +40,9 @@ def report_origin(rank: int, stage: int | None, message: str) -> PipelineError:
     try:
         first = store.compare_set(_KEY, "", ours).decode()
     except RuntimeError:
-        return PipelineError(message, rank, stage)  # the store itself is gone: the local error stands
+        return PipelineError(
+            message, rank, stage
+        )  # the store itself is gone: the local error stands
     if first in ("", ours):
         return PipelineError(message, rank, stage)
     return _from_record(rank, stage, first)
@@ -55,7 +57,9 @@ def _from_record(rank: int, stage: int | None, record: str) -> PipelineError:
     )
 
 
-def explain_peer_failure(rank: int, stage: int | None, detail: str, wait_s: float = 5.0) -> PipelineError:
+def explain_peer_failure(
+    rank: int, stage: int | None, detail: str, wait_s: float = 5.0
+) -> PipelineError:
     """An error for a rank that stopped because a peer did; names the origin if known."""
     store = _store()
     origin = None

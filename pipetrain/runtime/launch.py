@@ -25,14 +25,32 @@ class LaunchError(RuntimeError):
         self.rank, self.worker_traceback = rank, worker_traceback
 
 
-def _worker(rank: int, nprocs: int, port: int, backend: str, timeout_s: float, threads: int,
-            results: mp.Queue, fn: Callable, args: tuple) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(
+    rank: int,
+    nprocs: int,
+    port: int,
+    backend: str,
+    timeout_s: float,
+    threads: int,
+    results: mp.Queue,
+    fn: Callable,
+    args: tuple,
+) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(nprocs),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(threads)
     try:
-        store = dist.TCPStore("127.0.0.1", port, nprocs, is_master=False, timeout=timedelta(seconds=timeout_s))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=nprocs, timeout=timedelta(seconds=timeout_s))
+        store = dist.TCPStore(
+            "127.0.0.1", port, nprocs, is_master=False, timeout=timedelta(seconds=timeout_s)
+        )
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=nprocs, timeout=timedelta(seconds=timeout_s)
+        )
         result = fn(*args)
         # as bytes: tensors shared through file descriptors would die with this process
         payload = io.BytesIO()
@@ -41,11 +59,19 @@ def _worker(rank: int, nprocs: int, port: int, backend: str, timeout_s: float, t
         dist.destroy_process_group()
     except BaseException as error:  # reported to the parent, which raises it
         origin = getattr(error, "origin_rank", rank)
-        results.put((rank, False, (f"{type(error).__name__}: {error}", origin), traceback.format_exc()))
+        results.put(
+            (rank, False, (f"{type(error).__name__}: {error}", origin), traceback.format_exc())
+        )
 
 
-def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str = "gloo", timeout_s: float = 120.0,
-           threads_per_worker: int | None = None) -> list[Any]:
+def launch(
+    fn: Callable[..., Any],
+    nprocs: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float = 120.0,
+    threads_per_worker: int | None = None,
+) -> list[Any]:
     """Run ``fn(*args)`` in ``nprocs`` new processes forming one process group; return their results by rank.
 
     ``fn`` must be importable (defined at module level). If any worker raises, the others
@@ -56,11 +82,22 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str = "gloo
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
     threads = threads_per_worker or max(1, (os.cpu_count() or 1) // nprocs)
-    store = dist.TCPStore("127.0.0.1", 0, nprocs, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        nprocs,
+        is_master=True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
     context = mp.get_context("spawn")
     results: mp.Queue = context.Queue()
     workers = [
-        context.Process(target=_worker, args=(rank, nprocs, store.port, backend, timeout_s, threads, results, fn, args), daemon=True)
+        context.Process(
+            target=_worker,
+            args=(rank, nprocs, store.port, backend, timeout_s, threads, results, fn, args),
+            daemon=True,
+        )
         for rank in range(nprocs)
     ]
     for worker in workers:
@@ -75,7 +112,11 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str = "gloo
                 if not ok and deadline is None:
                     deadline = time.monotonic() + timeout_s
             except queue.Empty:
-                dead = [r for r, w in enumerate(workers) if not w.is_alive() and w.exitcode not in (0, None) and r not in outcomes]
+                dead = [
+                    r
+                    for r, w in enumerate(workers)
+                    if not w.is_alive() and w.exitcode not in (0, None) and r not in outcomes
+                ]
                 for r in dead:
                     outcomes[r] = (False, (f"worker exited with code {workers[r].exitcode}", r), "")
                     deadline = deadline or time.monotonic() + timeout_s
@@ -90,7 +131,9 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str = "gloo
     failures = {rank: outcome for rank, outcome in outcomes.items() if not outcome[0]}
     if failures or len(outcomes) < nprocs:
         if not failures:
-            raise LaunchError(f"workers {sorted(set(range(nprocs)) - set(outcomes))} did not finish", -1, "")
+            raise LaunchError(
+                f"workers {sorted(set(range(nprocs)) - set(outcomes))} did not finish", -1, ""
+            )
         origins = [value[1] for _, value, _ in failures.values()]
         origin = origins[0] if origins[0] in failures else min(failures)
         message, _ = failures[origin][1]

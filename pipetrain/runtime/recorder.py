@@ -1,4 +1,4 @@
-"""Record the measured start and end of every action into :class:`~pipetrain.trace.Event` s."""
+"""Record the measured start and end of every action into :class:`~pipetrain.timeline.Event` s."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from pipetrain.trace import Event
+from pipetrain.timeline import Event
 
 
 class Recorder:
@@ -35,6 +35,8 @@ class Recorder:
             torch.cuda.synchronize()
         return time.time()
 
-    def add(self, kind: str, stage: int | None, microbatch: int | None, start: float, end: float) -> None:
+    def add(
+        self, kind: str, stage: int | None, microbatch: int | None, start: float, end: float
+    ) -> None:
         """Append one event."""
         self.events.append(Event(self.rank, kind, stage, microbatch, start, end))

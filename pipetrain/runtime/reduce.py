@@ -37,8 +37,14 @@ def buckets_of(parameters: Sequence[torch.Tensor], bucket_bytes: float) -> list[
 class GradientReducer:
     """Sums (or averages) one stage's weight gradients over its replicas' process group."""
 
-    def __init__(self, parameters: Sequence[torch.Tensor], group: dist.ProcessGroup, replicas: int, average: bool,
-                 bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> None:
+    def __init__(
+        self,
+        parameters: Sequence[torch.Tensor],
+        group: dist.ProcessGroup,
+        replicas: int,
+        average: bool,
+        bucket_bytes: float = DEFAULT_BUCKET_BYTES,
+    ) -> None:
         """Reduce ``parameters``' gradients over ``group`` (``replicas`` ranks); ``average``
         divides the sum by ``replicas``."""
         if bucket_bytes <= 0:
@@ -64,7 +70,11 @@ class GradientReducer:
         self._tensors = tensors
         for index, tensor in enumerate(tensors):
             if tensor.requires_grad:
-                self._hooks.append(tensor.register_post_accumulate_grad_hook(lambda _, index=index: self._ready(index)))
+                self._hooks.append(
+                    tensor.register_post_accumulate_grad_hook(
+                        lambda _, index=index: self._ready(index)
+                    )
+                )
 
     def _remove_hooks(self) -> None:
         for handle in self._hooks:

@@ -28,13 +28,20 @@ class WeightStash:
         self.versions: dict[int, dict[str, torch.Tensor]] = {0: self._snapshot()}
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach().clone().requires_grad_(p.requires_grad) for name, p in self.live.items()}
+        return {
+            name: p.detach().clone().requires_grad_(p.requires_grad)
+            for name, p in self.live.items()
+        }
 
     def run(self, version: int, *inputs: torch.Tensor):
         """Run the stage on weight ``version``; gradients will accumulate on that version."""
         if version not in self.versions:
-            raise RuntimeError(f"weight version {version} is no longer stashed (kept: {sorted(self.versions)})")
-        return torch.func.functional_call(self.module, {**self.versions[version], **self.buffers}, inputs)
+            raise RuntimeError(
+                f"weight version {version} is no longer stashed (kept: {sorted(self.versions)})"
+            )
+        return torch.func.functional_call(
+            self.module, {**self.versions[version], **self.buffers}, inputs
+        )
 
     def trainable(self, version: int) -> list[torch.Tensor]:
         """Version ``version``'s tensors of the trainable parameters, in the module's order."""
@@ -45,7 +52,11 @@ class WeightStash:
         """Move the gradients of the backwards since the last update, whatever versions they
         used, into the live parameters' ``.grad``."""
         for name, parameter in self.live.items():
-            grads = [weights[name].grad for weights in self.versions.values() if weights[name].grad is not None]
+            grads = [
+                weights[name].grad
+                for weights in self.versions.values()
+                if weights[name].grad is not None
+            ]
             parameter.grad = sum(grads[1:], grads[0]) if grads else None
         for weights in self.versions.values():
             for tensor in weights.values():

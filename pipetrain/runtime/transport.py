@@ -19,8 +19,16 @@ import torch
 import torch.distributed as dist
 
 _DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool,
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
 ]
 _HEADER_SLOTS = 64
 _TRAILER = 8
@@ -63,7 +71,9 @@ def encode_header(metas: Sequence[TensorMeta]) -> torch.Tensor:
     slots = [len(metas)]
     for meta in metas:
         if meta.dtype not in _DTYPES:
-            raise TypeError(f"cannot send tensors of dtype {meta.dtype} between stages; use one of {_DTYPES}")
+            raise TypeError(
+                f"cannot send tensors of dtype {meta.dtype} between stages; use one of {_DTYPES}"
+            )
         slots += [_DTYPES.index(meta.dtype), int(meta.requires_grad), len(meta.shape), *meta.shape]
     if len(slots) > _HEADER_SLOTS:
         raise ValueError(
@@ -78,8 +88,8 @@ def decode_header(header: torch.Tensor) -> tuple[TensorMeta, ...]:
     slots = header.tolist()
     metas, position = [], 1
     for _ in range(slots[0]):
-        dtype, requires_grad, ndim = slots[position:position + 3]
-        shape = tuple(slots[position + 3:position + 3 + ndim])
+        dtype, requires_grad, ndim = slots[position : position + 3]
+        shape = tuple(slots[position + 3 : position + 3 + ndim])
         metas.append(TensorMeta(shape, _DTYPES[dtype], bool(requires_grad)))
         position += 3 + ndim
     return tuple(metas)
@@ -128,7 +138,7 @@ def _unpack(buffer: torch.Tensor, metas: Sequence[TensorMeta]) -> tuple[torch.Te
     offsets, _ = _offsets(metas)
     tensors = []
     for meta, offset in zip(metas, offsets):
-        flat = buffer[offset:offset + meta.nbytes].view(meta.dtype)
+        flat = buffer[offset : offset + meta.nbytes].view(meta.dtype)
         tensors.append(flat.view(meta.shape))
     return tuple(tensors)
 
@@ -140,7 +150,9 @@ class Transport:
     boundary and a direction); both ends must use the same names in the same order.
     """
 
-    def __init__(self, device: torch.device, group: dist.ProcessGroup | None = None, timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, device: torch.device, group: dist.ProcessGroup | None = None, timeout_s: float = 300.0
+    ) -> None:
         """Use ``group`` (the default group if ``None``); a wait longer than ``timeout_s`` raises."""
         self.device = device
         self.group = group
@@ -157,13 +169,17 @@ class Transport:
 
     def _wire_buffer(self, size: int) -> torch.Tensor:
         """An uninitialised byte buffer where messages travel from (pinned when it stages a GPU's data)."""
-        return torch.empty(size, dtype=torch.uint8, device=self.wire_device, pin_memory=self._pinned)
+        return torch.empty(
+            size, dtype=torch.uint8, device=self.wire_device, pin_memory=self._pinned
+        )
 
     def _irecv(self, buffer: torch.Tensor, peer: int) -> dist.Work:
         return dist.irecv(buffer, src=self.global_rank(peer), group=self.group)
 
     def _isend(self, buffer: torch.Tensor, peer: int) -> None:
-        self._pending_sends.append((dist.isend(buffer, dst=self.global_rank(peer), group=self.group), peer))
+        self._pending_sends.append(
+            (dist.isend(buffer, dst=self.global_rank(peer), group=self.group), peer)
+        )
 
     def _wait(self, work: dist.Work, peer: int) -> None:
         try:
@@ -189,7 +205,9 @@ class Transport:
         offsets, size = _offsets(metas)
         buffer = self._wire_buffer(size + _TRAILER)
         for tensor, meta, offset in zip(tensors, metas, offsets):
-            buffer[offset:offset + meta.nbytes].view(meta.dtype).view(meta.shape).copy_(tensor.detach())
+            buffer[offset : offset + meta.nbytes].view(meta.dtype).view(meta.shape).copy_(
+                tensor.detach()
+            )
         buffer[-_TRAILER:] = 0
         self._isend(buffer, peer)
 

@@ -10,27 +10,34 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipetrain.schedules import generators
-from pipetrain.schedules.actions import COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, Action, Kind, Schedule
+from pipetrain.schedules.actions import (
+    COMPUTE_KINDS,
+    RECV_KINDS,
+    SEND_KINDS,
+    Action,
+    Kind,
+    Schedule,
+)
 from pipetrain.schedules.connect import connect
 from pipetrain.schedules.validate import ScheduleError, validate
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1", "pipedream", "2bw")
 SYNCHRONOUS = ("gpipe", "1f1b", "interleaved", "zb-h1")
-CHECKPOINT_MODES = ("never", "except_last", "always")
+RECOMPUTE_MODES = ("never", "except_last", "always")
 """Recomputation modes, cheapest first: none, every micro-batch but the last, every
 micro-batch (on every stage)."""
 
 __all__ = [
+    "COMPUTE_KINDS",
+    "RECOMPUTE_MODES",
+    "RECV_KINDS",
+    "SCHEDULE_NAMES",
+    "SEND_KINDS",
+    "SYNCHRONOUS",
     "Action",
     "Kind",
     "Schedule",
     "ScheduleError",
-    "SCHEDULE_NAMES",
-    "SYNCHRONOUS",
-    "CHECKPOINT_MODES",
-    "COMPUTE_KINDS",
-    "RECV_KINDS",
-    "SEND_KINDS",
     "build",
     "validate",
 ]
@@ -69,7 +76,9 @@ def build(
         if name not in ("gpipe", "1f1b", "pipedream"):
             raise ValueError(f"replicas are supported by gpipe, 1f1b and pipedream, not {name!r}")
         if len(replicas) != stages:
-            raise ValueError(f"replicas {list(replicas)} has {len(replicas)} entries, expected one per stage ({stages})")
+            raise ValueError(
+                f"replicas {list(replicas)} has {len(replicas)} entries, expected one per stage ({stages})"
+            )
         for count in replicas:
             _positive("every replica count", count)
     options: dict = {}
@@ -82,7 +91,9 @@ def build(
     elif name == "interleaved":
         _positive("virtual", virtual)
         if virtual < 2:
-            raise ValueError(f"interleaved needs virtual >= 2 model chunks per rank, got {virtual}; use 1f1b for one")
+            raise ValueError(
+                f"interleaved needs virtual >= 2 model chunks per rank, got {virtual}; use 1f1b for one"
+            )
         if microbatches % stages:
             raise ValueError(
                 f"interleaved needs microbatches to be a multiple of stages ({stages}), got {microbatches}"
@@ -110,7 +121,9 @@ def build(
     else:
         _positive("rounds", rounds)
         if microbatches < stages:
-            raise ValueError(f"2bw needs microbatches >= stages ({stages}) per update, got {microbatches}")
+            raise ValueError(
+                f"2bw needs microbatches >= stages ({stages}) per update, got {microbatches}"
+            )
         orders, stage_ranks = generators.two_bw(stages, microbatches, rounds)
         asynchronous, total = True, microbatches * rounds
         options.update(microbatches_per_update=microbatches, rounds=rounds, max_versions=2)

@@ -55,7 +55,9 @@ def _one_f_one_b(stage: int, local: Sequence[int], limit: int) -> list[Action]:
     return order
 
 
-def gpipe(ranks: int, microbatches: int, replicas: Sequence[int] | None = None) -> tuple[Orders, StageRanks]:
+def gpipe(
+    ranks: int, microbatches: int, replicas: Sequence[int] | None = None
+) -> tuple[Orders, StageRanks]:
     """GPipe: all forwards, then all backwards (fill and drain), one update per mini-batch."""
     replicas = list(replicas or [1] * ranks)
     stage_ranks = assign_ranks(replicas)
@@ -69,7 +71,9 @@ def gpipe(ranks: int, microbatches: int, replicas: Sequence[int] | None = None) 
     return orders, stage_ranks
 
 
-def one_f_one_b(ranks: int, microbatches: int, replicas: Sequence[int] | None = None) -> tuple[Orders, StageRanks]:
+def one_f_one_b(
+    ranks: int, microbatches: int, replicas: Sequence[int] | None = None
+) -> tuple[Orders, StageRanks]:
     """1F1B with a flush (PipeDream-Flush): at most ``stages - s`` micro-batches in flight on stage s."""
     replicas = list(replicas or [1] * ranks)
     stage_ranks = assign_ranks(replicas)
@@ -78,7 +82,9 @@ def one_f_one_b(ranks: int, microbatches: int, replicas: Sequence[int] | None = 
         limit = in_flight_limit(replicas, stage)
         for rank in ranks_of_stage:
             local = _local_microbatches(stage_ranks, stage, rank, microbatches)
-            orders.append(_one_f_one_b(stage, local, limit) + _flush(stage, len(ranks_of_stage) > 1))
+            orders.append(
+                _one_f_one_b(stage, local, limit) + _flush(stage, len(ranks_of_stage) > 1)
+            )
     return orders, stage_ranks
 
 
@@ -145,7 +151,7 @@ def zero_bubble_h1(ranks: int, microbatches: int) -> tuple[Orders, StageRanks]:
             limit = min(p - rank, m)
             f, b = next_forward[rank], next_backward[rank]
             b_ready = b < f and (rank == p - 1 or backward_done[rank + 1][b] <= time)
-            f_ready = (f < m and f - b < limit and (rank == 0 or forward_done[rank - 1][f] <= time))
+            f_ready = f < m and f - b < limit and (rank == 0 or forward_done[rank - 1][f] <= time)
             if b_ready:
                 orders[rank].append(Action(Kind.BACKWARD, rank, b))
                 backward_done[rank][b] = time + 1
@@ -169,7 +175,10 @@ def zero_bubble_h1(ranks: int, microbatches: int) -> tuple[Orders, StageRanks]:
 
 
 def pipedream(
-    ranks: int, microbatches: int, vertical_sync: bool = False, replicas: Sequence[int] | None = None
+    ranks: int,
+    microbatches: int,
+    vertical_sync: bool = False,
+    replicas: Sequence[int] | None = None,
 ) -> tuple[Orders, StageRanks]:
     """PipeDream's asynchronous 1F1B: no flush, an update after every backward, weight stashing.
 
@@ -186,7 +195,9 @@ def pipedream(
         limit = in_flight_limit(replicas, stage)
         for rank in ranks_of_stage:
             order = []
-            for action in _one_f_one_b(stage, _local_microbatches(stage_ranks, stage, rank, microbatches), limit):
+            for action in _one_f_one_b(
+                stage, _local_microbatches(stage_ranks, stage, rank, microbatches), limit
+            ):
                 order.append(action)
                 if action.kind is Kind.BACKWARD:
                     order += _flush(stage, len(ranks_of_stage) > 1)
@@ -211,7 +222,9 @@ def two_bw(ranks: int, microbatches: int, rounds: int = 2) -> tuple[Orders, Stag
             if action.kind is Kind.BACKWARD and (action.microbatch + 1) % microbatches == 0:
                 order.append(Action(Kind.STEP, stage))
         orders.append(order)
-    return _stamp_versions(orders, lambda stage, mb, steps: max(mb // microbatches - 1, 0), False), stage_ranks
+    return _stamp_versions(
+        orders, lambda stage, mb, steps: max(mb // microbatches - 1, 0), False
+    ), stage_ranks
 
 
 def _stamp_versions(orders: Orders, version_rule, vertical_sync: bool) -> Orders:
@@ -241,7 +254,9 @@ def _stamp_versions(orders: Orders, version_rule, vertical_sync: bool) -> Orders
     input_version = {mb: v for (stage, mb), v in forward_version.items() if stage == 0}
     return [
         [
-            a if a.microbatch is None else Action(a.kind, a.stage, a.microbatch, version=input_version[a.microbatch])
+            a
+            if a.microbatch is None
+            else Action(a.kind, a.stage, a.microbatch, version=input_version[a.microbatch])
             for a in order
         ]
         for order in stamped_orders

@@ -32,13 +32,24 @@ def _check_placement(schedule: Schedule) -> None:
     for rank, actions in enumerate(schedule.ranks):
         for action in actions:
             if not 0 <= action.stage < schedule.stages:
-                raise ScheduleError(f"rank {rank}: {action} names stage {action.stage}, outside 0..{schedule.stages - 1}")
+                raise ScheduleError(
+                    f"rank {rank}: {action} names stage {action.stage}, outside 0..{schedule.stages - 1}"
+                )
             if rank not in schedule.stage_ranks[action.stage]:
-                raise ScheduleError(f"rank {rank}: {action} belongs to stage {action.stage}, held by ranks {schedule.stage_ranks[action.stage]}")
+                raise ScheduleError(
+                    f"rank {rank}: {action} belongs to stage {action.stage}, held by ranks {schedule.stage_ranks[action.stage]}"
+                )
             if action.microbatch is not None and action.microbatch >= schedule.microbatches:
-                raise ScheduleError(f"rank {rank}: {action} names micro-batch {action.microbatch} of {schedule.microbatches}")
-            if action.kind in COMPUTE_KINDS and schedule.rank_of(action.stage, action.microbatch) != rank:
-                raise ScheduleError(f"rank {rank}: {action} should run on rank {schedule.rank_of(action.stage, action.microbatch)}")
+                raise ScheduleError(
+                    f"rank {rank}: {action} names micro-batch {action.microbatch} of {schedule.microbatches}"
+                )
+            if (
+                action.kind in COMPUTE_KINDS
+                and schedule.rank_of(action.stage, action.microbatch) != rank
+            ):
+                raise ScheduleError(
+                    f"rank {rank}: {action} should run on rank {schedule.rank_of(action.stage, action.microbatch)}"
+                )
 
 
 def _check_coverage(schedule: Schedule) -> None:
@@ -50,7 +61,9 @@ def _check_coverage(schedule: Schedule) -> None:
             if action.kind not in COMPUTE_KINDS:
                 continue
             if action.kind not in expected:
-                raise ScheduleError(f"rank {rank}: {action} is a {action.kind.value}, which this schedule does not use")
+                raise ScheduleError(
+                    f"rank {rank}: {action} is a {action.kind.value}, which this schedule does not use"
+                )
             key = (action.stage, action.microbatch)
             if action.kind is Kind.BACKWARD and (Kind.FORWARD, *key) not in seen:
                 raise ScheduleError(f"rank {rank}: {action} runs before its forward")
@@ -77,10 +90,14 @@ def _check_flush(schedule: Schedule) -> None:
             if action.kind is Kind.STEP:
                 steps[action.stage] += 1
             elif action.kind in COMPUTE_KINDS and steps[action.stage]:
-                raise ScheduleError(f"rank {rank}: stage {action.stage} steps the optimizer before {action}")
+                raise ScheduleError(
+                    f"rank {rank}: stage {action.stage} steps the optimizer before {action}"
+                )
         for stage in schedule.stages_of(rank):
             if steps[stage] != 1:
-                raise ScheduleError(f"rank {rank}: stage {stage} has {steps[stage]} optimizer steps, expected 1")
+                raise ScheduleError(
+                    f"rank {rank}: stage {stage} has {steps[stage]} optimizer steps, expected 1"
+                )
 
 
 def _check_versions(schedule: Schedule) -> None:
@@ -94,7 +111,9 @@ def _check_versions(schedule: Schedule) -> None:
             if action.kind is Kind.STEP:
                 steps[action.stage] += 1
                 if action.version != steps[action.stage]:
-                    raise ScheduleError(f"rank {rank}: {action} should produce version {steps[action.stage]}")
+                    raise ScheduleError(
+                        f"rank {rank}: {action} should produce version {steps[action.stage]}"
+                    )
             elif action.kind is Kind.FORWARD:
                 if action.version is None or action.version > steps[action.stage]:
                     raise ScheduleError(
@@ -119,7 +138,9 @@ def _check_versions(schedule: Schedule) -> None:
     if schedule.options.get("vertical_sync"):
         for (stage, mb), version in forward_version.items():
             if version != forward_version[(0, mb)]:
-                raise ScheduleError(f"vertical sync: stage {stage} mini-batch {mb} uses version {version}, stage 0 used {forward_version[(0, mb)]}")
+                raise ScheduleError(
+                    f"vertical sync: stage {stage} mini-batch {mb} uses version {version}, stage 0 used {forward_version[(0, mb)]}"
+                )
 
 
 def _execute(schedule: Schedule) -> None:
@@ -148,7 +169,9 @@ def _execute(schedule: Schedule) -> None:
         if action.kind in (Kind.SEND_F, Kind.SEND_B):
             produced = Kind.FORWARD if action.kind is Kind.SEND_F else Kind.BACKWARD
             if (produced, stage, mb) not in mine:
-                raise ScheduleError(f"rank {rank}: {action} sends before computing {produced.value}{stage}.{mb}")
+                raise ScheduleError(
+                    f"rank {rank}: {action} sends before computing {produced.value}{stage}.{mb}"
+                )
             return True
         if action.kind in RECV_KINDS:
             queue = channels[(action.peer, rank)]
@@ -185,11 +208,17 @@ def _execute(schedule: Schedule) -> None:
             while position[rank] < len(actions) and ready(rank, actions[position[rank]]):
                 run(rank, actions[position[rank]])
                 progress = True
-    stuck = [(rank, schedule.ranks[rank][position[rank]]) for rank in range(schedule.num_ranks) if position[rank] < len(schedule.ranks[rank])]
+    stuck = [
+        (rank, schedule.ranks[rank][position[rank]])
+        for rank in range(schedule.num_ranks)
+        if position[rank] < len(schedule.ranks[rank])
+    ]
     if stuck:
         waits = ", ".join(f"rank {rank} at {action}" for rank, action in stuck)
         raise ScheduleError(f"{schedule.name} deadlocks: {waits}")
     leftovers = [(pair, queue[0]) for pair, queue in channels.items() if queue]
     if leftovers:
         (sender, receiver), (kind, stage, mb) = leftovers[0]
-        raise ScheduleError(f"rank {sender} sends {kind.value}{stage}.{mb} to rank {receiver}, which never receives it")
+        raise ScheduleError(
+            f"rank {sender} sends {kind.value}{stage}.{mb} to rank {receiver}, which never receives it"
+        )

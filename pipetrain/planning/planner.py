@@ -17,22 +17,24 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pipetrain.jsonfile import JsonFile
-from pipetrain.plan.candidates import Candidate, Layout, layouts, step_costs
-from pipetrain.plan.topology import Topology, resolve
+from pipetrain.planning.candidates import Candidate, Layout, layouts, step_costs
+from pipetrain.planning.topology import Topology, resolve
 from pipetrain.profiler.costs import Profile
-from pipetrain.schedules import CHECKPOINT_MODES, SCHEDULE_NAMES
-from pipetrain.simulate import Costs, Variation, median_makespan
+from pipetrain.schedules import RECOMPUTE_MODES, SCHEDULE_NAMES
+from pipetrain.simulation import Costs, Variation, median_makespan
 
 DEFAULT_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved")
 DEFAULT_MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """Version of the JSON layout written by :meth:`Plan.save`."""
 
 VARIED_RUNS = (5, 64)
 """The fewest and most simulated steps whose median is a measured profile's predicted step."""
 
-_VARIED_ACTIONS = 150_000  # actions simulated for the varied steps (about a second), where the counts allow
+_VARIED_ACTIONS = (
+    150_000  # actions simulated for the varied steps (about a second), where the counts allow
+)
 
 _TIE = 1e-9  # relative difference below which two predicted throughputs count as equal
 
@@ -64,7 +66,7 @@ class Plan(JsonFile):
     stages: list[PlanStage]
     schedule: str
     microbatches: int
-    checkpoint: str
+    recompute: str
     predicted_step_s: float
     predicted_throughput: float
     stage_memory_bytes: list[float]
@@ -115,14 +117,19 @@ class Plan(JsonFile):
         lines = [
             f"{self.schedule}: {_count(len(self.stages), 'stage')} on {_count(self.workers, 'worker')}{chunks}, "
             f"{_count(self.microbatches, 'micro-batch', 'micro-batches')} of {self.microbatch_size}, "
-            f"recomputation {self.checkpoint}",
+            f"recomputation {self.recompute}",
             f"predicted step {self.predicted_step_s:.4g} s, {self.predicted_throughput:.4g} samples/s"
-            + (f" ({self.steady_step_s:.4g} s with every action at its median time)"
-               if self.steady_step_s is not None and self.steady_step_s != self.predicted_step_s else ""),
+            + (
+                f" ({self.steady_step_s:.4g} s with every action at its median time)"
+                if self.steady_step_s is not None and self.steady_step_s != self.predicted_step_s
+                else ""
+            ),
             f"{'stage':>5}  {'layers':>11}  {'count':>5}  {'replicas':>8}  {'compute/mb':>10}  {'memory/worker':>13}",
         ]
         computes = self.stage_compute_s or [math.nan] * len(self.stages)
-        for index, (stage, compute, memory) in enumerate(zip(self.stages, computes, self.stage_memory_bytes)):
+        for index, (stage, compute, memory) in enumerate(
+            zip(self.stages, computes, self.stage_memory_bytes)
+        ):
             lines.append(
                 f"{index:>5}  {f'{stage.start}..{stage.stop - 1}':>11}  {stage.stop - stage.start:>5}  "
                 f"{stage.replicas:>8}  {compute:>9.4g}s  {_format_bytes(memory):>13}"
@@ -172,8 +179,12 @@ def plan(
     schedules = _checked_schedules(schedules)
     counts = _microbatch_counts(microbatches, batch_size)
     if memory_limit is not None and not memory_limit > 0:
-        raise ValueError(f"memory_limit must be a positive number of bytes per worker, got {memory_limit!r}")
-    fitting, smallest = _fitting_candidates(profile, topology, schedules, counts, batch_size, replication, memory_limit)
+        raise ValueError(
+            f"memory_limit must be a positive number of bytes per worker, got {memory_limit!r}"
+        )
+    fitting, smallest = _fitting_candidates(
+        profile, topology, schedules, counts, batch_size, replication, memory_limit
+    )
     if not fitting:
         raise ValueError(_no_fit_message(memory_limit, smallest, profile, topology, replication))
     return _fastest(fitting, topology)
@@ -185,7 +196,9 @@ def _checked_schedules(schedules: Sequence[str]) -> tuple[str, ...]:
         schedules = (schedules,)
     unknown = [name for name in schedules if name not in SCHEDULE_NAMES]
     if unknown or not schedules:
-        raise ValueError(f"schedules {list(schedules)!r} must be a non-empty choice of {', '.join(SCHEDULE_NAMES)}")
+        raise ValueError(
+            f"schedules {list(schedules)!r} must be a non-empty choice of {', '.join(SCHEDULE_NAMES)}"
+        )
     return tuple(schedules)
 
 
@@ -193,7 +206,9 @@ def _microbatch_counts(microbatches: Sequence[int], batch_size: int | None) -> l
     """Micro-batch counts to try: the requested ones (that divide ``batch_size`` if given)."""
     if isinstance(microbatches, int):
         microbatches = (microbatches,)
-    if not microbatches or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in microbatches):
+    if not microbatches or any(
+        isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in microbatches
+    ):
         raise ValueError(f"microbatches must be positive integers, got {microbatches!r}")
     if batch_size is None:
         return sorted(set(microbatches))
@@ -234,11 +249,11 @@ def _fitting_candidates(
                 if not layout.runs(schedule, count):
                     continue
                 seen: set[tuple[bool, ...]] = set()
-                for checkpoint in CHECKPOINT_MODES:
-                    candidate = Candidate(layout, schedule, count, checkpoint, micro)
-                    if tuple(candidate.recompute) in seen:
+                for recompute in RECOMPUTE_MODES:
+                    candidate = Candidate(layout, schedule, count, recompute, micro)
+                    if tuple(candidate.recompute_flags) in seen:
                         continue
-                    seen.add(tuple(candidate.recompute))
+                    seen.add(tuple(candidate.recompute_flags))
                     memory = candidate.memory()
                     if memory_limit is None or max(memory) <= memory_limit:
                         fitting.append((candidate, memory))
@@ -275,7 +290,11 @@ def _fastest(fitting: list[tuple[Candidate, list[float]]], topology: Topology) -
     ending_s = candidate.profile.message_s
     steady_step_s = makespan + ending_s
     variation = candidate.variation()
-    step_s = steady_step_s if variation is None else _varied_step_s(candidate, costs, variation) + ending_s
+    step_s = (
+        steady_step_s
+        if variation is None
+        else _varied_step_s(candidate, costs, variation) + ending_s
+    )
     return _as_plan(candidate, memory, step_s, steady_step_s, processed, costs)
 
 
@@ -286,7 +305,9 @@ def _varied_step_s(candidate: Candidate, costs: Costs, variation: Variation) -> 
     schedule = candidate.build()
     actions = sum(len(lane) for lane in schedule.ranks)
     fewest, most = VARIED_RUNS
-    return median_makespan(schedule, costs, variation, max(fewest, min(most, _VARIED_ACTIONS // max(actions, 1))))
+    return median_makespan(
+        schedule, costs, variation, max(fewest, min(most, _VARIED_ACTIONS // max(actions, 1)))
+    )
 
 
 def _better(throughput: float, peak: float, best_throughput: float, best_peak: float) -> bool:
@@ -296,7 +317,14 @@ def _better(throughput: float, peak: float, best_throughput: float, best_peak: f
     return throughput >= best_throughput * (1 - _TIE) and peak < best_peak
 
 
-def _as_plan(candidate: Candidate, memory: list[float], step_s: float, steady_step_s: float, processed: int, costs: Costs) -> Plan:
+def _as_plan(
+    candidate: Candidate,
+    memory: list[float],
+    step_s: float,
+    steady_step_s: float,
+    processed: int,
+    costs: Costs,
+) -> Plan:
     """The public record of a simulated candidate that steps in ``step_s`` (``steady_step_s``
     with every action at its median) and processes ``processed`` micro-batches a step."""
     layout = candidate.layout
@@ -309,7 +337,7 @@ def _as_plan(candidate: Candidate, memory: list[float], step_s: float, steady_st
         stages=[PlanStage(start, stop, replicas) for start, stop, replicas in layout.stages],
         schedule=candidate.schedule,
         microbatches=candidate.microbatches,
-        checkpoint=candidate.checkpoint,
+        recompute=candidate.recompute,
         predicted_step_s=step_s,
         predicted_throughput=processed * size / step_s if step_s > 0 else math.inf,
         steady_step_s=steady_step_s,
@@ -322,12 +350,20 @@ def _as_plan(candidate: Candidate, memory: list[float], step_s: float, steady_st
 
 
 def _no_fit_message(
-    memory_limit: float | None, smallest: tuple[float, Candidate | None], profile: Profile, topology: Topology, replication: bool
+    memory_limit: float | None,
+    smallest: tuple[float, Candidate | None],
+    profile: Profile,
+    topology: Topology,
+    replication: bool,
 ) -> str:
     """Why nothing was chosen, and which knobs would help."""
     need, candidate = smallest
     if candidate is None:
-        reason = "replication=False needs at least one layer per worker" if not replication else "no schedule can run it"
+        reason = (
+            "replication=False needs at least one layer per worker"
+            if not replication
+            else "no schedule can run it"
+        )
         return (
             f"no candidate plan for {len(profile.layers)} layers on {topology.workers} workers: {reason}; "
             "use fewer workers, replication=True, or other schedules"
@@ -335,8 +371,8 @@ def _no_fit_message(
     return (
         f"no candidate plan fits memory_limit={memory_limit:.4g} bytes per worker; the smallest needs "
         f"{math.ceil(need)} bytes ({need / 1e9:.3g} GB: {candidate.schedule}, {candidate.microbatches} "
-        f"micro-batches, recomputation {candidate.checkpoint}). Raise memory_limit to at least that, or "
-        "make each worker hold less: allow recomputation (checkpoint modes are tried already), use more "
+        f"micro-batches, recomputation {candidate.recompute}). Raise memory_limit to at least that, or "
+        "make each worker hold less: allow recomputation (recompute modes are tried already), use more "
         "micro-batches for the same batch_size (smaller micro-batches hold less activation memory), or "
         "add workers (fewer layers and weights per worker)."
     )

@@ -65,7 +65,9 @@ def bottleneck(
     """The bottleneck of a given balance under the same cost model as :func:`partition`."""
     costs, cuts = _inputs(compute, len(balance), activation_bytes, bandwidth)
     if sum(balance) != len(costs) or min(balance) < 1:
-        raise ValueError(f"balance {list(balance)} does not split {len(costs)} layers into non-empty stages")
+        raise ValueError(
+            f"balance {list(balance)} does not split {len(costs)} layers into non-empty stages"
+        )
     worst, start = 0.0, 0
     for index, count in enumerate(balance):
         worst = max(worst, float(sum(costs[start : start + count])))
@@ -86,7 +88,10 @@ def balance_by_time(profile: Profile, stages: int, bandwidth: Bandwidth = math.i
 
 
 def _inputs(
-    compute: Sequence[float], stages: int, activation_bytes: Sequence[float] | None, bandwidth: Bandwidth
+    compute: Sequence[float],
+    stages: int,
+    activation_bytes: Sequence[float] | None,
+    bandwidth: Bandwidth,
 ) -> tuple[np.ndarray, list[np.ndarray]]:
     """Checked compute costs and, per boundary, the cut cost at every position 0..n.
 
@@ -96,15 +101,25 @@ def _inputs(
     costs = np.asarray(compute, dtype=float)
     n = len(costs)
     if n == 0 or costs.ndim != 1 or not np.all(np.isfinite(costs)) or np.any(costs < 0):
-        raise ValueError(f"compute must be a non-empty list of finite times >= 0, got {list(compute)!r}")
+        raise ValueError(
+            f"compute must be a non-empty list of finite times >= 0, got {list(compute)!r}"
+        )
     if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= n:
-        raise ValueError(f"stages must be an integer between 1 and the number of layers ({n}), got {stages!r}")
+        raise ValueError(
+            f"stages must be an integer between 1 and the number of layers ({n}), got {stages!r}"
+        )
     sizes = np.zeros(n) if activation_bytes is None else np.asarray(activation_bytes, dtype=float)
     if sizes.shape != (n,) or np.any(sizes < 0):
         raise ValueError(f"activation_bytes must hold {n} sizes >= 0, got {activation_bytes!r}")
-    links = [float(bandwidth)] * (stages - 1) if np.ndim(bandwidth) == 0 else [float(b) for b in bandwidth]
+    links = (
+        [float(bandwidth)] * (stages - 1)
+        if np.ndim(bandwidth) == 0
+        else [float(b) for b in bandwidth]
+    )
     if len(links) != stages - 1 or any(not b > 0 for b in links):
-        raise ValueError(f"bandwidth must be one value > 0 or {stages - 1} (one per boundary), got {bandwidth!r}")
+        raise ValueError(
+            f"bandwidth must be one value > 0 or {stages - 1} (one per boundary), got {bandwidth!r}"
+        )
     cuts = []
     for link in links:
         cut = np.full(n + 1, math.inf)

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipetrain.models.gpt import build_gpt, gpt_loss
-from pipetrain.models.mlp import build_mlp, build_uneven_mlp
-from pipetrain.models.vision import build_cnn
+from pipetrain.app.models.gpt import build_gpt, gpt_loss
+from pipetrain.app.models.mlp import build_mlp, build_uneven_mlp
+from pipetrain.app.models.vision import build_cnn
 
 MODEL_NAMES = ("mlp", "cnn", "gpt", "uneven-mlp")
 

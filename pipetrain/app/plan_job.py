@@ -10,9 +10,9 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from pipetrain.data import BatchStream
-from pipetrain.models import build_model, loss_function
-from pipetrain.plan import Plan, plan
+from pipetrain.app.data import BatchStream
+from pipetrain.app.models import build_model, loss_function
+from pipetrain.planning import Plan, plan
 from pipetrain.profiler import Profile, pooled
 from pipetrain.profiler.measure import profile
 from pipetrain.runtime.transport import Transport
@@ -25,7 +25,9 @@ def parse_bytes(text: str) -> float:
     """``"16GiB"`` -> 17179869184, ``"500MB"`` -> 5e8, ``"1024"`` -> 1024; ValueError otherwise."""
     match = _SIZE.match(text)
     if not match:
-        raise ValueError(f"memory size {text!r} is not a size; write it like 16GiB, 500MB or 1e9 (bytes)") from None
+        raise ValueError(
+            f"memory size {text!r} is not a size; write it like 16GiB, 500MB or 1e9 (bytes)"
+        ) from None
     number, prefix, binary = match.groups()
     return float(number) * (1024 if binary else 1000) ** _POWERS[prefix]
 
@@ -33,8 +35,14 @@ def parse_bytes(text: str) -> float:
 PROFILE_REPEATS, _WARMUP = 50, 5
 
 
-def profile_builtin(model: str, batch_size: int, microbatches: int, seed: int = 0, threads: int = 1,
-                    repeats: int = PROFILE_REPEATS) -> Profile:
+def profile_builtin(
+    model: str,
+    batch_size: int,
+    microbatches: int,
+    seed: int = 0,
+    threads: int = 1,
+    repeats: int = PROFILE_REPEATS,
+) -> Profile:
     """Profile a built-in model in this process on one micro-batch of its data, with
     ``threads`` torch threads as a local worker has, over ``repeats`` timed runs."""
     if batch_size < microbatches:
@@ -43,12 +51,25 @@ def profile_builtin(model: str, batch_size: int, microbatches: int, seed: int = 
     network = build_model(model, seed=seed)
     inputs, targets = next(BatchStream(model, batch_size, seed=seed))
     size = batch_size // microbatches
-    return profile(network, inputs[:size], targets[:size], loss_function(model), microbatch_size=size,
-                   repeats=repeats, warmup=_WARMUP)
+    return profile(
+        network,
+        inputs[:size],
+        targets[:size],
+        loss_function(model),
+        microbatch_size=size,
+        repeats=repeats,
+        warmup=_WARMUP,
+    )
 
 
-def profile_together(model: str, batch_size: int, microbatches: int, seed: int = 0, threads: int = 1,
-                     repeats: int = PROFILE_REPEATS) -> Profile | None:
+def profile_together(
+    model: str,
+    batch_size: int,
+    microbatches: int,
+    seed: int = 0,
+    threads: int = 1,
+    repeats: int = PROFILE_REPEATS,
+) -> Profile | None:
     """Call on every rank of the default process group (gloo: the model is profiled on the
     CPU): every rank profiles the model at once; rank 0 returns the pooled profile
     (:func:`pipetrain.profiler.pooled`) with the time an activation message takes between
@@ -60,10 +81,16 @@ def profile_together(model: str, batch_size: int, microbatches: int, seed: int =
     """
     dist.barrier()  # start together, so that every timing runs beside the others
     measured = profile_builtin(model, batch_size, microbatches, seed, threads, repeats)
-    gathered: list[Profile] | None = [measured] * dist.get_world_size() if dist.get_rank() == 0 else None
+    gathered: list[Profile] | None = (
+        [measured] * dist.get_world_size() if dist.get_rank() == 0 else None
+    )
     dist.gather_object(measured, gathered, dst=0)
     alone = dist.get_world_size() == 1
-    message_s = 0.0 if alone else _message_s(int(statistics.median(layer.activation_bytes for layer in measured.layers)))
+    message_s = (
+        0.0
+        if alone
+        else _message_s(int(statistics.median(layer.activation_bytes for layer in measured.layers)))
+    )
     return replace(pooled(gathered), message_s=message_s) if gathered is not None else None
 
 
@@ -107,12 +134,21 @@ def plan_together(model: str, batch_size: int, seed: int = 0, threads: int = 1) 
     tiny micro-batches, whose fixed costs it would leave out.
     """
     profiled = max(m for m in (1, 2, 4) if batch_size % m == 0)
-    counts = tuple(m for m in (profiled // 2, profiled, profiled * 2) if m >= 1 and batch_size % m == 0)
+    counts = tuple(
+        m for m in (profiled // 2, profiled, profiled * 2) if m >= 1 and batch_size % m == 0
+    )
     measured = profile_together(model, batch_size, profiled, seed, threads)
     outcome: list[Plan | Exception | None] = [None]
     if measured is not None:
         try:
-            outcome = [plan(measured, workers=dist.get_world_size(), batch_size=batch_size, microbatches=counts)]
+            outcome = [
+                plan(
+                    measured,
+                    workers=dist.get_world_size(),
+                    batch_size=batch_size,
+                    microbatches=counts,
+                )
+            ]
         except (ValueError, TypeError) as error:  # every rank must hear of it, not wait for a plan
             outcome = [error]
     dist.broadcast_object_list(outcome, src=0)

@@ -13,8 +13,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from pipetrain.schedules import Schedule, build
-from pipetrain.simulate import Costs, simulate
-from pipetrain.trace import Timeline
+from pipetrain.simulation import Costs, simulate
+from pipetrain.timeline import Timeline
 
 COST_FIELDS = tuple(f.name for f in fields(Costs))
 """The fields a costs file may hold."""
@@ -37,14 +37,27 @@ def read_costs_file(path: str) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"costs file {path!r} is not valid JSON: {error}") from None
     if not isinstance(values, dict):
-        raise ValueError(f"costs file {path!r} must hold a JSON object such as {{\"forward_s\": 1.0}}")
+        raise ValueError(
+            f'costs file {path!r} must hold a JSON object such as {{"forward_s": 1.0}}'
+        )
     unknown = sorted(set(values) - set(COST_FIELDS))
     if unknown:
-        raise ValueError(f"costs file {path!r} has unknown field(s) {unknown}; allowed: {', '.join(COST_FIELDS)}")
+        raise ValueError(
+            f"costs file {path!r} has unknown field(s) {unknown}; allowed: {', '.join(COST_FIELDS)}"
+        )
     for name, value in values.items():
-        per_stage = name != "latency_s" and isinstance(value, list) and value and all(map(_is_number, value))
+        per_stage = (
+            name != "latency_s"
+            and isinstance(value, list)
+            and value
+            and all(map(_is_number, value))
+        )
         if not (_is_number(value) or per_stage):
-            expected = "a number" if name == "latency_s" else "a number or a list of numbers (one per stage)"
+            expected = (
+                "a number"
+                if name == "latency_s"
+                else "a number or a list of numbers (one per stage)"
+            )
             raise ValueError(f"costs file {path!r}: {name} is {value!r}; give {expected}")
     return values
 
@@ -84,7 +97,9 @@ def schedule_costs(schedule: Schedule, values: dict[str, Any]) -> Costs:
             per_rank = value
         else:
             continue  # one value per model stage, or a length that Costs rejects by name
-        converted[name] = [per_rank[ranks[0]] / len(schedule.stages_of(ranks[0])) for ranks in schedule.stage_ranks]
+        converted[name] = [
+            per_rank[ranks[0]] / len(schedule.stages_of(ranks[0])) for ranks in schedule.stage_ranks
+        ]
     return Costs(**converted)
 
 
@@ -92,12 +107,17 @@ def textbook_bubble(schedule: Schedule, costs: Costs) -> tuple[str, float] | Non
     """The closed-form bubble fraction and its formula, for uniform costs without
     communication or optimizer-step time; ``None`` where no formula applies."""
     p, m, stages = schedule.num_ranks, schedule.microbatches, schedule.stages
-    forward, backward, weight = (costs.per_stage(name, stages) for name in ("forward_s", "backward_s", "weight_s"))
+    forward, backward, weight = (
+        costs.per_stage(name, stages) for name in ("forward_s", "backward_s", "weight_s")
+    )
     boundaries = max(stages - 1, 1)
     uniform = all(len(set(values)) == 1 for values in (forward, backward, weight))
     no_transfers = costs.latency_s == 0 and all(
         size == 0 or math.isinf(speed)
-        for size, speed in zip(costs.per_stage("activation_bytes", boundaries), costs.per_stage("bandwidth", boundaries))
+        for size, speed in zip(
+            costs.per_stage("activation_bytes", boundaries),
+            costs.per_stage("bandwidth", boundaries),
+        )
     )
     no_steps = not any(costs.per_stage("step_s", stages))
     replicated = any(len(ranks) > 1 for ranks in schedule.stage_ranks)
@@ -110,7 +130,9 @@ def textbook_bubble(schedule: Schedule, costs: Costs) -> tuple[str, float] | Non
         return "(p-1)/(r*m+p-1)", (p - 1) / (m + p - 1)
     if schedule.name == "zb-h1":
         f, b, w = forward[0], backward[0], weight[0]
-        if m < p or w > min(f, b):  # outside the conditions the zero-bubble paper's count holds under
+        if m < p or w > min(
+            f, b
+        ):  # outside the conditions the zero-bubble paper's count holds under
             return None
         idle = (p - 1) * (f + b - w)
         return "(p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W))", idle / (m * (f + b + w) + idle)
@@ -170,4 +192,6 @@ def run_simulation(
     requested = requested_costs(name, costs_file, forward_s, backward_s, weight_s)
     costs = schedule_costs(schedule, requested)
     timeline = simulate(schedule, costs)
-    return SimulateResult(name, stages, microbatches, schedule, requested, timeline, textbook_bubble(schedule, costs))
+    return SimulateResult(
+        name, stages, microbatches, schedule, requested, timeline, textbook_bubble(schedule, costs)
+    )

@@ -37,8 +37,14 @@ class Level:
         """Reject counts below 1 and non-positive bandwidths."""
         if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
             raise ValueError(f"a topology level needs a count >= 1, got {self.count!r}")
-        if not isinstance(self.bandwidth, (int, float)) or math.isnan(self.bandwidth) or self.bandwidth <= 0:
-            raise ValueError(f"a topology level needs a bandwidth > 0 bytes/s, got {self.bandwidth!r}")
+        if (
+            not isinstance(self.bandwidth, (int, float))
+            or math.isnan(self.bandwidth)
+            or self.bandwidth <= 0
+        ):
+            raise ValueError(
+                f"a topology level needs a bandwidth > 0 bytes/s, got {self.bandwidth!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -68,7 +74,9 @@ class Topology:
         for part in text.split(","):
             match = _LEVEL.match(part)
             if match is None:
-                raise ValueError(f"cannot parse topology {text!r} at {part.strip()!r}; expected {SYNTAX}")
+                raise ValueError(
+                    f"cannot parse topology {text!r} at {part.strip()!r}; expected {SYNTAX}"
+                )
             bits = match["unit"] != "B/s"
             bandwidth = float(match["value"]) * _PREFIXES[match["prefix"]] / (8 if bits else 1)
             try:
@@ -106,7 +114,9 @@ class Topology:
 
     def __str__(self) -> str:
         """The topology in :meth:`parse` syntax."""
-        return ",".join(f"{level.count}x{_format_bandwidth(level.bandwidth)}" for level in self.levels)
+        return ",".join(
+            f"{level.count}x{_format_bandwidth(level.bandwidth)}" for level in self.levels
+        )
 
 
 def resolve(topology: Topology | str | None, workers: int | None) -> Topology:
@@ -119,12 +129,16 @@ def resolve(topology: Topology | str | None, workers: int | None) -> Topology:
         topology = Topology.parse(topology)
     if topology is None:
         if workers is None:
-            raise ValueError("give workers (e.g. workers=8) or a topology (e.g. topology=\"2x16GB/s,4x10Gbit/s\")")
+            raise ValueError(
+                'give workers (e.g. workers=8) or a topology (e.g. topology="2x16GB/s,4x10Gbit/s")'
+            )
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be a positive integer, got {workers!r}")
         return Topology.flat(workers)
     if not isinstance(topology, Topology):
-        raise TypeError(f"topology must be a Topology or a string such as \"4x16GB/s,4x10Gbit/s\", got {topology!r}")
+        raise TypeError(
+            f'topology must be a Topology or a string such as "4x16GB/s,4x10Gbit/s", got {topology!r}'
+        )
     if workers is not None and workers != topology.workers:
         raise ValueError(
             f"workers={workers} does not match topology {topology} with {topology.workers} workers; "

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipetrain.plan.topology import Topology
+from pipetrain.planning.topology import Topology
 
 SYNC_MODES = ("step", "replica")
 _RELATIVE_TOLERANCE = 1e-12
@@ -80,13 +80,20 @@ class _Model:
     """Prefix sums and per-level feasibility tests for one problem instance."""
 
     def __init__(
-        self, compute: np.ndarray, weight_bytes: np.ndarray, activation_bytes: np.ndarray, topology: Topology, sync: str
+        self,
+        compute: np.ndarray,
+        weight_bytes: np.ndarray,
+        activation_bytes: np.ndarray,
+        topology: Topology,
+        sync: str,
     ) -> None:
         """Prefix sums of compute and weights; the bytes crossing a cut before each layer."""
         self.n = len(compute)
         self.compute = np.concatenate(([0.0], np.cumsum(compute)))
         self.weights = np.concatenate(([0.0], np.cumsum(weight_bytes)))
-        self.cut_bytes = np.concatenate(([0.0], 2 * np.asarray(activation_bytes[:-1], dtype=float), [0.0]))
+        self.cut_bytes = np.concatenate(
+            ([0.0], 2 * np.asarray(activation_bytes[:-1], dtype=float), [0.0])
+        )
         self.inner_positions = (np.arange(self.n + 1) > 0) & (np.arange(self.n + 1) < self.n)
         self.levels = topology.levels
         self.sync = sync
@@ -107,16 +114,22 @@ class _Model:
             else:
                 reach = self.pipeline_reach(level - 1, theta, share / replicas)[-1]
             if replicas > 1:
-                sync_per_byte = 2 * (replicas - 1) / (replicas * bandwidth) * self.sync_scale(share, replicas)
+                sync_per_byte = (
+                    2 * (replicas - 1) / (replicas * bandwidth) * self.sync_scale(share, replicas)
+                )
                 if sync_per_byte > 0:
                     limit = self.weights + theta / sync_per_byte
-                    reach = np.minimum(reach, np.searchsorted(self.weights, limit, side="right") - 1)
+                    reach = np.minimum(
+                        reach, np.searchsorted(self.weights, limit, side="right") - 1
+                    )
             reaches[replicas - 1] = np.maximum(reach, self.starts)
         return reaches
 
     def last_cut(self, level: int, theta: float, share: float) -> np.ndarray:
         """``last[x]``: the largest allowed cut position ``c <= x`` (``-1`` if none)."""
-        allowed = self.inner_positions & (share * self.cut_bytes / self.levels[level].bandwidth <= theta)
+        allowed = self.inner_positions & (
+            share * self.cut_bytes / self.levels[level].bandwidth <= theta
+        )
         positions = np.where(allowed, self.starts, -1)
         return np.maximum.accumulate(positions)
 
@@ -139,7 +152,9 @@ class _Model:
         """Whether some plan on the whole topology has bottleneck <= ``theta``."""
         return bool(self.pipeline_reach(len(self.levels) - 1, theta, 1.0)[-1][0] >= self.n)
 
-    def build(self, level: int, theta: float, share: float, start: int, stop: int, budget: int) -> tuple[_Node, ...]:
+    def build(
+        self, level: int, theta: float, share: float, start: int, stop: int, budget: int
+    ) -> tuple[_Node, ...]:
         """A pipeline of layers ``start..stop-1`` on at most ``budget`` components within ``theta``.
 
         Prefers one stage (fewest replicas that fit), then the first stage with the fewest
@@ -160,11 +175,15 @@ class _Model:
                 return (head,) + self.build(level, theta, share, cut, stop, budget - replicas)
         raise AssertionError(f"no pipeline of layers {start}..{stop - 1} within {theta}")
 
-    def _node(self, level: int, theta: float, share: float, start: int, stop: int, replicas: int) -> _Node:
+    def _node(
+        self, level: int, theta: float, share: float, start: int, stop: int, replicas: int
+    ) -> _Node:
         """One stage and, above level 0, its pipeline inside one component."""
         inner: tuple[_Node, ...] = ()
         if level > 0:
-            inner = self.build(level - 1, theta, share / replicas, start, stop, self.levels[level - 1].count)
+            inner = self.build(
+                level - 1, theta, share / replicas, start, stop, self.levels[level - 1].count
+            )
         return _Node(start, stop, replicas, inner)
 
     def time(self, level: int, nodes: Sequence[_Node], share: float) -> float:
@@ -178,7 +197,14 @@ class _Model:
             else:
                 work = self.time(level - 1, node.inner, part)
             weights = self.weights[node.stop] - self.weights[node.start]
-            sync = 2 * (node.replicas - 1) / node.replicas * weights / bandwidth * self.sync_scale(share, node.replicas)
+            sync = (
+                2
+                * (node.replicas - 1)
+                / node.replicas
+                * weights
+                / bandwidth
+                * self.sync_scale(share, node.replicas)
+            )
             worst = max(worst, work, sync)
             if index < len(nodes) - 1:
                 worst = max(worst, share * self.cut_bytes[node.stop] / bandwidth)
@@ -201,11 +227,15 @@ def replicate(
     """
     if sync not in SYNC_MODES:
         raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
-    arrays = [np.asarray(values, dtype=float) for values in (compute, weight_bytes, activation_bytes)]
+    arrays = [
+        np.asarray(values, dtype=float) for values in (compute, weight_bytes, activation_bytes)
+    ]
     n = len(arrays[0])
     for label, values in zip(("compute", "weight_bytes", "activation_bytes"), arrays):
         if values.shape != (n,) or n == 0 or not np.all(np.isfinite(values)) or np.any(values < 0):
-            raise ValueError(f"{label} must hold {max(n, 1)} finite values >= 0 (one per layer), got {values.tolist()}")
+            raise ValueError(
+                f"{label} must hold {max(n, 1)} finite values >= 0 (one per layer), got {values.tolist()}"
+            )
     model = _Model(*arrays, topology, sync)
     top = len(topology.levels) - 1
     low, high = 0.0, float(model.compute[-1])

@@ -19,16 +19,16 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
-from pipetrain.data import BatchStream
-from pipetrain.layers import check_balance, to_layers
-from pipetrain.models import build_model, loss_function
+from pipetrain.app.data import BatchStream
+from pipetrain.app.models import build_model, loss_function
+from pipetrain.app.plan_job import plan_together
+from pipetrain.model.layers import check_balance, to_layers
+from pipetrain.planning import Plan
 from pipetrain.runtime import Pipeline, launch
-from pipetrain.runtime.checkpoint import check_mode
-from pipetrain.plan import Plan
-from pipetrain.plan_job import plan_together
+from pipetrain.runtime.recompute import check_mode
 from pipetrain.schedules import SCHEDULE_NAMES, Schedule, build
-from pipetrain.simulate import Costs, measured_costs, simulate
-from pipetrain.trace import Timeline, format_seconds, plot_timelines
+from pipetrain.simulation import Costs, measured_costs, simulate
+from pipetrain.timeline import Timeline, format_seconds, plot_timelines
 
 DEFAULT_LR = {"mlp": 3e-3, "uneven-mlp": 3e-3, "cnn": 3e-3, "gpt": 3e-3}
 DEFAULT_BATCH_SIZE = {"mlp": 64, "uneven-mlp": 64, "cnn": 64, "gpt": 16}
@@ -50,7 +50,7 @@ class TrainConfig:
     steps: int = 20
     batch_size: int | None = None
     balance: tuple[int, ...] | None = None
-    checkpoint: str = "never"
+    recompute: str = "never"
     lr: float | None = None
     virtual: int = 2
     seed: int = 0
@@ -68,10 +68,18 @@ class TrainConfig:
         if self.plan is not None and self.plan_auto:
             raise ValueError("give a plan or plan_auto=True, not both")
         if self.plan is not None:
-            return replace(self.from_plan(self.plan), lr=self.lr or DEFAULT_LR[self.model]).resolved(world_size)
-        stages = self.stages or (sum(self.replicas) if self.replicas and not self.plan_auto else world_size) or DEFAULT_STAGES
+            return replace(
+                self.from_plan(self.plan), lr=self.lr or DEFAULT_LR[self.model]
+            ).resolved(world_size)
+        stages = (
+            self.stages
+            or (sum(self.replicas) if self.replicas and not self.plan_auto else world_size)
+            or DEFAULT_STAGES
+        )
         if world_size is not None and stages != world_size:
-            raise ValueError(f"stages {stages} differs from the torchrun world size {world_size}; give --stages {world_size} or omit it")
+            raise ValueError(
+                f"stages {stages} differs from the torchrun world size {world_size}; give --stages {world_size} or omit it"
+            )
         config = replace(
             self,
             stages=stages,
@@ -86,39 +94,67 @@ class TrainConfig:
         """This configuration with the plan's split, replication, schedule and micro-batches."""
         replicas = tuple(plan.replicas) if max(plan.replicas) > 1 else None
         return replace(
-            self, plan=None, stages=plan.workers, schedule=plan.schedule, microbatches=plan.microbatches,
-            balance=tuple(plan.balance), replicas=replicas, checkpoint=plan.checkpoint,
-            virtual=max(plan.virtual, 2), batch_size=self.batch_size or plan.batch_size,
-            planned_step_s=plan.predicted_step_s if self.batch_size in (None, plan.batch_size) else None,
+            self,
+            plan=None,
+            stages=plan.workers,
+            schedule=plan.schedule,
+            microbatches=plan.microbatches,
+            balance=tuple(plan.balance),
+            replicas=replicas,
+            recompute=plan.recompute,
+            virtual=max(plan.virtual, 2),
+            batch_size=self.batch_size or plan.batch_size,
+            planned_step_s=plan.predicted_step_s
+            if self.batch_size in (None, plan.batch_size)
+            else None,
         )
 
     def check(self) -> None:
         """Raise a ValueError naming the first setting that cannot run."""
         if self.schedule not in SCHEDULE_NAMES:
-            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
+            raise ValueError(
+                f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULE_NAMES)}"
+            )
         if self.replicas is not None and sum(self.replicas) != self.stages:
-            raise ValueError(f"replicas {list(self.replicas)} add up to {sum(self.replicas)} workers, but --stages is {self.stages}")
-        check_mode(self.checkpoint)
+            raise ValueError(
+                f"replicas {list(self.replicas)} add up to {sum(self.replicas)} workers, but --stages is {self.stages}"
+            )
+        check_mode(self.recompute)
         for name in ("microbatches", "steps", "batch_size", "virtual", "threads"):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value}")
         if self.batch_size < self.microbatches:
-            raise ValueError(f"batch size {self.batch_size} is smaller than microbatches {self.microbatches}; use a batch of at least {self.microbatches}")
+            raise ValueError(
+                f"batch size {self.batch_size} is smaller than microbatches {self.microbatches}; use a batch of at least {self.microbatches}"
+            )
         model_stages = self.schedule_for().stages
         layers = len(to_layers(build_model(self.model, seed=self.seed)))
         if self.balance is not None:
             check_balance(list(self.balance), layers)
             if len(self.balance) != model_stages:
-                raise ValueError(f"balance {list(self.balance)} has {len(self.balance)} entries; {self.schedule} on {self.stages} stages needs {model_stages}")
+                raise ValueError(
+                    f"balance {list(self.balance)} has {len(self.balance)} entries; {self.schedule} on {self.stages} stages needs {model_stages}"
+                )
         elif layers < model_stages:
-            raise ValueError(f"model {self.model} has {layers} layers, fewer than the {model_stages} stages of {self.schedule} on {self.stages} ranks; use fewer stages")
+            raise ValueError(
+                f"model {self.model} has {layers} layers, fewer than the {model_stages} stages of {self.schedule} on {self.stages} ranks; use fewer stages"
+            )
 
     def schedule_for(self) -> Schedule:
         """The schedule this run executes (the same one the Pipeline builds)."""
-        options = {"interleaved": {"virtual": self.virtual}, "pipedream": {"vertical_sync": self.vertical_sync}}.get(self.schedule, {})
+        options = {
+            "interleaved": {"virtual": self.virtual},
+            "pipedream": {"vertical_sync": self.vertical_sync},
+        }.get(self.schedule, {})
         if self.replicas is not None:
-            return build(self.schedule, len(self.replicas), self.microbatches, replicas=list(self.replicas), **options)
+            return build(
+                self.schedule,
+                len(self.replicas),
+                self.microbatches,
+                replicas=list(self.replicas),
+                **options,
+            )
         return build(self.schedule, self.stages, self.microbatches, **options)
 
 
@@ -153,9 +189,15 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
     timeline (as a dict), other ranks ``None``."""
     if config.plan_auto:
         if dist.get_rank() == 0:
-            print(f"profiling {config.model} on {config.stages} workers at once, then planning ...", file=sys.stderr, flush=True)
+            print(
+                f"profiling {config.model} on {config.stages} workers at once, then planning ...",
+                file=sys.stderr,
+                flush=True,
+            )
         # profile with the threads this worker trains with (torchrun's setting, under torchrun)
-        chosen = plan_together(config.model, config.batch_size, config.seed, torch.get_num_threads())
+        chosen = plan_together(
+            config.model, config.batch_size, config.seed, torch.get_num_threads()
+        )
         if dist.get_rank() == 0:
             print(chosen.describe() + "\n", file=sys.stderr, flush=True)
         config = replace(config, plan_auto=False, plan=chosen).resolved(dist.get_world_size())
@@ -166,7 +208,7 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
         microbatches=config.microbatches,
         schedule=config.schedule,
         loss_fn=loss_function(config.model),
-        checkpoint=config.checkpoint,
+        recompute=config.recompute,
         optimizer=partial(torch.optim.Adam, lr=config.lr),
         virtual=config.virtual,
         replicas=config.replicas,
@@ -174,7 +216,9 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
         targets_on_first_stage=True,
     )
     # only the input stage's ranks load data; the targets travel to the last stage
-    batches = BatchStream(config.model, config.batch_size, seed=config.seed) if 0 in pipe.stages else None
+    batches = (
+        BatchStream(config.model, config.batch_size, seed=config.seed) if 0 in pipe.stages else None
+    )
     progress = Progress(config.steps, config.batch_size) if pipe.rank == 0 else None
     losses: list[float] = []
     step_times: list[float] = []
@@ -190,7 +234,12 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
     timeline = pipe.timeline()
     if timeline is None:
         return None
-    return {"config": config, "losses": losses, "step_times_s": step_times, "timeline": timeline.to_dict()}
+    return {
+        "config": config,
+        "losses": losses,
+        "step_times_s": step_times,
+        "timeline": timeline.to_dict(),
+    }
 
 
 def run_training(config: TrainConfig) -> TrainReport | None:
@@ -280,29 +329,41 @@ class TrainReport:
     def summary(self) -> str:
         """A few readable lines: loss, step time, throughput, measured against predicted."""
         config, measured, predicted = self.config, self.measured, self.predicted
-        steady = f"steps {WARMUP_STEPS + 1}-{config.steps}" if config.steps > WARMUP_STEPS else "all steps"
+        steady = (
+            f"steps {WARMUP_STEPS + 1}-{config.steps}"
+            if config.steps > WARMUP_STEPS
+            else "all steps"
+        )
         per_micro = config.batch_size / config.microbatches
         stage_costs = " | ".join(
             f"{name} " + ", ".join(format_seconds(v) for v in getattr(self.costs, field))
             for name, field in (("F", "forward_s"), ("B", "backward_s"), ("W", "weight_s"))
             if any(getattr(self.costs, field))
         )
-        planned = [] if config.planned_step_s is None else [
-            (f"  planned           {format_seconds(config.planned_step_s)} a step, "
-             f"{config.planned_step_s / self.step_s:.2f} × the median step (the plan's prediction from the profile)")
-        ]
-        return "\n".join([
-            f"{config.model} on {_placement(config)}, {config.schedule}, {config.microbatches} micro-batches "
-            f"of {per_micro:g} samples, {config.steps} steps (Adam, lr {config.lr:g})",
-            f"  loss              {self.losses[0]:.4f} -> {self.losses[-1]:.4f}",
-            f"  step time         {format_seconds(self.step_s)} (median of {steady})",
-            f"  throughput        {self.samples_per_s:,.0f} samples/s",
-            f"  last step         measured {format_seconds(measured.makespan)}, bubble {measured.bubble_fraction:.1%}",
-            f"  predicted         {format_seconds(predicted.makespan)}, bubble {predicted.bubble_fraction:.1%} "
-            f"({config.schedule} simulated on the measured stage costs)",
-            f"  stage costs       {stage_costs} (median per micro-batch, by stage)",
-            *planned,
-        ])
+        planned = (
+            []
+            if config.planned_step_s is None
+            else [
+                (
+                    f"  planned           {format_seconds(config.planned_step_s)} a step, "
+                    f"{config.planned_step_s / self.step_s:.2f} × the median step (the plan's prediction from the profile)"
+                )
+            ]
+        )
+        return "\n".join(
+            [
+                f"{config.model} on {_placement(config)}, {config.schedule}, {config.microbatches} micro-batches "
+                f"of {per_micro:g} samples, {config.steps} steps (Adam, lr {config.lr:g})",
+                f"  loss              {self.losses[0]:.4f} -> {self.losses[-1]:.4f}",
+                f"  step time         {format_seconds(self.step_s)} (median of {steady})",
+                f"  throughput        {self.samples_per_s:,.0f} samples/s",
+                f"  last step         measured {format_seconds(measured.makespan)}, bubble {measured.bubble_fraction:.1%}",
+                f"  predicted         {format_seconds(predicted.makespan)}, bubble {predicted.bubble_fraction:.1%} "
+                f"({config.schedule} simulated on the measured stage costs)",
+                f"  stage costs       {stage_costs} (median per micro-batch, by stage)",
+                *planned,
+            ]
+        )
 
     def write_trace(self, path: str) -> None:
         """Write the last step: a PNG of predicted above measured, or the measured Chrome trace."""

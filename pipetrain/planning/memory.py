@@ -55,7 +55,9 @@ class StageFootprint:
     def of(cls, profile: Profile, start: int, stop: int) -> StageFootprint:
         """Footprint of layers ``start..stop-1``: input plus layer outputs are stored."""
         layers = profile.layers[start:stop]
-        stage_input = profile.input_bytes if start == 0 else profile.layers[start - 1].activation_bytes
+        stage_input = (
+            profile.input_bytes if start == 0 else profile.layers[start - 1].activation_bytes
+        )
         return cls(
             parameter_bytes=sum(layer.parameter_bytes for layer in layers),
             optimizer_bytes=sum(layer.optimizer_bytes for layer in layers),
@@ -114,7 +116,12 @@ def worker_memory(
     weights = sum(chunk.parameter_bytes for chunk in chunks)
     optimizer = sum(chunk.optimizer_bytes for chunk in chunks)
     count = in_flight(schedule, stage, microbatches, replicas, virtual=len(chunks))
-    kept = sum(chunk.input_bytes if again else chunk.activation_bytes for chunk, again in zip(chunks, recompute))
-    rematerialised = max((c.activation_bytes for c, again in zip(chunks, recompute) if again), default=0.0)
+    kept = sum(
+        chunk.input_bytes if again else chunk.activation_bytes
+        for chunk, again in zip(chunks, recompute)
+    )
+    rematerialised = max(
+        (c.activation_bytes for c, again in zip(chunks, recompute) if again), default=0.0
+    )
     activations = count * kept / len(chunks) + rematerialised
     return weight_versions(schedule, stage, replicas) * weights + weights + optimizer + activations

@@ -11,18 +11,18 @@ from contextlib import contextmanager
 
 import torch
 
-from pipetrain.schedules import CHECKPOINT_MODES
+from pipetrain.schedules import RECOMPUTE_MODES
 
 
 def check_mode(mode: str) -> str:
-    """Return ``mode`` if it is a checkpoint mode, else raise a ValueError listing them."""
-    if mode not in CHECKPOINT_MODES:
-        raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {mode!r}")
+    """Return ``mode`` if it is a recompute mode, else raise a ValueError listing them."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
     return mode
 
 
 def recomputes(mode: str, microbatch: int, microbatches: int) -> bool:
-    """Whether ``microbatch`` is checkpointed: ``except_last`` keeps the last one, whose
+    """Whether ``microbatch`` is recomputed: ``except_last`` keeps the last one, whose
     backward follows its forward at once."""
     return mode == "always" or (mode == "except_last" and microbatch != microbatches - 1)
 

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pipetrain.trace import Timeline, format_seconds, time_unit
+from pipetrain.timeline.timeline import Timeline, format_seconds, time_unit
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.patches import Patch
 
-    from pipetrain.trace import StrPath
+    from pipetrain.timeline.timeline import StrPath
 
 COMPUTE_COLOURS = {"F": "#3b75af", "B": "#e07b20", "W": "#7b4fa6", "STEP": "#3a3a3a"}
 COMPUTE_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient", "STEP": "optimizer step"}

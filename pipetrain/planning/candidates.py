@@ -2,7 +2,7 @@
 
 A :class:`Layout` says which layers each stage holds and on how many workers; a
 :class:`Candidate` adds the schedule, micro-batch count and recomputation mode, and knows
-how to turn the profile into :class:`pipetrain.simulate.Costs` for its stages. Workers are
+how to turn the profile into :class:`pipetrain.simulation.Costs` for its stages. Workers are
 placed as :func:`pipetrain.schedules.build` places them: each stage on consecutive ranks,
 and interleaved chunk ``c`` on rank ``c mod p``.
 """
@@ -14,14 +14,14 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
-from pipetrain.plan.memory import StageFootprint, worker_memory
-from pipetrain.plan.partition import partition
-from pipetrain.plan.replicate import replicate
-from pipetrain.plan.topology import Topology
+from pipetrain.planning.memory import StageFootprint, worker_memory
+from pipetrain.planning.partition import partition
+from pipetrain.planning.replicate import replicate
+from pipetrain.planning.topology import Topology
 from pipetrain.profiler.costs import Profile
 from pipetrain.schedules import Schedule, build
-from pipetrain.simulate import Costs, Variation, simulate
-from pipetrain.trace import Timeline
+from pipetrain.simulation import Costs, Variation, simulate
+from pipetrain.timeline import Timeline
 
 REPLICATED_SCHEDULES = ("gpipe", "1f1b")
 """Schedules that run stages replicated over several workers."""
@@ -76,7 +76,9 @@ class Layout:
         return self.rank_of(stage) + self.stages[stage][2] - 1
 
 
-def layouts(step_profile: Profile, topology: Topology, replication: bool, interleaved: bool) -> list[Layout]:
+def layouts(
+    step_profile: Profile, topology: Topology, replication: bool, interleaved: bool
+) -> list[Layout]:
     """The stage layouts worth simulating for one step's costs.
 
     ``step_profile`` holds costs for a whole step (all micro-batches), which is what the
@@ -97,10 +99,19 @@ def layouts(step_profile: Profile, topology: Topology, replication: bool, interl
     if replication:
         weights = [layer.parameter_bytes for layer in layers]
         slowest = min(level.bandwidth for level in topology.levels)
-        networks = [topology] if len(topology.levels) == 1 else [topology, Topology.flat(topology.workers, slowest)]
+        networks = (
+            [topology]
+            if len(topology.levels) == 1
+            else [topology, Topology.flat(topology.workers, slowest)]
+        )
         for network in networks:
             replicated = replicate(compute, weights, activations, network, sync="step")
-            _add(found, _with_idle_workers([(s.start, s.stop, s.replicas) for s in replicated.stages], topology.workers))
+            _add(
+                found,
+                _with_idle_workers(
+                    [(s.start, s.stop, s.replicas) for s in replicated.stages], topology.workers
+                ),
+            )
     workers = topology.workers
     for virtual in (1, VIRTUAL_CHUNKS) if interleaved and workers > 1 else (1,):
         chunks = virtual * workers
@@ -118,7 +129,9 @@ def _with_idle_workers(stages: list[tuple[int, int, int]], workers: int) -> list
     idle = workers - sum(replicas for _, _, replicas in stages)
     variants = [Layout(tuple(stages))]
     for index, (start, stop, replicas) in enumerate(stages if idle else []):
-        variants.append(Layout(tuple(stages[:index] + [(start, stop, replicas + idle)] + stages[index + 1 :])))
+        variants.append(
+            Layout(tuple(stages[:index] + [(start, stop, replicas + idle)] + stages[index + 1 :]))
+        )
     return variants
 
 
@@ -136,67 +149,98 @@ class Candidate:
     layout: Layout
     schedule: str
     microbatches: int
-    checkpoint: str
+    recompute: str
     profile: Profile
 
     @property
-    def recompute(self) -> list[bool]:
+    def recompute_flags(self) -> list[bool]:
         """Per stage (chunk): whether its backward re-materialises the activations.
 
         As the runtime does it, ``except_last`` and ``always`` recompute on every stage;
         ``except_last`` keeps the last micro-batch, whose backward follows at once.
         """
-        return [self.checkpoint != "never"] * len(self.layout.stages)
+        return [self.recompute != "never"] * len(self.layout.stages)
 
     @property
     def recompute_share(self) -> float:
         """The share of micro-batches whose forward runs again in the backward."""
-        if self.checkpoint == "except_last":
+        if self.recompute == "except_last":
             return (self.microbatches - 1) / self.microbatches
-        return 1.0 if self.checkpoint == "always" else 0.0
+        return 1.0 if self.recompute == "always" else 0.0
 
     def memory(self) -> list[float]:
         """Peak bytes on a worker of each stage (for a chunk: its rank's total)."""
-        stages, flags = self.layout.stages, self.recompute
+        stages, flags = self.layout.stages, self.recompute_flags
         footprints = [StageFootprint.of(self.profile, start, stop) for start, stop, _ in stages]
         if self.layout.virtual == 1:
             replicas = self.layout.replicas
             return [
-                worker_memory([footprints[s]], [flags[s]], self.schedule, s, self.microbatches, replicas)
+                worker_memory(
+                    [footprints[s]], [flags[s]], self.schedule, s, self.microbatches, replicas
+                )
                 for s in range(len(stages))
             ]
         ranks = self.layout.workers
         per_rank = [
-            worker_memory(footprints[rank::ranks], flags[rank::ranks], self.schedule, rank, self.microbatches, [1] * ranks)
+            worker_memory(
+                footprints[rank::ranks],
+                flags[rank::ranks],
+                self.schedule,
+                rank,
+                self.microbatches,
+                [1] * ranks,
+            )
             for rank in range(ranks)
         ]
         return [per_rank[chunk % ranks] for chunk in range(len(stages))]
 
     def costs(self, topology: Topology) -> Costs:
-        """Per-stage times and per-boundary transfers for :func:`pipetrain.simulate.simulate`."""
+        """Per-stage times and per-boundary transfers for :func:`pipetrain.simulation.simulate`."""
         layers, layout = self.profile.layers, self.layout
         forward, backward, weight, allreduce = [], [], [], []
-        for stage, ((start, stop, replicas), again) in enumerate(zip(layout.stages, self.recompute)):
+        for stage, ((start, stop, replicas), again) in enumerate(
+            zip(layout.stages, self.recompute_flags)
+        ):
             part = layers[start:stop]
             forward_s = sum(layer.forward_s for layer in part)
             weight_s = sum(layer.weight_share_s for layer in part)
             forward.append(forward_s)
             weight.append(weight_s)
-            backward.append(sum(layer.backward_s for layer in part) - weight_s + (forward_s * self.recompute_share if again else 0.0))
+            backward.append(
+                sum(layer.backward_s for layer in part)
+                - weight_s
+                + (forward_s * self.recompute_share if again else 0.0)
+            )
             span = topology.span_bandwidth(layout.rank_of(stage), layout.last_rank_of(stage))
             weights = sum(layer.parameter_bytes for layer in part)
-            allreduce.append(2 * (replicas - 1) / replicas * weights / span if replicas > 1 else 0.0)
+            allreduce.append(
+                2 * (replicas - 1) / replicas * weights / span if replicas > 1 else 0.0
+            )
         boundaries = range(len(layout.stages) - 1)
         sizes = [layers[layout.stages[b][1] - 1].activation_bytes for b in boundaries] or [0.0]
         links = [self._link(topology, b) for b in boundaries] or [math.inf]
-        steps = [sum(layer.optimizer_s for layer in layers[start:stop]) for start, stop, _ in layout.stages]
+        steps = [
+            sum(layer.optimizer_s for layer in layers[start:stop])
+            for start, stop, _ in layout.stages
+        ]
         # each message keeps its sender busy after the forward (or backward) that made it,
         # and its receiver while copying it in
         message = self.profile.message_s
         last = len(layout.stages) - 1
         forward = [f + (message if stage < last else 0.0) for stage, f in enumerate(forward)]
-        backward = [max(b, 0.0) + (message if stage > 0 else 0.0) for stage, b in enumerate(backward)]
-        return Costs(forward, backward, weight, sizes, links, step_s=steps, allreduce_s=allreduce, receive_s=message)
+        backward = [
+            max(b, 0.0) + (message if stage > 0 else 0.0) for stage, b in enumerate(backward)
+        ]
+        return Costs(
+            forward,
+            backward,
+            weight,
+            sizes,
+            links,
+            step_s=steps,
+            allreduce_s=allreduce,
+            receive_s=message,
+        )
 
     def _link(self, topology: Topology, boundary: int) -> float:
         """Bandwidth across ``boundary``: the slowest link among both stages' workers."""
@@ -225,7 +269,10 @@ class Candidate:
         work = [f + b + w for f, b, w in zip(forward, backward, weight)]
         if self.layout.virtual > 1:
             ranks = self.layout.workers
-            return max(self.microbatches * sum(work[rank::ranks]) + sum(work[:rank]) for rank in range(ranks))
+            return max(
+                self.microbatches * sum(work[rank::ranks]) + sum(work[:rank])
+                for rank in range(ranks)
+            )
         split = self.schedule == "zb-h1"
         bound = head = tail = 0.0
         for stage, replicas in enumerate(self.layout.replicas):
@@ -244,7 +291,10 @@ class Candidate:
         layers = self.profile.layers
         forward, backward = [], []
         for start, stop, _ in self.layout.stages:
-            medians = (sum(layer.forward_s for layer in layers[start:stop]), sum(layer.backward_s for layer in layers[start:stop]))
+            medians = (
+                sum(layer.forward_s for layer in layers[start:stop]),
+                sum(layer.backward_s for layer in layers[start:stop]),
+            )
             stage_forward, stage_backward = spread.stage_factors(start, stop, medians)
             forward.append(stage_forward)
             backward.append(stage_backward)

@@ -4,7 +4,7 @@ A :class:`Timeline` is a set of timed :class:`Event` values, one per action a ra
 The simulator fills one with predicted times and the runtime with measured ones; this module
 knows nothing about where the events came from. It computes the figures a pipeline schedule is
 judged by (makespan, bubble fraction, peak in-flight activations) and exports the timeline as
-JSON, as a Chrome/Perfetto trace, and as a PNG Gantt chart (drawn by :mod:`pipetrain.gantt`).
+JSON, as a Chrome/Perfetto trace, and as a PNG Gantt chart (drawn by :mod:`pipetrain.timeline.gantt`).
 """
 
 from __future__ import annotations
@@ -136,9 +136,7 @@ class Timeline(JsonFile):
                     f"event {event!r} has rank {event.rank} outside [0, {num_ranks}); "
                     f"pass num_ranks > {event.rank} or fix the event's rank"
                 )
-        self.events: tuple[Event, ...] = tuple(
-            sorted(collected, key=lambda e: (e.start, e.rank))
-        )
+        self.events: tuple[Event, ...] = tuple(sorted(collected, key=lambda e: (e.start, e.rank)))
         self.num_ranks: int = num_ranks
         self.label: str = label
 
@@ -272,7 +270,7 @@ class Timeline(JsonFile):
         write_json(path, {"traceEvents": trace_events, "displayTimeUnit": "ms"})
 
     def plot(self, path: StrPath, title: str | None = None) -> None:
-        """Draw the timeline as a PNG Gantt chart, one lane per rank (see :mod:`pipetrain.gantt`).
+        """Draw the timeline as a PNG Gantt chart, one lane per rank (see :mod:`pipetrain.timeline.gantt`).
 
         ``title`` defaults to the timeline's label; the bubble fraction and makespan follow it.
         """
@@ -339,6 +337,6 @@ def plot_timelines(
     Each timeline is shifted to start at 0, so a predicted and a measured run of the same
     schedule line up. ``titles`` (one per timeline) default to the timelines' labels.
     """
-    from pipetrain.gantt import draw_gantt  # matplotlib is imported only when drawing
+    from pipetrain.timeline.gantt import draw_gantt  # matplotlib is imported only when drawing
 
     draw_gantt(timelines, path, titles)

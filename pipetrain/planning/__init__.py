@@ -1,0 +1,31 @@
+"""Planning: split a profiled model into stages over a network and pick how to run them.
+
+- :mod:`~pipetrain.planning.topology`: the network (levels of workers and link bandwidths);
+- :mod:`~pipetrain.planning.partition`: exact minimum-bottleneck straight pipelines;
+- :mod:`~pipetrain.planning.replicate`: PipeDream's replicated, hierarchical planner;
+- :mod:`~pipetrain.planning.memory`: per-worker peak memory for each schedule;
+- :mod:`~pipetrain.planning.planner`: :func:`plan`, which simulates candidates and picks one.
+"""
+
+from pipetrain.planning.memory import StageFootprint, worker_memory
+from pipetrain.planning.partition import balance_by_time, bottleneck, partition
+from pipetrain.planning.planner import RECOMPUTE_MODES, Plan, PlanStage, plan
+from pipetrain.planning.replicate import ReplicatedStage, Replication, replicate
+from pipetrain.planning.topology import Level, Topology
+
+__all__ = [
+    "RECOMPUTE_MODES",
+    "Level",
+    "Plan",
+    "PlanStage",
+    "ReplicatedStage",
+    "Replication",
+    "StageFootprint",
+    "Topology",
+    "balance_by_time",
+    "bottleneck",
+    "partition",
+    "plan",
+    "replicate",
+    "worker_memory",
+]

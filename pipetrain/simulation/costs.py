@@ -1,0 +1,71 @@
+"""Simulator inputs: :class:`Costs` (times per micro-batch and a communication model) and
+:class:`Variation` (how much measured actions vary from run to run)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+PerStage = float | Sequence[float]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Times in seconds per micro-batch and a communication model.
+
+    ``forward_s``, ``backward_s`` (the input-gradient part), ``weight_s`` (the
+    weight-gradient part; an unsplit backward costs ``backward_s + weight_s``), ``step_s``
+    (optimizer step) and ``allreduce_s`` (a replicated stage's gradient all-reduce) are a
+    float for every stage or one value per stage. ``activation_bytes`` and ``bandwidth``
+    (bytes/s) are a float or one value per stage boundary (boundary s joins stage s and
+    s + 1); a transfer costs ``latency_s + bytes / bandwidth``, and gradients are as large
+    as the activations they belong to. ``receive_s`` is the time a receive keeps the
+    receiving rank busy once the data is there (copying it in), as on CPU backends.
+    """
+
+    forward_s: PerStage
+    backward_s: PerStage
+    weight_s: PerStage = 0.0
+    activation_bytes: PerStage = 0.0
+    bandwidth: PerStage = math.inf
+    latency_s: float = 0.0
+    step_s: PerStage = 0.0
+    allreduce_s: PerStage = 0.0
+    receive_s: float = 0.0
+
+    def per_stage(self, field: str, count: int) -> list[float]:
+        """The named field expanded to ``count`` values, checked for length and sign."""
+        value = getattr(self, field)
+        values = (
+            [float(value)] * count if isinstance(value, (int, float)) else [float(v) for v in value]
+        )
+        if len(values) != count:
+            raise ValueError(
+                f"Costs.{field} has {len(values)} values, expected {count} (or one float)"
+            )
+        if any(v < 0 or math.isnan(v) for v in values):
+            raise ValueError(f"Costs.{field} must be non-negative, got {values}")
+        return values
+
+
+@dataclass(frozen=True)
+class Variation:
+    """How much a stage's actions vary from run to run, as measured.
+
+    ``forward[s]`` and ``backward[s]`` are factors by which stage ``s``'s forward and
+    backward (with its weight-gradient part) took longer, in measured runs, than their
+    cost in :class:`Costs`. Each compute action draws one factor of its kind at random.
+    """
+
+    forward: Sequence[Sequence[float]]
+    backward: Sequence[Sequence[float]]
+
+    def check(self, stages: int) -> None:
+        """Raise unless both kinds have a non-empty list of non-negative factors per stage."""
+        for name in ("forward", "backward"):
+            factors = getattr(self, name)
+            if len(factors) != stages or any(not values or min(values) < 0 for values in factors):
+                raise ValueError(
+                    f"Variation.{name} needs a non-empty list of non-negative factors for each of the {stages} stages"
+                )

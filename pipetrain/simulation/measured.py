@@ -1,0 +1,72 @@
+"""Simulator costs recovered from measured timelines, so predictions can be checked against runs."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+from pipetrain.simulation.costs import Costs
+from pipetrain.timeline import Timeline
+
+
+def measured_costs(timelines: Timeline | Sequence[Timeline], stages: int) -> Costs:
+    """Simulator costs from measured timelines: per stage, the median F, B, W and STEP durations.
+
+    A send's time on the sending rank (packing the message) is added to the compute it
+    follows. A measured receive is waiting plus copying the data in; the shortest receive
+    (one whose data was already there) gives ``receive_s``. The transfer time is
+    :func:`transfer_time`. Several timelines (steps) may be given: medians are then over
+    all of them, which steadies noisy measurements.
+    """
+    runs = [timelines] if isinstance(timelines, Timeline) else list(timelines)
+
+    def per_stage(kind: str, statistic) -> list[float]:
+        durations: list[list[float]] = [[] for _ in range(stages)]
+        for timeline in runs:
+            for event in timeline.events:
+                if event.kind == kind and event.stage is not None:
+                    durations[event.stage].append(event.duration)
+        return [statistic(values) if values else 0.0 for values in durations]
+
+    def total(*parts: list[float]) -> list[float]:
+        return [sum(values) for values in zip(*parts)]
+
+    median = statistics.median
+    return Costs(
+        forward_s=total(per_stage("F", median), per_stage("SEND_F", median)),
+        backward_s=total(per_stage("B", median), per_stage("SEND_B", median)),
+        weight_s=per_stage("W", median),
+        step_s=per_stage("STEP", median),
+        allreduce_s=per_stage("ALLREDUCE", median),
+        receive_s=min(
+            (e.duration for t in runs for e in t.events if e.kind in ("RECV_F", "RECV_B")),
+            default=0.0,
+        ),
+        latency_s=statistics.median(transfer_time(timeline) for timeline in runs) if runs else 0.0,
+    )
+
+
+def transfer_time(timeline: Timeline) -> float:
+    """Median time a message spends between the end of its send and the end of its receive.
+
+    Only the part of the receive that follows the send counts, so a receiver that arrives
+    late (the data already there) adds only its own copy time. 0 without transfers.
+    """
+    sends = {
+        (e.kind, e.stage, e.microbatch): e
+        for e in timeline.events
+        if e.kind in ("SEND_F", "SEND_B")
+    }
+    senders = {
+        "RECV_F": ("SEND_F", -1),
+        "RECV_B": ("SEND_B", +1),
+    }  # receive kind -> send kind, stage offset
+    gaps = []
+    for event in timeline.events:
+        if event.kind not in senders or event.stage is None:
+            continue
+        kind, offset = senders[event.kind]
+        send = sends.get((kind, event.stage + offset, event.microbatch))
+        if send is not None:
+            gaps.append(max(0.0, event.end - max(send.end, event.start)))
+    return statistics.median(gaps) if gaps else 0.0

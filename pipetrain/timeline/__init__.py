@@ -1,0 +1,25 @@
+"""Timelines: what each rank did when, predicted by the simulator or measured by the runtime.
+
+:class:`Timeline` holds :class:`Event` s and derives the makespan, bubble fraction and peak
+activations; it saves as JSON, exports a Chrome/Perfetto trace and draws a PNG Gantt chart.
+"""
+
+from pipetrain.timeline.timeline import (
+    BUSY_KINDS,
+    Event,
+    StrPath,
+    Timeline,
+    format_seconds,
+    plot_timelines,
+    time_unit,
+)
+
+__all__ = [
+    "BUSY_KINDS",
+    "Event",
+    "StrPath",
+    "Timeline",
+    "format_seconds",
+    "plot_timelines",
+    "time_unit",
+]
