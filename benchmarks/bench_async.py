@@ -30,7 +30,8 @@ WARMUP = 2
 
 
 def train(schedule: str, per_call: int, microbatch_size: int, steps: int) -> dict:
-    """Worker: ``steps`` calls of ``train_step``; rank 0 returns call times and recorded timelines."""
+    """Worker: ``steps`` calls of ``train_step``; rank 0 returns call times and recorded
+    timelines."""
     options = {
         "1f1b": {"microbatches": 4},
         "pipedream": {"microbatches": per_call},
@@ -95,13 +96,15 @@ def main() -> None:
         f"median of {args.rounds} alternating rounds"
     )
     print(
-        f"{'schedule':10} {'samples/s':>10} {'vs 1f1b':>8} {'predicted/s':>12} {'predicted vs 1f1b':>18}"
+        f"{'schedule':10} {'samples/s':>10} {'vs 1f1b':>8} {'predicted/s':>12} "
+        f"{'predicted vs 1f1b':>18}"
     )
     base, base_predicted = statistics.median(rates["1f1b"]), statistics.median(predicted["1f1b"])
     for schedule in rates:
         rate, guess = statistics.median(rates[schedule]), statistics.median(predicted[schedule])
         print(
-            f"{schedule:10} {rate:10.1f} {rate / base:8.2f} {guess:12.1f} {guess / base_predicted:18.2f}"
+            f"{schedule:10} {rate:10.1f} {rate / base:8.2f} {guess:12.1f} "
+            f"{guess / base_predicted:18.2f}"
         )
 
 

@@ -11,7 +11,8 @@ After every epoch it evaluates on held-out data (digits: test accuracy and loss;
 the held-out windows, an "epoch" being a fixed number of training samples). Writes a PNG of
 the curves and prints the final metrics beside the unpipelined run's.
 
-    python benchmarks/bench_convergence.py [--quick] [--plot PATH] [--gpt-lr 3e-3] [--gpt-epochs 28] [--warmup 0.1]
+    python benchmarks/bench_convergence.py [--quick] [--plot PATH] [--gpt-lr 3e-3] \
+        [--gpt-epochs 28] [--warmup 0.1]
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class Setup:
         """Whole calls per epoch, so every run evaluates after the same samples."""
         if self.updates_per_epoch % self.window:
             raise ValueError(
-                f"updates_per_epoch {self.updates_per_epoch} must be a multiple of window {self.window}"
+                f"updates_per_epoch {self.updates_per_epoch} must be a multiple of "
+                f"window {self.window}"
             )
 
     @property
@@ -271,7 +273,8 @@ def _curve(setup: Setup, history: list[Metrics]) -> tuple[list[float], list[floa
 
 
 def plot(results: list[tuple[Setup, dict[str, list[Metrics]]]], path: Path) -> None:
-    """One panel per model (CNN test accuracy, GPT held-out loss), each with a zoom on the second half."""
+    """One panel per model (CNN test accuracy, GPT held-out loss), each with a zoom on the
+    second half."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -291,7 +294,10 @@ def plot(results: list[tuple[Setup, dict[str, list[Metrics]]]], path: Path) -> N
         zoom.grid(alpha=0.3)
         zoom.set_title("second half, zoomed", fontsize=8)
         first = [_curve(setup, h)[1][1] for h in histories.values()]
-        detail = f"batch {setup.batch_size}, Adam lr {setup.lr:g}, {setup.warmup:.0%} warm-up, cosine, {setup.epochs} epochs"
+        detail = (
+            f"batch {setup.batch_size}, Adam lr {setup.lr:g}, {setup.warmup:.0%} warm-up, "
+            f"cosine, {setup.epochs} epochs"
+        )
         if cnn:
             axis.set_title(f"CNN on digits ({detail})", fontsize=10)
             axis.set_xlabel("epoch (1437 training images)")
@@ -309,8 +315,8 @@ def plot(results: list[tuple[Setup, dict[str, list[Metrics]]]], path: Path) -> N
     handles, labels = axes[0].get_legend_handles_labels()
     figure.legend(handles, labels, loc="upper center", ncol=len(labels), frameon=False)
     figure.suptitle(
-        f"{STAGES} pipeline stages on {STAGES} processes; same initial weights, data order, batch and lr "
-        "(except 'other init')",
+        f"{STAGES} pipeline stages on {STAGES} processes; same initial weights, data order, "
+        "batch and lr (except 'other init')",
         y=0.93,
         fontsize=9,
         color="0.3",
@@ -328,7 +334,8 @@ def main() -> None:
         "--plot",
         type=Path,
         default=None,
-        help="PNG to write (default benchmarks/convergence.png, or convergence_quick.png with --quick)",
+        help="PNG to write (default benchmarks/convergence.png, or convergence_quick.png "
+        "with --quick)",
     )
     parser.add_argument(
         "--gpt-lr", type=float, default=3e-3, help="the GPT's peak learning rate (default 3e-3)"
@@ -354,8 +361,9 @@ def main() -> None:
     results = []
     for setup in setups(args.quick, args.gpt_lr, args.gpt_epochs, args.warmup):
         print(
-            f"{setup.model}: {setup.epochs} epochs of {setup.updates_per_epoch} updates x {setup.batch_size} samples; "
-            f"1f1b/2bw {setup.microbatches} micro-batches per update; pipedream/2bw {setup.window} updates per call",
+            f"{setup.model}: {setup.epochs} epochs of {setup.updates_per_epoch} updates x "
+            f"{setup.batch_size} samples; 1f1b/2bw {setup.microbatches} micro-batches per "
+            f"update; pipedream/2bw {setup.window} updates per call",
             flush=True,
         )
         results.append((setup, run_all(setup)))
@@ -365,7 +373,8 @@ def main() -> None:
     for setup, histories in results:
         print("\n".join(table(setup, histories)))
     print(
-        f"\ntarget: accuracy within {ACCURACY_TARGET_PP:g} pp (CNN), loss within {LOSS_TARGET_PCT:g}% (GPT) of unpipelined"
+        f"\ntarget: accuracy within {ACCURACY_TARGET_PP:g} pp (CNN), loss within "
+        f"{LOSS_TARGET_PCT:g}% (GPT) of unpipelined"
     )
     plot(results, path)
     print(f"wrote {path}")

@@ -101,8 +101,9 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     print(
-        f"{'round':>5} {'planner balance':>16} {'planner ms':>11} {'equal ms':>9} {'speedup':>8} {'predicted ms':>13} "
-        f"{'pred/meas':>10} {'pred/first':>11} {'steady/meas':>12} {'rerun diff':>11}",
+        f"{'round':>5} {'planner balance':>16} {'planner ms':>11} {'equal ms':>9} {'speedup':>8} "
+        f"{'predicted ms':>13} {'pred/meas':>10} {'pred/first':>11} {'steady/meas':>12} "
+        f"{'rerun diff':>11}",
         flush=True,
     )
     for index in range(1, args.rounds + 1):
@@ -121,9 +122,9 @@ def main() -> None:
         }
         rows.append(row)
         print(
-            f"{index:>5} {plan.balance!s:>16} {ours * 1e3:11.2f} {equal_s * 1e3:9.2f} {row['speedup']:8.2f} "
-            f"{plan.predicted_step_s * 1e3:13.2f} {row['meas']:10.3f} {row['first']:11.3f} {row['steady']:12.3f} "
-            f"{row['rerun']:11.1%}",
+            f"{index:>5} {plan.balance!s:>16} {ours * 1e3:11.2f} {equal_s * 1e3:9.2f} "
+            f"{row['speedup']:8.2f} {plan.predicted_step_s * 1e3:13.2f} {row['meas']:10.3f} "
+            f"{row['first']:11.3f} {row['steady']:12.3f} {row['rerun']:11.1%}",
             flush=True,
         )
     print(f"\nthe last round's plan:\n{plan.describe()}\n")
@@ -133,7 +134,8 @@ def main() -> None:
 
     def summary(name: str, spec: str = ".3f") -> str:
         values = column(name)
-        return f"median {statistics.median(values):{spec}} (range {min(values):{spec}}-{max(values):{spec}})"
+        low, high = min(values), max(values)
+        return f"median {statistics.median(values):{spec}} (range {low:{spec}}-{high:{spec}})"
 
     print(f"planner split vs equal split: {summary('speedup')}")
     for name, what in (

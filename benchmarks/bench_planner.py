@@ -84,7 +84,8 @@ def main() -> None:
     print(f"layers per stage {chosen.balance}, replicas {chosen.replicas}")
     print(
         f"with 50 measured runs per layer (steps simulated with variation): {varied_s:.3f} s, "
-        f"predicted step {varied.predicted_step_s:.4g} s against {varied.steady_step_s:.4g} s steady"
+        f"predicted step {varied.predicted_step_s:.4g} s against "
+        f"{varied.steady_step_s:.4g} s steady"
     )
 
 

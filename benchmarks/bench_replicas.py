@@ -83,8 +83,8 @@ def main() -> None:
     ]
     gradient_kib = sum(p.numel() * p.element_size() for p in build_model(MODEL).parameters()) / 1024
     print(
-        f"{MODEL} ({gradient_kib:.0f} KiB of gradients), 2 replicas x 1 thread, batch {args.batch_size}, "
-        f"medians of {args.rounds} rounds"
+        f"{MODEL} ({gradient_kib:.0f} KiB of gradients), 2 replicas x 1 thread, "
+        f"batch {args.batch_size}, medians of {args.rounds} rounds"
     )
     print(f"{'all-reduce':26} {'step ms':>8} {'wait ms':>8} {'step vs one bucket':>19}")
     medians = {
@@ -94,9 +94,10 @@ def main() -> None:
         ("one bucket", "one bucket, after backward"),
         ("buckets", f"{args.bucket_kib:g} KiB buckets"),
     ):
+        step, wait = medians[label + " step"], medians[label + " wait"]
         print(
-            f"{name:26} {medians[label + ' step'] * 1e3:8.2f} {medians[label + ' wait'] * 1e3:8.2f} "
-            f"{medians['one bucket step'] / medians[label + ' step']:19.2f}"
+            f"{name:26} {step * 1e3:8.2f} {wait * 1e3:8.2f} "
+            f"{medians['one bucket step'] / step:19.2f}"
         )
     print(
         "per round, step one bucket / buckets: "

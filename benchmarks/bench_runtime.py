@@ -10,7 +10,8 @@ Machine load drifts over minutes, so pipetrain and torch run in the same two pro
 step by step in turn, and the whole comparison repeats for ``--rounds`` rounds (new
 processes each); each figure is the median over its rounds.
 
-    python benchmarks/bench_runtime.py [--model gpt] [--steps 30] [--microbatches 4] [--batch-size 32] [--rounds 3]
+    python benchmarks/bench_runtime.py [--model gpt] [--steps 30] [--microbatches 4] \
+        [--batch-size 32] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -129,11 +130,12 @@ def main() -> None:
         steady(run_unpipelined(args.model, args.batch_size, args.steps)) for _ in range(args.rounds)
     )
     print(
-        f"{args.model}, batch {args.batch_size}, {args.microbatches} micro-batches, 2 stages, 2 processes x 1 thread, "
-        f"steps in turn, median of {args.rounds} rounds"
+        f"{args.model}, batch {args.batch_size}, {args.microbatches} micro-batches, 2 stages, "
+        f"2 processes x 1 thread, steps in turn, median of {args.rounds} rounds"
     )
     print(
-        f"{'run':34} {'step ms':>9} {'vs unpipelined':>15} {'vs torch':>9} {'predicted ms':>13} {'pred/meas':>10}"
+        f"{'run':34} {'step ms':>9} {'vs unpipelined':>15} {'vs torch':>9} {'predicted ms':>13} "
+        f"{'pred/meas':>10}"
     )
     print(f"{'unpipelined (1 process)':34} {baseline * 1e3:9.2f} {1.0:15.2f}")
     for schedule in ("gpipe", "1f1b"):
@@ -153,14 +155,16 @@ def main() -> None:
             statistics.median(v) for v in (ours_runs, theirs_runs, predictions)
         )
         print(
-            f"{'pipetrain ' + schedule:34} {ours_s * 1e3:9.2f} {baseline / ours_s:15.2f} {theirs_s / ours_s:9.2f} "
-            f"{ratio * ours_s * 1e3:13.2f} {ratio:10.2f}"
+            f"{'pipetrain ' + schedule:34} {ours_s * 1e3:9.2f} {baseline / ours_s:15.2f} "
+            f"{theirs_s / ours_s:9.2f} {ratio * ours_s * 1e3:13.2f} {ratio:10.2f}"
         )
         print(
-            f"{'torch.distributed.pipelining ' + schedule:34} {theirs_s * 1e3:9.2f} {baseline / theirs_s:15.2f} {1.0:9.2f}"
+            f"{'torch.distributed.pipelining ' + schedule:34} {theirs_s * 1e3:9.2f} "
+            f"{baseline / theirs_s:15.2f} {1.0:9.2f}"
         )
+        speedups = ", ".join(f"{t / o:.2f}" for o, t in zip(ours_runs, theirs_runs))
         print(
-            f"{'':34} per round, torch/pipetrain: {', '.join(f'{t / o:.2f}' for o, t in zip(ours_runs, theirs_runs))}; "
+            f"{'':34} per round, torch/pipetrain: {speedups}; "
             f"predicted/measured: {', '.join(f'{r:.2f}' for r in predictions)}"
         )
     print("'vs unpipelined' and 'vs torch' are speedups (>1 means this run is faster).")

@@ -10,15 +10,20 @@ and the time to simulate, each the best of 3 runs.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from pipetrain.schedules import SCHEDULE_NAMES, build
 from pipetrain.simulation import Costs, simulate
 
+T = TypeVar("T")
 
-def best_of(runs: int, work) -> tuple[float, object]:
-    """The fastest of ``runs`` timings of ``work()`` and its last result."""
-    best, result = float("inf"), None
+
+def best_of(runs: int, work: Callable[[], T]) -> tuple[float, T]:
+    """The fastest of ``runs`` timings of ``work()`` and its last result (``runs`` >= 1)."""
+    best = float("inf")
     for _ in range(runs):
         start = time.perf_counter()
         result = work()
@@ -43,16 +48,19 @@ def main() -> None:
     print(f"{args.stages} stages x {args.microbatches} micro-batches")
     print(f"{'schedule':12} {'actions':>9} {'build s':>8} {'simulate s':>11} {'bubble':>8}")
     for name in SCHEDULE_NAMES:
-        build_s, schedule = best_of(3, lambda: build(name, args.stages, args.microbatches))
+        build_s, schedule = best_of(
+            3, functools.partial(build, name, args.stages, args.microbatches)
+        )
         per_chunk = (
             Costs(**{**costs.__dict__, "forward_s": 0.5, "backward_s": 0.5, "weight_s": 0.5})
             if name == "interleaved"
             else costs
         )
-        simulate_s, timeline = best_of(3, lambda: simulate(schedule, per_chunk))
+        simulate_s, timeline = best_of(3, functools.partial(simulate, schedule, per_chunk))
         actions = sum(len(actions) for actions in schedule.ranks)
         print(
-            f"{name:12} {actions:9d} {build_s:8.2f} {simulate_s:11.2f} {timeline.bubble_fraction:8.3f}"
+            f"{name:12} {actions:9d} {build_s:8.2f} {simulate_s:11.2f} "
+            f"{timeline.bubble_fraction:8.3f}"
         )
 
 

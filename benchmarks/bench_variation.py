@@ -130,7 +130,8 @@ def main() -> None:
         ),
     ]
     print(
-        f"measured: step {wall * 1e3:.2f} ms (train_step, not recording), recorded makespan {makespan * 1e3:.2f} ms"
+        f"measured: step {wall * 1e3:.2f} ms (train_step, not recording), "
+        f"recorded makespan {makespan * 1e3:.2f} ms"
     )
     print(f"{'simulated':<52} {'ms':>7} {'/ makespan':>11} {'/ step':>7}")
     for name, value in rows:

@@ -89,13 +89,12 @@ def main() -> None:
         began = time.perf_counter()
         history = train(stale, args.lr, args.warmup, args.clip, args.epochs)
         finals[label] = history[-1]
-        print(
-            f"{label:12} {' '.join(f'{loss:.4f}' for loss in history)}  ({time.perf_counter() - began:.0f} s)",
-            flush=True,
-        )
+        losses = " ".join(f"{loss:.4f}" for loss in history)
+        print(f"{label:12} {losses}  ({time.perf_counter() - began:.0f} s)", flush=True)
     gap = 100 * (finals["2BW rule"] - finals["unpipelined"]) / finals["unpipelined"]
     print(
-        f"final held-out loss: unpipelined {finals['unpipelined']:.4f}, 2BW rule {finals['2BW rule']:.4f} ({gap:+.1f}%)"
+        f"final held-out loss: unpipelined {finals['unpipelined']:.4f}, "
+        f"2BW rule {finals['2BW rule']:.4f} ({gap:+.1f}%)"
     )
 
 

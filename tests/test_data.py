@@ -11,7 +11,7 @@ import torch
 from sklearn.datasets import load_digits
 from torch import Tensor
 
-from pipetrain import data
+from pipetrain.app import data
 from pipetrain.app.data import BatchStream, digits, stdlib_corpus
 from pipetrain.app.models import MODEL_NAMES
 
@@ -65,7 +65,7 @@ def test_stdlib_corpus_is_deterministic_and_truncated() -> None:
 
 
 def test_stdlib_corpus_rejects_nonpositive_size() -> None:
-    with pytest.raises(ValueError, match="max_bytes 0"):
+    with pytest.raises(ValueError, match="max_bytes must be a positive integer, got 0"):
         stdlib_corpus(0)
 
 
@@ -152,7 +152,9 @@ def test_digit_batches_drop_partial_batch() -> None:
 def test_stream_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="no data for model 'resnet'"):
         BatchStream("resnet", 4)
-    with pytest.raises(ValueError, match="batch_size 0"):
+    with pytest.raises(ValueError, match="batch_size must be a positive integer, got 0"):
         BatchStream("mlp", 0)
+    with pytest.raises(ValueError, match="seq_len must be a positive integer, got 0"):
+        BatchStream("gpt", 4, seq_len=0)
     with pytest.raises(ValueError, match="batch_size 2000 exceeds the 1437"):
         BatchStream("mlp", 2000)

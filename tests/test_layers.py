@@ -186,7 +186,7 @@ def test_tuple_outputs_are_unpacked_into_next_layer() -> None:
     assert torch.equal(outputs[0][0], x + 1) and torch.equal(outputs[0][1], x * 2)
     assert torch.equal(outputs[1], (x + 1) - x * 2)
     assert torch.equal(stage(x), torch.tensor([0.0, -1.0]))
-    first, second = StageModule([("split", Split())])(x)
+    _, second = StageModule([("split", Split())])(x)
     assert torch.equal(second, x * 2)
 
 

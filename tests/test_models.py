@@ -67,7 +67,7 @@ def test_build_leaves_global_random_state_alone() -> None:
 
 
 def test_unknown_model_lists_names() -> None:
-    with pytest.raises(ValueError, match="unknown model 'resnet'.*mlp, cnn, gpt, uneven-mlp"):
+    with pytest.raises(ValueError, match=r"unknown model 'resnet'.*mlp, cnn, gpt, uneven-mlp"):
         build_model("resnet")
     with pytest.raises(ValueError, match="unknown model"):
         loss_function("resnet")
@@ -76,6 +76,19 @@ def test_unknown_model_lists_names() -> None:
 def test_unknown_option_lists_accepted_options() -> None:
     with pytest.raises(TypeError, match="no option width; its options are hidden, hidden_layers"):
         build_model("mlp", width=3)
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "message"),
+    [
+        ("mlp", {"hidden": 0}, "mlp hidden must be a positive integer, got 0"),
+        ("cnn", {"channels": -1}, "cnn channels must be a positive integer, got -1"),
+        ("gpt", {"n_layers": 0}, "gpt n_layers must be a positive integer, got 0"),
+    ],
+)
+def test_bad_sizes_are_refused(name: str, options: dict[str, int], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build_model(name, **options)
 
 
 def test_options_change_the_model() -> None:

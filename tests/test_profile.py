@@ -1,4 +1,5 @@
-"""Profiles validate, round-trip through JSON and rescale; profile() measures without side effects."""
+"""Profiles validate, round-trip through JSON and rescale; profile() measures without side
+effects."""
 
 from __future__ import annotations
 
@@ -28,16 +29,19 @@ from pipetrain.profiler import LayerCost, Profile, Spread, pooled, profile
 def test_negative_values_name_the_layer_and_field(field: str) -> None:
     bad = LayerCost(forward_s=1.0, backward_s=1.0, name="head")
     setattr(bad, field, -1.0)
-    with pytest.raises(ValueError, match=rf"layer 1 \(head\): {field} = -1.0 is negative"):
+    message = rf"layer 1 \(head\): {field} must be a finite number >= 0, got -1.0"
+    with pytest.raises(ValueError, match=message):
         Profile([LayerCost(1.0, 1.0), bad])
 
 
 def test_other_invalid_profiles() -> None:
     with pytest.raises(ValueError, match="non-empty list"):
         Profile([])
-    with pytest.raises(ValueError, match="layer 0: forward_s = nan"):
+    with pytest.raises(
+        ValueError, match="layer 0: forward_s must be a finite number >= 0, got nan"
+    ):
         Profile([LayerCost(float("nan"), 1.0)])
-    with pytest.raises(ValueError, match="weight_backward_s = 3.0 exceeds backward_s"):
+    with pytest.raises(ValueError, match=r"weight_backward_s = 3\.0 exceeds backward_s"):
         Profile([LayerCost(1.0, 2.0, weight_backward_s=3.0)])
     with pytest.raises(ValueError, match="microbatch_size"):
         Profile([LayerCost(1.0, 2.0)], microbatch_size=0)
@@ -101,11 +105,11 @@ def test_spread_is_checked() -> None:
     layers = sample_profile().layers
     with pytest.raises(ValueError, match="run 1 must list 2 layer times"):
         Profile(layers, spread=Spread([[1.0, 1.0], [1.0]], [[1.0, 1.0]]))
-    with pytest.raises(ValueError, match="Spread.backward_s must be a non-empty list"):
+    with pytest.raises(ValueError, match=r"Spread\.backward_s must be a non-empty list"):
         Profile(layers, spread=Spread([[1.0, 1.0]], []))
-    with pytest.raises(ValueError, match="Spread run 0: forward_s = -1.0 is negative"):
+    with pytest.raises(ValueError, match="Spread run 0: forward_s must be a finite number >= 0"):
         Profile(layers, spread=Spread([[-1.0, 1.0]], [[1.0, 1.0]]))
-    with pytest.raises(TypeError, match="Profile.spread must be a Spread"):
+    with pytest.raises(TypeError, match=r"Profile\.spread must be a Spread"):
         Profile(layers, spread={"forward_s": [[1.0, 1.0]]})  # type: ignore[arg-type]
     data = with_spread().to_dict()
     data["spread"]["colour"] = "red"
@@ -364,6 +368,8 @@ def test_argument_errors() -> None:
         profile(model, inputs, targets, loss, repeats=0)
     with pytest.raises(ValueError, match="warmup"):
         profile(model, inputs, targets, loss, warmup=-1)
+    with pytest.raises(ValueError, match="optimizer_state_factor"):
+        profile(model, inputs, targets, loss, optimizer_state_factor=-1.0)
     with pytest.raises(TypeError, match="cannot split"):
         profile(nn.Linear(6, 3), inputs, targets, loss)
 

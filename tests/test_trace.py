@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipetrain.timeline import BUSY_KINDS, Event, Timeline, plot_timelines
+from pipetrain.timeline import BUSY_KINDS, Event, Timeline, gantt, plot_timelines
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -94,7 +94,7 @@ def test_release_before_acquire_at_equal_times() -> None:
         Event(0, "B", 0, 1, 3.0, 4.0),
     ]
     assert Timeline(touching, 1).peak_activations == [1]
-    overlapping = touching[:2] + [Event(0, "F", 0, 1, 1.9, 3.0), touching[3]]
+    overlapping = [*touching[:2], Event(0, "F", 0, 1, 1.9, 3.0), touching[3]]
     assert Timeline(overlapping, 1).peak_activations == [2]
 
 
@@ -289,6 +289,39 @@ def test_plot_timelines_side_by_side(tmp_path: Path) -> None:
         plot_timelines([predicted, measured, interleaved], path, ["a", "b"])
     with pytest.raises(ValueError, match="at least one timeline"):
         plot_timelines([], path)
+
+
+def test_target_output_and_loss_kinds_plot_and_export(tmp_path: Path) -> None:
+    new_kinds = ["SEND_T", "RECV_T", "SEND_O", "RECV_O", "LOSS"]
+    events = [
+        Event(0, "F", 0, 0, 0.0, 1.0),
+        Event(0, "SEND_T", 0, 0, 0.0, 0.1),
+        Event(1, "RECV_T", 1, 0, 0.0, 0.1),
+        Event(1, "F", 1, 0, 1.0, 2.0),
+        Event(1, "SEND_O", 1, 0, 2.0, 2.2),
+        Event(0, "RECV_O", 0, 0, 2.0, 2.2),
+        Event(0, "LOSS", None, None, 2.2, 2.5),
+        Event(1, "LOSS", None, None, 2.2, 2.5),
+    ]
+    timeline = Timeline(events, 2, "targets, outputs and loss")
+    assert timeline.busy_time(0) == timeline.busy_time(1) == 1.0
+    assert timeline.bubble_fraction == pytest.approx(1 - 2.0 / (2 * 2.5))
+    # every new kind draws in the communication strip; LOSS with the all-reduce style
+    assert [gantt._comm_key(kind) for kind in new_kinds] == [
+        "SEND",
+        "RECV",
+        "SEND",
+        "RECV",
+        "ALLREDUCE",
+    ]
+    png = tmp_path / "kinds.png"
+    timeline.plot(png)
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    trace_path = tmp_path / "kinds.json"
+    timeline.to_chrome_trace(trace_path)
+    trace = json.loads(trace_path.read_text())
+    categories = {e["cat"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert categories == {"F", *new_kinds}
 
 
 def test_event_ending_before_start_is_rejected() -> None:

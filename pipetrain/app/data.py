@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pipetrain.checks import positive_int
+
 Split = tuple[Tensor, Tensor]
 """Inputs and targets of one data split."""
 
@@ -59,9 +61,7 @@ def stdlib_corpus(max_bytes: int = 2_000_000) -> Tensor:
     Files are read in sorted path order (so the corpus is deterministic for a given Python
     version); test directories, installed packages and unreadable files are skipped.
     """
-    if max_bytes < 1:
-        raise ValueError(f"max_bytes {max_bytes} must be >= 1")
-    data = _read_stdlib(max_bytes)
+    data = _read_stdlib(positive_int("max_bytes", max_bytes))
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
@@ -105,11 +105,9 @@ class BatchStream:
         if model_name not in _DIGIT_MODELS and model_name not in _TEXT_MODELS:
             known = ", ".join([*_DIGIT_MODELS, *_TEXT_MODELS])
             raise ValueError(f"no data for model {model_name!r}; choose one of {known}")
-        if batch_size < 1 or seq_len < 1:
-            raise ValueError(f"batch_size {batch_size} and seq_len {seq_len} must both be >= 1")
         self.model_name = model_name
-        self.batch_size = batch_size
-        self.seq_len = seq_len
+        self.batch_size = positive_int("batch_size", batch_size)
+        self.seq_len = positive_int("seq_len", seq_len)
         self._generator = torch.Generator().manual_seed(seed)
         if model_name in _TEXT_MODELS:
             self._init_text()

@@ -6,13 +6,13 @@ hand, saved to JSON and loaded back.
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from pipetrain.jsonfile import JsonFile
+from pipetrain.checks import non_negative_number, positive_int
+from pipetrain.jsonfile import JsonFile, unversioned, versioned
 
 FORMAT_VERSION = 1
 """Version of the JSON layout written by :meth:`Profile.save`."""
@@ -87,7 +87,7 @@ class Spread:
                         f"Spread.{name} run {index} must list {layers} layer times (one per layer)"
                     )
                 for value in run:
-                    _check_amount(name, value, f"Spread run {index}")
+                    non_negative_number(f"Spread run {index}: {name}", value)
 
     def stage_factors(
         self, start: int, stop: int, medians: tuple[float, float]
@@ -139,11 +139,9 @@ class Profile(JsonFile):
             raise ValueError("a Profile needs a non-empty list of LayerCost, one per layer")
         for index, layer in enumerate(self.layers):
             _check_layer(index, layer)
-        size = self.microbatch_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"microbatch_size must be a positive integer, got {size!r}")
-        _check_amount("input_bytes", self.input_bytes, "Profile")
-        _check_amount("message_s", self.message_s, "Profile")
+        positive_int("microbatch_size", self.microbatch_size)
+        non_negative_number("Profile.input_bytes", self.input_bytes)
+        non_negative_number("Profile.message_s", self.message_s)
         if self.spread is not None:
             if not isinstance(self.spread, Spread):
                 raise TypeError(
@@ -161,12 +159,7 @@ class Profile(JsonFile):
         Weights and optimizer state do not change. The peak memory keeps its
         ``parameter_bytes`` part (weight gradients) and scales the rest.
         """
-        if (
-            isinstance(microbatch_size, bool)
-            or not isinstance(microbatch_size, int)
-            or microbatch_size < 1
-        ):
-            raise ValueError(f"microbatch_size must be a positive integer, got {microbatch_size!r}")
+        positive_int("microbatch_size", microbatch_size)
         factor = microbatch_size / self.microbatch_size
         return Profile(
             layers=[_scaled_layer(layer, factor) for layer in self.layers],
@@ -178,26 +171,23 @@ class Profile(JsonFile):
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dictionary with a ``format_version``."""
-        return {
-            "format_version": FORMAT_VERSION,
-            "microbatch_size": self.microbatch_size,
-            "input_bytes": self.input_bytes,
-            "message_s": self.message_s,
-            "layers": [asdict(layer) for layer in self.layers],
-            "spread": None if self.spread is None else asdict(self.spread),
-        }
+        return versioned(
+            FORMAT_VERSION,
+            {
+                "microbatch_size": self.microbatch_size,
+                "input_bytes": self.input_bytes,
+                "message_s": self.message_s,
+                "layers": [asdict(layer) for layer in self.layers],
+                "spread": None if self.spread is None else asdict(self.spread),
+            },
+        )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
         """Rebuild a profile from :meth:`to_dict` output; raise ValueError on another format."""
-        if not isinstance(data, dict):
-            raise ValueError(f"a profile must be a JSON object, got {type(data).__name__}")
-        version = data.get("format_version")
-        if version != FORMAT_VERSION:
-            raise ValueError(
-                f"profile format_version {version!r} is not supported; this pipetrain reads "
-                f"format_version {FORMAT_VERSION}. Measure the profile again with pipetrain.profile()."
-            )
+        data = unversioned(
+            data, "profile", FORMAT_VERSION, "Measure the profile again with pipetrain.profile()."
+        )
         known = {f.name for f in fields(LayerCost)}
         layers = []
         for index, entry in enumerate(data.get("layers", [])):
@@ -237,29 +227,38 @@ def pooled(profiles: Sequence[Profile]) -> Profile:
     for index, other in enumerate(profiles[1:], 1):
         if len(other.layers) != len(first.layers) or other.microbatch_size != first.microbatch_size:
             raise ValueError(
-                f"profile {index} has {len(other.layers)} layers at micro-batch size {other.microbatch_size}, "
-                f"profile 0 has {len(first.layers)} at {first.microbatch_size}; pool profiles of the same model and size"
+                f"profile {index} has {len(other.layers)} layers at micro-batch size "
+                f"{other.microbatch_size}, profile 0 has {len(first.layers)} at "
+                f"{first.microbatch_size}; pool profiles of the same model and size"
             )
     layers = []
     for index, layer in enumerate(first.layers):
         column = [profile.layers[index] for profile in profiles]
-        times = {
-            name: statistics.mean(getattr(c, name) for c in column)
+        forward_s, backward_s, optimizer_s = (
+            statistics.mean(getattr(c, name) for c in column)
             for name in ("forward_s", "backward_s", "optimizer_s")
-        }
-        shares = [c.weight_backward_s for c in column]
-        times["weight_backward_s"] = (
-            None if None in shares else min(statistics.mean(shares), times["backward_s"])
         )
-        layers.append(replace(layer, **times))
-    spreads = [profile.spread for profile in profiles]
+        shares = [c.weight_backward_s for c in column if c.weight_backward_s is not None]
+        weight_backward_s = (
+            min(statistics.mean(shares), backward_s) if len(shares) == len(column) else None
+        )
+        layers.append(
+            replace(
+                layer,
+                forward_s=forward_s,
+                backward_s=backward_s,
+                optimizer_s=optimizer_s,
+                weight_backward_s=weight_backward_s,
+            )
+        )
+    spreads = [profile.spread for profile in profiles if profile.spread is not None]
     spread = (
-        None
-        if None in spreads
-        else Spread(
+        Spread(
             [run for s in spreads for run in s.forward_s],
             [run for s in spreads for run in s.backward_s],
         )
+        if len(spreads) == len(profiles)
+        else None
     )
     return replace(first, layers=layers, spread=spread)
 
@@ -275,20 +274,13 @@ def _check_layer(index: int, layer: object) -> None:
         value = getattr(layer, field.name)
         if field.name == "name" or (field.name == "weight_backward_s" and value is None):
             continue
-        _check_amount(field.name, value, where)
+        non_negative_number(f"{where}: {field.name}", value)
     if layer.weight_backward_s is not None and layer.weight_backward_s > layer.backward_s:
         raise ValueError(
             f"{where}: weight_backward_s = {layer.weight_backward_s} exceeds backward_s = "
-            f"{layer.backward_s}; backward_s is the full backward, so its weight share cannot be larger"
+            f"{layer.backward_s}; backward_s is the full backward, so its weight share "
+            "cannot be larger"
         )
-
-
-def _check_amount(field: str, value: object, where: str) -> None:
-    """Raise unless ``value`` is a finite number >= 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{where}: {field} = {value!r} must be a finite number")
-    if value < 0:
-        raise ValueError(f"{where}: {field} = {value!r} is negative; times and sizes must be >= 0")
 
 
 def _scaled_layer(layer: LayerCost, factor: float) -> LayerCost:

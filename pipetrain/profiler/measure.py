@@ -13,18 +13,26 @@ splits into input and weight gradients. The model is left exactly as it was foun
 from __future__ import annotations
 
 import statistics
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from pipetrain.checks import is_int, non_negative_int, non_negative_number, positive_int
 from pipetrain.model.layers import to_layers
-from pipetrain.profiler.costs import LayerCost, Profile, Spread
-
-LossFn = Callable[[Any, Any], Tensor]
+from pipetrain.profiler.costs import LayerCost, Profile
+from pipetrain.profiler.timing import LossFn, OptimizerFactory, Timer, time_in_sequence
+from pipetrain.profiler.values import (
+    Values,
+    as_values,
+    first,
+    fresh_inputs,
+    nbytes,
+    tensors,
+    to_device,
+)
 
 
 def profile(
@@ -37,7 +45,7 @@ def profile(
     repeats: int = 5,
     warmup: int = 2,
     optimizer_state_factor: float = 2.0,
-    optimizer: Callable[[list[Tensor]], torch.optim.Optimizer] | None = None,
+    optimizer: OptimizerFactory | None = None,
 ) -> Profile:
     """Measure forward and backward time, activation, weight and memory sizes of every layer.
 
@@ -78,9 +86,9 @@ def profile(
     inputs = sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,)
     size = _microbatch_size(inputs, microbatch_size)
     with _preserved(container, device) as target_device:
-        arguments = tuple(_to(_first(x, size), target_device) for x in inputs)
-        targets = _to(_first(sample_targets, size), target_device)
-        timer = _Timer(target_device)
+        arguments = tuple(to_device(first(x, size), target_device) for x in inputs)
+        targets = to_device(first(sample_targets, size), target_device)
+        timer = Timer(target_device)
         container.train()
         costs = []
         first_arguments = arguments
@@ -89,7 +97,7 @@ def profile(
             measured = _LayerRun(module, arguments, targets if is_last else None, loss_fn, timer)
             costs.append(measured.cost(name, repeats, warmup, optimizer_state_factor))
             arguments = measured.output
-        timed, spread = _in_sequence(
+        timed, spread = time_in_sequence(
             layers,
             first_arguments,
             targets,
@@ -108,178 +116,31 @@ def profile(
             cost.forward_s, cost.backward_s, cost.optimizer_s = forward_s, backward_s, optimizer_s
             if cost.weight_backward_s is not None:
                 cost.weight_backward_s = share * backward_s
-    return Profile(costs, microbatch_size=size, input_bytes=_bytes(inputs, size), spread=spread)
-
-
-def _in_sequence(
-    layers: Sequence[tuple[str, nn.Module]],
-    arguments: tuple,
-    targets: Any,
-    loss_fn: LossFn,
-    timer: _Timer,
-    repeats: int,
-    warmup: int,
-    optimizer: Callable,
-) -> tuple[list[tuple[float, float, float]], Spread]:
-    """Per layer, median forward, backward and optimizer-step times with the layers run in
-    turn, as a stage runs them, and every timed run's forward and backward times: all
-    forwards, then the backwards in reverse order, then an optimizer step per layer (on
-    copies of its weights). Timing a layer alone, over and over, keeps its weights in cache
-    and comes out faster than what a pipeline sees.
-
-    Timing each layer's backward needs a backward call per layer, and each call has a fixed
-    cost that a stage, which runs its layers' backward as one call, pays only once (it came
-    to 40% of the backward on a small MLP). So every run also times the whole model's
-    forward, backward and optimizer step in one call each, and the per-layer medians (and
-    runs) are scaled so that the medians add up to those totals' medians. A step taken
-    right after the backward that made its gradients is slower than one repeated on old
-    gradients (often by a third or more for Adam on a CPU), so the whole model's step is
-    taken that way, as a stage takes it.
-    """
-    count = len(layers)
-    times: list[list[list[float]]] = [[[], [], []] for _ in range(count)]
-    whole: list[list[float]] = [[], [], []]
-    trainable = [p for _, module in layers for p in module.parameters() if p.requires_grad]
-    whole_stepper = optimizer(trainable) if trainable else None
-    steppers = []
-    for _, module in layers:
-        copies = [
-            p.detach().clone().requires_grad_(True) for p in module.parameters() if p.requires_grad
-        ]
-        for copy in copies:
-            copy.grad = torch.randn_like(copy)
-        steppers.append(optimizer(copies) if copies else None)
-    for run in range(warmup + repeats):
-        # the layers' backwards make fresh gradients, the whole model's backward adds to
-        # them (as all but a step's first micro-batch do), and the step reads them fresh
-        for parameter in trainable:
-            parameter.grad = None
-        saved, inputs = [], arguments
-        for index, (_, module) in enumerate(layers):
-            leaves, fed = _fresh_inputs(inputs)
-            start = timer.now()
-            output = module(*fed)
-            if index == count - 1:
-                output = loss_fn(output, targets)
-            times[index][0].append(timer.now() - start)
-            outputs = tuple(output) if isinstance(output, (tuple, list)) else (output,)
-            saved.append((leaves, outputs))
-            inputs = outputs
-        incoming: list[Tensor | None] = [torch.ones_like(saved[-1][1][0])]
-        for index in reversed(range(count)):
-            leaves, outputs = saved[index]
-            pairs = [
-                (o, g)
-                for o, g in zip(outputs, incoming)
-                if isinstance(o, Tensor) and o.requires_grad and g is not None
-            ]
-            start = timer.now()
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            times[index][1].append(timer.now() - start)
-            incoming = [x.grad if isinstance(x, Tensor) else None for x in leaves]
-        for kind, elapsed in enumerate(
-            _whole_model(layers, arguments, targets, loss_fn, timer, whole_stepper)
-        ):
-            whole[kind].append(elapsed)
-        for index, stepper in enumerate(steppers):
-            if stepper is None:
-                times[index][2].append(0.0)
-                continue
-            start = timer.now()
-            stepper.step()
-            times[index][2].append(timer.now() - start)
-    medians = [[statistics.median(kind[warmup:]) for kind in layer] for layer in times]
-    runs: list[list[list[float]]] = [[], [], []]
-    for kind in (0, 1, 2):
-        total = sum(layer[kind] for layer in medians)
-        scale = statistics.median(whole[kind][warmup:]) / total if total > 0 else 1.0
-        for layer in medians:
-            layer[kind] *= scale
-        runs[kind] = [
-            [layer[kind][run] * scale for layer in times] for run in range(warmup, warmup + repeats)
-        ]
-    return [tuple(layer) for layer in medians], Spread(runs[0], runs[1])
-
-
-def _whole_model(
-    layers: Sequence[tuple[str, nn.Module]],
-    arguments: tuple,
-    targets: Any,
-    loss_fn: LossFn,
-    timer: _Timer,
-    stepper: torch.optim.Optimizer | None,
-) -> tuple[float, float, float]:
-    """Seconds for one forward of all layers (and the loss), one backward call through them,
-    and one ``stepper`` step on the gradients just made (0 without one)."""
-    _, inputs = _fresh_inputs(arguments)
-    start = timer.now()
-    for _, module in layers:
-        output = module(*inputs)
-        inputs = tuple(output) if isinstance(output, (tuple, list)) else (output,)
-    loss = loss_fn(output, targets)
-    forward_s = timer.now() - start
-    start = timer.now()
-    loss.backward()
-    backward_s = timer.now() - start
-    if stepper is None:
-        return forward_s, backward_s, 0.0
-    start = timer.now()
-    stepper.step()
-    return forward_s, backward_s, timer.now() - start
-
-
-def _fresh_inputs(arguments: tuple) -> tuple[tuple, tuple]:
-    """Detached inputs (floating-point ones require a gradient) and what to feed the layer.
-
-    The layer gets copies of the floating-point leaves, so that in-place layers such as
-    ``ReLU(inplace=True)`` do not modify a leaf that requires a gradient.
-    """
-    leaves = tuple(
-        x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, Tensor) else x
-        for x in arguments
-    )
-    fed = tuple(x.clone() if isinstance(x, Tensor) and x.is_floating_point() else x for x in leaves)
-    return leaves, fed
-
-
-class _Timer:
-    """Wall-clock timing that waits for queued device work before reading the clock."""
-
-    def __init__(self, device: torch.device) -> None:
-        """Time work on ``device``."""
-        self.device = device
-        self.cuda = device.type == "cuda"
-
-    def now(self) -> float:
-        """Seconds on a monotonic clock, after the device finished its queued work."""
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+    return Profile(costs, microbatch_size=size, input_bytes=nbytes(inputs, size), spread=spread)
 
 
 class _LayerRun:
     """One layer measured on fixed inputs: forward, full backward and input-only backward."""
 
     def __init__(
-        self, module: nn.Module, arguments: tuple, targets: Any, loss_fn: LossFn, timer: _Timer
+        self, module: nn.Module, arguments: Values, targets: object, loss_fn: LossFn, timer: Timer
     ) -> None:
-        """Measure ``module`` on ``arguments``; ``targets`` (not None) means it is the last layer."""
+        """Measure ``module`` on ``arguments``; ``targets`` (not None) marks the last layer."""
         self.module, self.arguments, self.targets = module, arguments, targets
         self.loss_fn, self.timer = loss_fn, timer
-        self.parameters = [p for p in module.parameters() if p.requires_grad]
-        self.output: tuple = ()
+        self.parameters: list[Tensor] = [p for p in module.parameters() if p.requires_grad]
+        self.output: Values = ()
 
-    def _forward(self) -> tuple[tuple, list[Tensor], float]:
+    def _forward(self) -> tuple[Values, list[Tensor], float]:
         """Run the layer (and the loss on the last layer); return inputs, roots, seconds."""
-        leaves, fed = _fresh_inputs(self.arguments)
+        leaves, fed = fresh_inputs(self.arguments)
         start = self.timer.now()
         output = self.module(*fed)
         roots = (
-            [self.loss_fn(output, self.targets)] if self.targets is not None else _tensors(output)
+            [self.loss_fn(output, self.targets)] if self.targets is not None else tensors(output)
         )
         elapsed = self.timer.now() - start
-        self.output = tuple(output) if isinstance(output, (tuple, list)) else (output,)
+        self.output = as_values(output)
         return leaves, [r for r in roots if r.requires_grad], elapsed
 
     def _backward(self, roots: list[Tensor], wrt: list[Tensor]) -> float:
@@ -296,7 +157,9 @@ class _LayerRun:
         self, name: str, repeats: int, warmup: int, optimizer_state_factor: float
     ) -> LayerCost:
         """Time the layer and size its output, weights and memory."""
-        forward, full, inputs_only = [], [], []
+        forward: list[float] = []
+        full: list[float] = []
+        inputs_only: list[float] = []
         for run in range(warmup + repeats):
             leaves, roots, forward_s = self._forward()
             differentiable = [x for x in leaves if isinstance(x, Tensor) and x.requires_grad]
@@ -308,9 +171,9 @@ class _LayerRun:
                 full.append(full_s)
                 inputs_only.append(inputs_s)
         backward_s = statistics.median(full)
-        parameter_bytes = _bytes(tuple(self.module.parameters()))
-        trainable_bytes = _bytes(tuple(self.parameters))
-        activation_bytes = _bytes(self.output)
+        parameter_bytes = nbytes(self.module.parameters())
+        trainable_bytes = nbytes(self.parameters)
+        activation_bytes = nbytes(self.output)
         return LayerCost(
             forward_s=statistics.median(forward),
             backward_s=backward_s,
@@ -374,17 +237,14 @@ def _preserved(container: nn.Module, device: torch.device | str | None) -> Itera
 
 def _check_counts(repeats: int, warmup: int, optimizer_state_factor: float) -> None:
     """Reject non-positive repeats, negative warm-up and negative optimizer factors."""
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be a non-negative integer, got {warmup!r}")
-    if optimizer_state_factor < 0:
-        raise ValueError(
-            f"optimizer_state_factor must be >= 0 (2 for Adam, 1 for SGD with momentum), got {optimizer_state_factor!r}"
-        )
+    positive_int("repeats", repeats)
+    non_negative_int("warmup", warmup)
+    non_negative_number(
+        "optimizer_state_factor (2 for Adam, 1 for SGD with momentum)", optimizer_state_factor
+    )
 
 
-def _microbatch_size(inputs: tuple, requested: int | None) -> int:
+def _microbatch_size(inputs: Values, requested: int | None) -> int:
     """The micro-batch size to profile at: ``requested``, or the sample batch size."""
     tensors = [x for x in inputs if isinstance(x, Tensor) and x.dim() > 0]
     if not tensors:
@@ -392,47 +252,9 @@ def _microbatch_size(inputs: tuple, requested: int | None) -> int:
     available = tensors[0].shape[0]
     if requested is None:
         return int(available)
-    if (
-        isinstance(requested, bool)
-        or not isinstance(requested, int)
-        or not 1 <= requested <= available
-    ):
+    if not is_int(requested) or not 1 <= requested <= available:
         raise ValueError(
-            f"microbatch_size {requested!r} must be an integer between 1 and the sample batch size {available}"
+            f"microbatch_size {requested!r} must be an integer between 1 and the sample batch "
+            f"size {available}"
         )
     return requested
-
-
-def _first(value: Any, size: int) -> Any:
-    """The first ``size`` samples of a tensor, or of every tensor in a tuple/list/dict."""
-    if isinstance(value, Tensor):
-        return value[:size] if value.dim() > 0 else value
-    if isinstance(value, (tuple, list)):
-        return type(value)(_first(v, size) for v in value)
-    if isinstance(value, dict):
-        return {k: _first(v, size) for k, v in value.items()}
-    return value
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    """``value`` with every tensor moved to ``device``."""
-    if isinstance(value, Tensor):
-        return value.to(device)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
-    return value
-
-
-def _tensors(output: Any) -> list[Tensor]:
-    """The tensors of a layer output (a tensor or a tuple/list of them)."""
-    if isinstance(output, Tensor):
-        return [output]
-    return [x for x in output if isinstance(x, Tensor)]
-
-
-def _bytes(values: tuple, size: int | None = None) -> float:
-    """Total bytes of the tensors in ``values`` (cut to ``size`` samples when given)."""
-    tensors = [_first(v, size) if size is not None else v for v in values if isinstance(v, Tensor)]
-    return float(sum(t.numel() * t.element_size() for t in tensors))

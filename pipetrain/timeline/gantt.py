@@ -2,24 +2,28 @@
 
 Compute (forward, backward, weight gradient, optimizer step) fills the upper part of each
 lane; communication and waits run in a thin hatched strip below it, so they never hide
-compute. Idle time shows as the lane's light grey background. When a rank holds several
-stages (interleaved schedules) each of its stages gets a lighter shade of the kind's colour.
-Drawing uses one polygon collection per kind and shade, so very large timelines stay fast.
+compute. Every ``SEND_*`` and ``RECV_*`` kind draws as a send or a receive, and the loss
+all-reduce ``LOSS`` as an all-reduce. Idle time shows as the lane's light grey background.
+When a rank holds several stages (interleaved schedules) each of its stages gets a lighter
+shade of the kind's colour. Drawing uses one polygon collection per kind and shade, so very
+large timelines stay fast.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from pipetrain.timeline.timeline import Timeline, format_seconds, time_unit
+from pipetrain.timeline.timeline import Timeline
+from pipetrain.units import format_seconds, time_unit
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.patches import Patch
+    from numpy.typing import ArrayLike
 
     from pipetrain.timeline.timeline import StrPath
 
@@ -31,6 +35,9 @@ COMM_STYLES = {  # legend name, face colour, hatch; legend order follows this or
     "ALLREDUCE": ("all-reduce", "#f6dc8a", "xxxx"),
     "WAIT": ("wait", "#f3b6ae", "...."),
 }
+"""Communication kinds by prefix: ``SEND_F``, ``SEND_T`` and any other ``SEND_*`` are sends."""
+COMM_ALIASES = {"LOSS": "ALLREDUCE"}
+"""Kinds drawn with another kind's :data:`COMM_STYLES` entry (matched whole, not by prefix)."""
 OTHER_COLOURS = ("#8c564b", "#c45a9a", "#8f9a2a", "#2a9a9a")
 IDLE_COLOUR = "#eeeeee"
 
@@ -137,11 +144,11 @@ def _layers(timeline: Timeline, legend: dict[_LegendKey, Patch]) -> dict[tuple[s
     layers: dict[tuple[str, int], _Layer] = {}
     others: dict[str, str] = {}
     for event in timeline.events:
-        comm = _comm_style(event.kind)
-        if comm is not None:
-            name, colour, hatch = comm
+        style = _comm_key(event.kind)
+        if style is not None:
+            name, colour, hatch = COMM_STYLES[style]
             key, band, entry = (name, -1), COMM_BAND, name  # chunk -1: never a compute key
-            order = (2, list(COMM_STYLES).index(_comm_prefix(event.kind)), 0, "")
+            order = (2, list(COMM_STYLES).index(style), 0, "")
         else:
             chunk = chunk_of[event.rank].get(event.stage, 0)
             base = COMPUTE_COLOURS.get(event.kind) or others.setdefault(
@@ -185,7 +192,8 @@ def _draw_layer(ax: Axes, layer: _Layer, scale: float, outline: bool) -> None:
     corners = np.stack([xs, ys], axis=2)  # (bars, 4 corners, x/y)
     edge = "#666666" if layer.hatch else ("white" if outline else "none")
     collection = PolyCollection(
-        corners,
+        # the stubs ask for a sequence; a 3-D array is what matplotlib draws fastest
+        cast("Sequence[ArrayLike]", corners),
         facecolors=layer.colour,
         edgecolors=edge,
         linewidths=0.4 if outline or layer.hatch else 0.0,
@@ -210,7 +218,7 @@ def _label_bars(
     chunk_of = _stage_chunks(timeline)
     middle = sum(COMPUTE_BAND) / 2
     for event in timeline.events:
-        if event.microbatch is None or _comm_style(event.kind) is not None:
+        if event.microbatch is None or _comm_key(event.kind) is not None:
             continue
         text = str(event.microbatch)
         if event.duration * pixels_per_second < 6.5 * len(text) + 4:
@@ -234,30 +242,27 @@ def _annotate_peaks(ax: Axes, timeline: Timeline) -> None:
     from matplotlib.transforms import blended_transform_factory
 
     at_right = blended_transform_factory(ax.transAxes, ax.transData)
-    style = {"transform": at_right, "fontsize": 7, "color": "#555555"}
-    ax.text(1.005, -0.5, "peak act.", va="bottom", **style)
-    for rank, peak in enumerate(timeline.peak_activations):
-        ax.text(1.005, rank, str(peak), va="center", **style)
+    labels = [(-0.5, "peak act.", "bottom")]
+    labels += [(rank, str(peak), "center") for rank, peak in enumerate(timeline.peak_activations)]
+    for y, text, align in labels:
+        ax.text(1.005, y, text, va=align, transform=at_right, fontsize=7, color="#555555")
 
 
 def _stage_chunks(timeline: Timeline) -> list[dict[int | None, int]]:
     """Per rank, each stage it computes mapped to its position among that rank's stages."""
     stages: list[set[int]] = [set() for _ in range(timeline.num_ranks)]
     for event in timeline.events:
-        if event.stage is not None and _comm_style(event.kind) is None:
+        if event.stage is not None and _comm_key(event.kind) is None:
             stages[event.rank].add(event.stage)
     return [{stage: i for i, stage in enumerate(sorted(held))} for held in stages]
 
 
-def _comm_prefix(kind: str) -> str | None:
-    """The :data:`COMM_STYLES` key a communication kind starts with; ``None`` for others."""
+def _comm_key(kind: str) -> str | None:
+    """The :data:`COMM_STYLES` key that draws ``kind``; ``None`` for kinds that are not
+    communication."""
+    if kind in COMM_ALIASES:
+        return COMM_ALIASES[kind]
     return next((prefix for prefix in COMM_STYLES if kind.startswith(prefix)), None)
-
-
-def _comm_style(kind: str) -> tuple[str, str, str] | None:
-    """Legend name, colour and hatch of a communication kind; ``None`` for other kinds."""
-    prefix = _comm_prefix(kind)
-    return None if prefix is None else COMM_STYLES[prefix]
 
 
 def _shade(colour: str, chunk: int, chunks: int) -> str:
@@ -278,7 +283,7 @@ def _luminance(colour: str) -> float:
 def _figure_width(timelines: Sequence[Timeline]) -> float:
     """Inches: wider for more compute per rank, between 8 and 22."""
     busiest = max(
-        sum(1 for e in t.rank_events(rank) if _comm_style(e.kind) is None)
+        sum(1 for e in t.rank_events(rank) if _comm_key(e.kind) is None)
         for t in timelines
         for rank in range(t.num_ranks)
     )

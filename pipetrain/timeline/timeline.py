@@ -4,7 +4,8 @@ A :class:`Timeline` is a set of timed :class:`Event` values, one per action a ra
 The simulator fills one with predicted times and the runtime with measured ones; this module
 knows nothing about where the events came from. It computes the figures a pipeline schedule is
 judged by (makespan, bubble fraction, peak in-flight activations) and exports the timeline as
-JSON, as a Chrome/Perfetto trace, and as a PNG Gantt chart (drawn by :mod:`pipetrain.timeline.gantt`).
+JSON, as a Chrome/Perfetto trace, and as a PNG Gantt chart (drawn by
+:mod:`pipetrain.timeline.gantt`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from functools import cached_property
 from os import PathLike
 from typing import Any
 
-from pipetrain.jsonfile import JsonFile, write_json
+from pipetrain.checks import positive_int
+from pipetrain.jsonfile import JsonFile, unversioned, versioned, write_json
+from pipetrain.units import format_seconds
 
 FORMAT_VERSION = 1
 """Version of the JSON layout written by :meth:`Timeline.to_dict` and :meth:`Timeline.save`."""
@@ -36,9 +39,11 @@ class Event:
     """One timed action of one rank.
 
     ``kind`` is ``"F"``, ``"B"``, ``"W"``, ``"STEP"``, a communication kind (``"SEND_F"``,
-    ``"RECV_F"``, ``"SEND_B"``, ``"RECV_B"``, ``"ALLREDUCE"``, ``"WAIT"``) or any other
-    string. ``stage`` and ``microbatch`` are ``None`` when the action has none (an optimizer
-    step has no micro-batch). ``start`` and ``end`` are in seconds, from any fixed origin.
+    ``"RECV_F"``, ``"SEND_B"``, ``"RECV_B"``, targets ``"SEND_T"``/``"RECV_T"``, eval outputs
+    ``"SEND_O"``/``"RECV_O"``, ``"ALLREDUCE"``, the loss all-reduce ``"LOSS"``, ``"WAIT"``) or
+    any other string. ``stage`` and ``microbatch`` are ``None`` when the action has none (an
+    optimizer step has no micro-batch). ``start`` and ``end`` are in seconds, from any fixed
+    origin.
     """
 
     rank: int
@@ -123,8 +128,7 @@ class Timeline(JsonFile):
 
     def __init__(self, events: Iterable[Event], num_ranks: int, label: str = "") -> None:
         """Collect ``events`` and check that every one belongs to a rank in range."""
-        if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
-            raise ValueError(f"num_ranks must be a positive integer, got {num_ranks!r}")
+        positive_int("num_ranks", num_ranks)
         if not isinstance(label, str):
             raise TypeError(f"label must be a string, got {label!r}")
         collected = tuple(events)
@@ -216,32 +220,26 @@ class Timeline(JsonFile):
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dictionary that :meth:`from_dict` turns back into an equal timeline."""
-        return {
-            "format_version": FORMAT_VERSION,
-            "label": self.label,
-            "num_ranks": self.num_ranks,
-            "events": [{name: getattr(e, name) for name in _EVENT_FIELDS} for e in self.events],
-        }
+        events = [{name: getattr(e, name) for name in _EVENT_FIELDS} for e in self.events]
+        return versioned(
+            FORMAT_VERSION, {"label": self.label, "num_ranks": self.num_ranks, "events": events}
+        )
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Timeline:
-        """Rebuild a timeline from :meth:`to_dict`'s output."""
-        version = d.get("format_version", FORMAT_VERSION)
-        if version != FORMAT_VERSION:
-            raise ValueError(
-                f"timeline format_version {version!r} is not supported; "
-                f"this version of pipetrain reads format_version {FORMAT_VERSION}"
-            )
-        missing = [key for key in ("num_ranks", "events") if key not in d]
+    def from_dict(cls, data: dict[str, Any]) -> Timeline:
+        """Rebuild a timeline from :meth:`to_dict`'s output (a missing ``format_version`` is
+        taken as the current one)."""
+        fields = unversioned(data, "timeline", FORMAT_VERSION, default=FORMAT_VERSION)
+        missing = [key for key in ("num_ranks", "events") if key not in fields]
         if missing:
             raise ValueError(f"timeline dictionary lacks key(s) {missing}; use Timeline.to_dict")
         events = []
-        for item in d["events"]:
+        for item in fields["events"]:
             absent = [name for name in _EVENT_FIELDS if name not in item]
             if absent:
                 raise ValueError(f"timeline event {item!r} lacks field(s) {absent}")
             events.append(Event(**{name: item[name] for name in _EVENT_FIELDS}))
-        return cls(events, d["num_ranks"], d.get("label", ""))
+        return cls(events, fields["num_ranks"], fields.get("label", ""))
 
     def to_chrome_trace(self, path: StrPath) -> None:
         """Write a Chrome/Perfetto trace: one thread per rank, times in microseconds.
@@ -270,9 +268,10 @@ class Timeline(JsonFile):
         write_json(path, {"traceEvents": trace_events, "displayTimeUnit": "ms"})
 
     def plot(self, path: StrPath, title: str | None = None) -> None:
-        """Draw the timeline as a PNG Gantt chart, one lane per rank (see :mod:`pipetrain.timeline.gantt`).
+        """Draw the timeline as a PNG Gantt chart, one lane per rank.
 
         ``title`` defaults to the timeline's label; the bubble fraction and makespan follow it.
+        :mod:`pipetrain.timeline.gantt` describes how each kind is drawn.
         """
         plot_timelines([self], path, None if title is None else [title])
 
@@ -312,21 +311,6 @@ def _metadata(name: str, rank: int | None, args: dict[str, Any]) -> dict[str, An
     if rank is not None:
         event["tid"] = rank
     return event
-
-
-def time_unit(seconds: float) -> tuple[float, str]:
-    """The factor from seconds and the unit name (s, ms or µs) that suit ``seconds``."""
-    if seconds >= 1.0 or seconds == 0.0:
-        return 1.0, "s"
-    if seconds >= 1e-3:
-        return 1e3, "ms"
-    return 1e6, "µs"
-
-
-def format_seconds(seconds: float) -> str:
-    """``seconds`` in a readable unit, such as ``"35.7 ms"``."""
-    factor, unit = time_unit(seconds)
-    return f"{seconds * factor:.4g} {unit}"
 
 
 def plot_timelines(

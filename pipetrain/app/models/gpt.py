@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pipetrain.checks import positive_int
+
 VOCAB_SIZE = 256
 
 
@@ -106,8 +108,8 @@ def build_gpt(
     """A GPT as ``nn.Sequential(Embedding, Block * n_layers, Head)`` (``n_layers + 2`` entries)."""
     if d_model < 1 or heads < 1 or d_model % heads != 0:
         raise ValueError(f"gpt d_model {d_model} must be a positive multiple of heads {heads}")
-    if n_layers < 1 or context < 1:
-        raise ValueError(f"gpt needs n_layers >= 1 and context >= 1, got {n_layers} and {context}")
+    positive_int("gpt n_layers", n_layers)
+    positive_int("gpt context", context)
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"gpt dropout {dropout} must be in [0, 1)")
     blocks = [Block(d_model, heads, dropout) for _ in range(n_layers)]

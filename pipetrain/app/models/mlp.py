@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from pipetrain.checks import positive_int
+
 DIGIT_FEATURES = 64
 DIGIT_CLASSES = 10
 
@@ -15,11 +17,8 @@ def build_mlp(hidden: int = 128, hidden_layers: int = 2) -> nn.Sequential:
 
     With the defaults it has 5 entries (2 hidden layers of width ``hidden``).
     """
-    if hidden < 1 or hidden_layers < 1:
-        raise ValueError(
-            f"mlp needs hidden >= 1 and hidden_layers >= 1, got hidden={hidden}, "
-            f"hidden_layers={hidden_layers}"
-        )
+    positive_int("mlp hidden", hidden)
+    positive_int("mlp hidden_layers", hidden_layers)
     entries: list[nn.Module] = []
     width = DIGIT_FEATURES
     for _ in range(hidden_layers):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from pipetrain.checks import positive_int
+
 DIGIT_CLASSES = 10
 
 
@@ -12,8 +14,7 @@ def build_cnn(channels: int = 16) -> nn.Sequential:
 
     The spatial size goes 8x8 -> (pool) 4x4, so the head sees ``2 * channels * 16`` features.
     """
-    if channels < 1:
-        raise ValueError(f"cnn channels must be >= 1, got {channels}")
+    positive_int("cnn channels", channels)
     wide = 2 * channels
     return nn.Sequential(
         nn.Conv2d(1, channels, kernel_size=3, padding=1),
