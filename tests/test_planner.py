@@ -110,7 +110,7 @@ def test_replicated_in_flight_counts_match_the_simulated_peaks(
 ) -> None:
     for name in ("gpipe", "1f1b"):
         peaks = simulate(
-            build(name, len(replicas), microbatches, replicas=replicas), Costs(1.0, 1.0)
+            build(name, sum(replicas), microbatches, replicas=replicas), Costs(1.0, 1.0)
         ).peak_activations
         first = 0
         for stage, count in enumerate(replicas):

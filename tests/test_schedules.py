@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipetrain.schedules import Action, Kind, Schedule, ScheduleError, build, validate
-from pipetrain.schedules.connect import connect
+from pipetrain.schedules.lower import lower
 
 sizes = st.integers(min_value=1, max_value=7)
 
@@ -49,7 +49,7 @@ def test_interleaved_is_valid_for_multiples_of_ranks(ranks: int, groups: int, vi
 def test_replicated_stages_route_round_robin(
     replicas: list[int], microbatches: int, name: str
 ) -> None:
-    schedule = build(name, len(replicas), microbatches, replicas=replicas)
+    schedule = build(name, sum(replicas), microbatches, replicas=replicas)
     assert schedule.num_ranks == sum(replicas)
     for rank, actions in enumerate(schedule.ranks):
         for action in actions:
@@ -81,6 +81,7 @@ def test_sends_and_receives_connect_neighbours() -> None:
         "RECV_B0.1@1",
         "B0.1",
         "STEP0",
+        "LOSS0",
     ]
     assert [str(a) for a in schedule.ranks[1]] == [
         "RECV_F1.0@0",
@@ -92,6 +93,7 @@ def test_sends_and_receives_connect_neighbours() -> None:
         "B1.1",
         "SEND_B1.1@0",
         "STEP1",
+        "LOSS1",
     ]
 
 
@@ -240,13 +242,13 @@ def test_validator_rejects_out_of_order_channels() -> None:
         validate(two_rank_schedule(rank0, rank1, microbatches=2))
 
 
-def test_connect_reorders_receives_into_channel_order() -> None:
+def test_lowering_reorders_receives_into_channel_order() -> None:
     # rank 1 consumes micro-batch 1 first; its receives still follow rank 0's send order
     orders = [
         [Action(F, 0, 0), Action(F, 0, 1), Action(B, 0, 0), Action(B, 0, 1), Action(STEP, 0)],
         [Action(F, 1, 1), Action(F, 1, 0), Action(B, 1, 0), Action(B, 1, 1), Action(STEP, 1)],
     ]
-    ranks = connect(orders, [(0,), (1,)])
+    ranks = lower(orders, [(0,), (1,)])
     assert [str(a) for a in ranks[1][:4]] == ["RECV_F1.0@0", "RECV_F1.1@0", "F1.1", "F1.0"]
     validate(Schedule("hand", 2, 2, ranks, ((0,), (1,))))
 
@@ -301,12 +303,12 @@ def test_validator_rejects_future_weights_and_too_many_versions() -> None:
     "call, message",
     [
         (lambda: build("fancy", 2, 2), "unknown schedule 'fancy'; choose one of gpipe, 1f1b"),
-        (lambda: build("1f1b", 0, 2), "stages must be a positive integer, got 0"),
+        (lambda: build("1f1b", 0, 2), "ranks must be a positive integer, got 0"),
         (lambda: build("gpipe", 2, -1), "microbatches must be a positive integer, got -1"),
-        (lambda: build("interleaved", 4, 6), "multiple of stages \\(4\\), got 6"),
-        (lambda: build("interleaved", 2, 2, virtual=1), "virtual >= 2"),
-        (lambda: build("2bw", 4, 2), "2bw needs microbatches >= stages \\(4\\)"),
-        (lambda: build("1f1b", 2, 2, replicas=[1]), "expected one per stage"),
+        (lambda: build("interleaved", 4, 6), "multiple of ranks \\(4\\), got 6"),
+        (lambda: build("interleaved", 2, 2, virtual=1), "virtual must be an integer >= 2"),
+        (lambda: build("2bw", 4, 2), "2bw needs microbatches >= ranks \\(4\\)"),
+        (lambda: build("1f1b", 2, 2, replicas=[1]), "place 1 ranks, but ranks=2"),
     ],
 )
 def test_bad_arguments_name_the_value(call, message: str) -> None:
@@ -317,7 +319,7 @@ def test_bad_arguments_name_the_value(call, message: str) -> None:
 @settings(max_examples=30, deadline=None)
 @given(replicas=st.lists(st.integers(1, 2), min_size=1, max_size=4), pairs=st.integers(1, 4))
 def test_pipedream_replicas_update_together(replicas: list[int], pairs: int) -> None:
-    schedule = build("pipedream", len(replicas), 2 * pairs, replicas=replicas)
+    schedule = build("pipedream", sum(replicas), 2 * pairs, replicas=replicas)
     for stage, ranks in enumerate(schedule.stage_ranks):
         lists = [
             [a for a in schedule.ranks[rank] if a.kind in (Kind.ALLREDUCE, Kind.STEP)]
@@ -330,8 +332,8 @@ def test_pipedream_replicas_update_together(replicas: list[int], pairs: int) -> 
 
 def test_pipedream_replicas_need_whole_rounds_and_no_vertical_sync() -> None:
     with pytest.raises(ValueError, match="multiples of every replica count"):
-        build("pipedream", 2, 5, replicas=[2, 1])
+        build("pipedream", 3, 5, replicas=[2, 1])
     with pytest.raises(
         ValueError, match="vertical_sync needs every stage to update once per mini-batch"
     ):
-        build("pipedream", 2, 4, replicas=[1, 2], vertical_sync=True)
+        build("pipedream", 3, 4, replicas=[1, 2], vertical_sync=True)

@@ -79,7 +79,7 @@ def test_a_link_carries_one_transfer_at_a_time() -> None:
 
 
 def test_replicated_stage_allreduce_waits_for_all_replicas() -> None:
-    schedule = build("1f1b", 2, 4, replicas=[2, 1])
+    schedule = build("1f1b", 3, 4, replicas=[2, 1])
     timeline = simulate(
         schedule, Costs(forward_s=[2.0, 1.0], backward_s=[2.0, 1.0], allreduce_s=[0.5, 0.0])
     )

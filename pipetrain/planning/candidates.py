@@ -19,15 +19,9 @@ from pipetrain.planning.partition import partition
 from pipetrain.planning.replicate import replicate
 from pipetrain.planning.topology import Topology
 from pipetrain.profiler.costs import Profile
-from pipetrain.schedules import Schedule, build
+from pipetrain.schedules import Schedule, build, spec
 from pipetrain.simulation import Costs, Variation, simulate
 from pipetrain.timeline import Timeline
-
-REPLICATED_SCHEDULES = ("gpipe", "1f1b")
-"""Schedules that run stages replicated over several workers."""
-
-STRAIGHT_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "pipedream", "2bw")
-"""Schedules that run one worker per stage."""
 
 VIRTUAL_CHUNKS = 2
 """Model chunks per rank in interleaved candidates."""
@@ -58,22 +52,24 @@ class Layout:
         return [0] + list(itertools.accumulate(self.replicas))[:-1]
 
     def runs(self, schedule: str, microbatches: int) -> bool:
-        """Whether ``schedule`` can run this layout with ``microbatches`` micro-batches."""
+        """Whether ``schedule`` can run this layout with ``microbatches`` micro-batches.
+
+        Replicated layouts go to synchronous replicable families only: the replication
+        planner proposes them under one all-reduce per step.
+        """
+        family = spec(schedule)
         if self.virtual > 1:
-            return schedule == "interleaved" and microbatches % self.workers == 0
+            chunked = {family.chunk_option: self.virtual} if family.chunk_option else None
+            return chunked is not None and family.accepts(self.workers, microbatches, None, chunked)
+        if family.chunk_option is not None:
+            return False
         if max(self.replicas) > 1:
-            return schedule in REPLICATED_SCHEDULES
-        if schedule == "2bw":
-            return microbatches >= len(self.stages)
-        return schedule in STRAIGHT_SCHEDULES
-
-    def rank_of(self, stage: int) -> int:
-        """The first rank holding ``stage``."""
-        return stage % self.workers if self.virtual > 1 else self.offsets[stage]
-
-    def last_rank_of(self, stage: int) -> int:
-        """The last rank holding ``stage``."""
-        return self.rank_of(stage) + self.stages[stage][2] - 1
+            return (
+                family.replicable
+                and not family.asynchronous
+                and family.accepts(self.workers, microbatches, self.replicas)
+            )
+        return family.accepts(self.workers, microbatches)
 
 
 def layouts(
@@ -181,18 +177,33 @@ class Candidate:
                 for s in range(len(stages))
             ]
         ranks = self.layout.workers
-        per_rank = [
-            worker_memory(
-                footprints[rank::ranks],
-                flags[rank::ranks],
-                self.schedule,
-                rank,
-                self.microbatches,
-                [1] * ranks,
+        per_rank = []
+        for rank in range(ranks):
+            chunks = self.chunks_of(rank)
+            per_rank.append(
+                worker_memory(
+                    [footprints[c] for c in chunks],
+                    [flags[c] for c in chunks],
+                    self.schedule,
+                    rank,
+                    self.microbatches,
+                    [1] * ranks,
+                )
             )
-            for rank in range(ranks)
-        ]
-        return [per_rank[chunk % ranks] for chunk in range(len(stages))]
+        return [per_rank[self.ranks_of(chunk)[0]] for chunk in range(len(stages))]
+
+    def ranks_of(self, stage: int) -> tuple[int, int]:
+        """The first and last rank holding ``stage``: the schedule's placement for chunks,
+        consecutive ranks for stages."""
+        if self.layout.virtual > 1:
+            rank = spec(self.schedule).placement(stage, self.layout.workers)
+            return rank, rank
+        first = self.layout.offsets[stage]
+        return first, first + self.layout.stages[stage][2] - 1
+
+    def chunks_of(self, rank: int) -> list[int]:
+        """The chunks (model stages) ``rank`` holds, in pipeline order."""
+        return [c for c in range(len(self.layout.stages)) if self.ranks_of(c)[0] == rank]
 
     def costs(self, topology: Topology) -> Costs:
         """Per-stage times and per-boundary transfers for :func:`pipetrain.simulation.simulate`."""
@@ -211,7 +222,7 @@ class Candidate:
                 - weight_s
                 + (forward_s * self.recompute_share if again else 0.0)
             )
-            span = topology.span_bandwidth(layout.rank_of(stage), layout.last_rank_of(stage))
+            span = topology.span_bandwidth(*self.ranks_of(stage))
             weights = sum(layer.parameter_bytes for layer in part)
             allreduce.append(
                 2 * (replicas - 1) / replicas * weights / span if replicas > 1 else 0.0
@@ -240,16 +251,12 @@ class Candidate:
             step_s=steps,
             allreduce_s=allreduce,
             receive_s=message,
+            loss_s=message,  # the loss all-reduce that ends the step: one small message
         )
 
     def _link(self, topology: Topology, boundary: int) -> float:
         """Bandwidth across ``boundary``: the slowest link among both stages' workers."""
-        ranks = [
-            self.layout.rank_of(boundary),
-            self.layout.last_rank_of(boundary),
-            self.layout.rank_of(boundary + 1),
-            self.layout.last_rank_of(boundary + 1),
-        ]
+        ranks = [*self.ranks_of(boundary), *self.ranks_of(boundary + 1)]
         return topology.span_bandwidth(min(ranks), max(ranks))
 
     def lower_bound(self, costs: Costs) -> float:
@@ -268,12 +275,13 @@ class Candidate:
         allreduce = costs.per_stage("allreduce_s", count)
         work = [f + b + w for f, b, w in zip(forward, backward, weight)]
         if self.layout.virtual > 1:
-            ranks = self.layout.workers
+            held = [self.chunks_of(rank) for rank in range(self.layout.workers)]
             return max(
-                self.microbatches * sum(work[rank::ranks]) + sum(work[:rank])
-                for rank in range(ranks)
+                self.microbatches * sum(work[c] for c in chunks) + sum(work[: chunks[0]])
+                for chunks in held
+                if chunks
             )
-        split = self.schedule == "zb-h1"
+        split = spec(self.schedule).split_backward
         bound = head = tail = 0.0
         for stage, replicas in enumerate(self.layout.replicas):
             busy = math.ceil(self.microbatches / replicas) * work[stage] + allreduce[stage]
@@ -302,13 +310,10 @@ class Candidate:
 
     def build(self) -> Schedule:
         """The candidate's schedule."""
-        options: dict = {}
-        if self.layout.virtual > 1:
-            options["virtual"] = self.layout.virtual
-        elif max(self.layout.replicas) > 1:
-            options["replicas"] = self.layout.replicas
-        stages = self.layout.workers if self.layout.virtual > 1 else len(self.layout.stages)
-        return build(self.schedule, stages, self.microbatches, **options)
+        family, layout = spec(self.schedule), self.layout
+        options = {family.chunk_option: layout.virtual} if family.chunk_option else {}
+        replicas = layout.replicas if max(layout.replicas) > 1 else None
+        return build(self.schedule, layout.workers, self.microbatches, replicas=replicas, **options)
 
     def build_and_simulate(self, costs: Costs) -> tuple[Timeline, int]:
         """Simulate the candidate; return the timeline and the micro-batches it processed."""

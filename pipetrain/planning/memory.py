@@ -16,18 +16,11 @@ These are the GPipe and PipeDream-2BW formulas of ANCHORS.md per stage: GPipe wi
 recomputation ``|W|/d + |A_total(b)|/d + m·|A_input(b)|`` (``n = m``); 2BW
 ``2|W|/d + |A_total(b)|/d + d·|A_input(b)|`` (two versions, ``n ≤ d``).
 
-In-flight micro-batches ``n`` on a worker of stage ``s`` (``p`` stages, ``m`` micro-batches,
-``r_s`` replicas, micro-batches dealt round-robin to replicas, so a replica runs
-``⌈m / r_s⌉``):
-
-- ``gpipe``: all of them, ``⌈m / r_s⌉``;
-- ``1f1b``, ``zb-h1``, ``pipedream``, ``2bw``: at most PipeDream's in-flight depth
-  ``⌈(r_s + … + r_{p-1}) / r_s⌉`` (``p - s`` without replication);
-- ``interleaved`` (``v`` chunks per rank, counted in chunk micro-batches):
-  ``min((p - s - 1)·2 + (v - 1)·p + 1, v·m)`` as in Megatron-LM's warm-up.
-
-Weight versions: 2 for ``2bw``, the in-flight depth for ``pipedream`` (one stashed version
-per in-flight mini-batch), 1 otherwise.
+In-flight micro-batches ``n`` and weight versions come from each schedule's spec
+(:class:`pipetrain.schedules.ScheduleSpec`): for example ``gpipe`` holds all of a worker's
+``⌈m / r_s⌉`` micro-batches, the 1F1B family at most PipeDream's in-flight depth
+``⌈(r_s + … + r_{p-1}) / r_s⌉``, ``interleaved`` Megatron-LM's warm-up depth; ``2bw``
+keeps 2 weight versions, ``pipedream`` one per in-flight mini-batch.
 """
 
 from __future__ import annotations
@@ -37,9 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipetrain.profiler.costs import Profile
-from pipetrain.schedules.generators import in_flight_limit
-
-ONE_F_ONE_B_LIKE = ("1f1b", "zb-h1", "pipedream", "2bw")
+from pipetrain.schedules import spec
 
 
 @dataclass(frozen=True)
@@ -73,28 +64,21 @@ def in_flight(
     replicas: Sequence[int],
     virtual: int = 1,
 ) -> int:
-    """Micro-batches (chunk micro-batches for ``interleaved``) a worker of ``stage`` holds at once.
+    """Micro-batches (chunk micro-batches when chunked) a worker of ``stage`` holds at once,
+    by the schedule's memory model (all of its micro-batches if the spec gives none).
 
-    ``replicas`` has one entry per stage (per rank for ``interleaved``).
+    ``replicas`` has one entry per stage (per rank for chunked schedules).
     """
-    local = math.ceil(microbatches / replicas[stage])
-    if schedule == "gpipe":
-        return local
-    if schedule in ONE_F_ONE_B_LIKE:
-        return min(local, in_flight_limit(replicas, stage))
-    if schedule == "interleaved":
-        ranks = len(replicas)
-        return min((ranks - stage - 1) * 2 + (virtual - 1) * ranks + 1, virtual * microbatches)
-    raise ValueError(f"no memory model for schedule {schedule!r}")
+    family = spec(schedule)
+    if family.in_flight is None:
+        return math.ceil(microbatches / replicas[stage]) * virtual
+    return family.in_flight(stage, microbatches, replicas, virtual)
 
 
 def weight_versions(schedule: str, stage: int, replicas: Sequence[int]) -> int:
-    """Weight copies a worker keeps: 2 for 2bw, the in-flight depth for pipedream, else 1."""
-    if schedule == "2bw":
-        return 2
-    if schedule == "pipedream":
-        return in_flight_limit(replicas, stage)
-    return 1
+    """Weight copies a worker keeps, by the schedule's spec (1 for synchronous ones)."""
+    family = spec(schedule)
+    return family.weight_versions(stage, replicas, family.resolve({}))
 
 
 def worker_memory(

@@ -20,10 +20,9 @@ from pipetrain.jsonfile import JsonFile
 from pipetrain.planning.candidates import Candidate, Layout, layouts, step_costs
 from pipetrain.planning.topology import Topology, resolve
 from pipetrain.profiler.costs import Profile
-from pipetrain.schedules import RECOMPUTE_MODES, SCHEDULE_NAMES
+from pipetrain.schedules import RECOMPUTE_MODES, names, spec
 from pipetrain.simulation import Costs, Variation, median_makespan
 
-DEFAULT_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved")
 DEFAULT_MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 FORMAT_VERSION = 2
@@ -155,7 +154,7 @@ def plan(
     workers: int | None = None,
     topology: Topology | str | None = None,
     memory_limit: float | None = None,
-    schedules: Sequence[str] = DEFAULT_SCHEDULES,
+    schedules: Sequence[str] | None = None,
     microbatches: Sequence[int] = DEFAULT_MICROBATCHES,
     batch_size: int | None = None,
     replication: bool = True,
@@ -190,14 +189,16 @@ def plan(
     return _fastest(fitting, topology)
 
 
-def _checked_schedules(schedules: Sequence[str]) -> tuple[str, ...]:
+def _checked_schedules(schedules: Sequence[str] | None) -> tuple[str, ...]:
     """The requested schedule names, validated."""
     if isinstance(schedules, str):
         schedules = (schedules,)
-    unknown = [name for name in schedules if name not in SCHEDULE_NAMES]
+    if schedules is None:
+        return tuple(name for name in names() if spec(name).planned_by_default)
+    unknown = [name for name in schedules if name not in names()]
     if unknown or not schedules:
         raise ValueError(
-            f"schedules {list(schedules)!r} must be a non-empty choice of {', '.join(SCHEDULE_NAMES)}"
+            f"schedules {list(schedules)!r} must be a non-empty choice of {', '.join(names())}"
         )
     return tuple(schedules)
 
@@ -242,7 +243,7 @@ def _fitting_candidates(
         step_batch = size * count
         if step_batch not in layouts_by_batch:
             layouts_by_batch[step_batch] = layouts(
-                step_costs(micro, count), topology, replication, "interleaved" in schedules
+                step_costs(micro, count), topology, replication, any(spec(name).chunk_option for name in schedules)
             )
         for layout in layouts_by_batch[step_batch]:
             for schedule in schedules:
@@ -286,16 +287,9 @@ def _fastest(fitting: list[tuple[Candidate, list[float]]], topology: Topology) -
             best = (throughput, peak, candidate, memory, costs, processed, timeline.makespan)
     assert best is not None
     _, _, candidate, memory, costs, processed, makespan = best
-    # a training step ends with an all-reduce of the loss: one small message
-    ending_s = candidate.profile.message_s
-    steady_step_s = makespan + ending_s
     variation = candidate.variation()
-    step_s = (
-        steady_step_s
-        if variation is None
-        else _varied_step_s(candidate, costs, variation) + ending_s
-    )
-    return _as_plan(candidate, memory, step_s, steady_step_s, processed, costs)
+    step_s = makespan if variation is None else _varied_step_s(candidate, costs, variation)
+    return _as_plan(candidate, memory, step_s, makespan, processed, costs)
 
 
 def _varied_step_s(candidate: Candidate, costs: Costs, variation: Variation) -> float:

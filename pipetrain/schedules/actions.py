@@ -1,12 +1,9 @@
-"""The schedule representation: per-rank ordered lists of actions.
-
-A :class:`Schedule` is plain data. The validator, the simulator and the runtime all read the
-same value, so a predicted timeline and a measured one describe the same actions.
-"""
+"""What a schedule is made of: the :class:`Action` (one step of one rank's work) and its
+:class:`Kind`, with the text form ``F3.5``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
 from enum import Enum
 from typing import NamedTuple
 
@@ -21,8 +18,13 @@ class Kind(str, Enum):
     RECV_F = "RECV_F"  # receive a forward activation from the previous stage
     SEND_B = "SEND_B"  # send an input gradient to the previous stage
     RECV_B = "RECV_B"  # receive an output gradient from the next stage
+    SEND_T = "SEND_T"  # send the step's targets from the input stage to the last stage
+    RECV_T = "RECV_T"  # receive the step's targets on the last stage
+    SEND_O = "SEND_O"  # send a last-stage output to the rank that gathers them (evaluation)
+    RECV_O = "RECV_O"  # receive a last-stage output from a replica (evaluation)
     ALLREDUCE = "ALLREDUCE"  # all-reduce a replicated stage's weight gradients
     STEP = "STEP"  # apply the optimizer to one stage's weights
+    LOSS = "LOSS"  # all-reduce the step's loss over every rank (ends a training step)
 
     # hash as the plain string, in C: schedules key large dicts by kinds
     __hash__ = str.__hash__
@@ -32,18 +34,24 @@ class Kind(str, Enum):
 
 
 COMPUTE_KINDS = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT})
-SEND_KINDS = frozenset({Kind.SEND_F, Kind.SEND_B})
-RECV_KINDS = frozenset({Kind.RECV_F, Kind.RECV_B})
+SEND_KINDS = frozenset({Kind.SEND_F, Kind.SEND_B, Kind.SEND_T, Kind.SEND_O})
+RECV_KINDS = frozenset({Kind.RECV_F, Kind.RECV_B, Kind.RECV_T, Kind.RECV_O})
+WRITTEN_KINDS = frozenset({*COMPUTE_KINDS, Kind.ALLREDUCE, Kind.STEP})
+"""The kinds a schedule's author writes; the lowering pass derives every other one."""
+
+_ACTION_TEXT = re.compile(r"^([A-Z_]+?)(\d+)(?:\.(\d+))?(?:@(\d+))?(?:v(\d+))?$")
 
 
 class Action(NamedTuple):
     """One step of one rank's work.
 
     ``stage`` is the model stage the action belongs to. ``microbatch`` is the micro-batch
-    (or, in asynchronous schedules, the mini-batch) it works on; ``None`` for ``STEP`` and
-    ``ALLREDUCE``. ``peer`` is the other rank of a send or receive. ``version`` is the
-    weight version a ``F``/``B``/``W`` must use (asynchronous schedules) or the version a
-    ``STEP`` produces; ``None`` means "the current weights".
+    (or, in asynchronous schedules, the mini-batch) it works on; ``None`` for ``STEP``,
+    ``ALLREDUCE``, ``LOSS`` and the targets' transfer. ``peer`` is the other rank of a send
+    or receive. ``version`` is the weight version a ``F``/``B``/``W`` must use
+    (asynchronous schedules) or the version a ``STEP`` produces; ``None`` means "the current
+    weights". The text form is ``F3.5`` (kind, stage, micro-batch), then ``@peer`` and
+    ``vversion`` where set: ``SEND_F0.2@1``, ``B1.0v2``.
     """
 
     kind: Kind
@@ -62,45 +70,22 @@ class Action(NamedTuple):
             text += f"v{self.version}"
         return text
 
-
-@dataclass(frozen=True)
-class Schedule:
-    """Every rank's ordered actions for one training step (or one window of async steps).
-
-    ``stage_ranks[s]`` lists the ranks that hold stage ``s``; a stage on more than one rank
-    is replicated and micro-batch ``k`` of it runs on ``stage_ranks[s][k % replicas]``.
-    """
-
-    name: str
-    stages: int
-    microbatches: int
-    ranks: tuple[tuple[Action, ...], ...]
-    stage_ranks: tuple[tuple[int, ...], ...]
-    split_backward: bool = False
-    asynchronous: bool = False
-    options: dict = field(default_factory=dict, compare=False)
-
-    @property
-    def num_ranks(self) -> int:
-        """How many ranks (worker processes) the schedule needs."""
-        return len(self.ranks)
-
-    def rank_of(self, stage: int, microbatch: int) -> int:
-        """The rank that runs ``microbatch`` of ``stage`` (round-robin over replicas)."""
-        replicas = self.stage_ranks[stage]
-        return replicas[microbatch % len(replicas)]
-
-    def stages_of(self, rank: int) -> tuple[int, ...]:
-        """The stages a rank holds, in increasing order."""
-        return tuple(s for s, ranks in enumerate(self.stage_ranks) if rank in ranks)
-
-    def compute_order(self, rank: int) -> list[str]:
-        """The rank's compute actions as short strings, for reading and tests."""
-        return [str(a) for a in self.ranks[rank] if a.kind in COMPUTE_KINDS]
-
-    def describe(self) -> str:
-        """A readable listing of every rank's compute actions."""
-        lines = [f"{self.name}: {self.stages} stages, {self.microbatches} micro-batches"]
-        for rank in range(self.num_ranks):
-            lines.append(f"  rank {rank}: " + " ".join(self.compute_order(rank)))
-        return "\n".join(lines)
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """The action written as ``text`` (the inverse of ``str``); ValueError if malformed."""
+        match = _ACTION_TEXT.match(text)
+        kinds = {kind.value: kind for kind in Kind}
+        if match is None or match.group(1) not in kinds:
+            raise ValueError(
+                f"{text!r} is not an action: write kind, stage and micro-batch such as F0.3, "
+                f"B1.0, W2.1, STEP0 or ALLREDUCE1 (kinds: {', '.join(kinds)}), then @peer "
+                "and v<version> where needed"
+            )
+        kind, stage, microbatch, peer, version = match.groups()
+        return cls(
+            kinds[kind],
+            int(stage),
+            None if microbatch is None else int(microbatch),
+            None if peer is None else int(peer),
+            None if version is None else int(version),
+        )

@@ -20,7 +20,9 @@ class Costs:
     float for every stage or one value per stage. ``activation_bytes`` and ``bandwidth``
     (bytes/s) are a float or one value per stage boundary (boundary s joins stage s and
     s + 1); a transfer costs ``latency_s + bytes / bandwidth``, and gradients are as large
-    as the activations they belong to. ``receive_s`` is the time a receive keeps the
+    as the activations they belong to; the step's targets and gathered outputs cost
+    ``latency_s``. ``loss_s`` is the all-reduce of the loss that ends a training step (one
+    small message over every rank). ``receive_s`` is the time a receive keeps the
     receiving rank busy once the data is there (copying it in), as on CPU backends.
     """
 
@@ -33,6 +35,7 @@ class Costs:
     step_s: PerStage = 0.0
     allreduce_s: PerStage = 0.0
     receive_s: float = 0.0
+    loss_s: float = 0.0
 
     def per_stage(self, field: str, count: int) -> list[float]:
         """The named field expanded to ``count`` values, checked for length and sign."""

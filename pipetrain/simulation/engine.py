@@ -11,8 +11,10 @@ from __future__ import annotations
 import random
 import statistics
 from collections import defaultdict, deque
+from collections.abc import Sequence
 
-from pipetrain.schedules import Kind, Schedule
+from pipetrain.schedules import RECV_KINDS, SEND_KINDS, Kind, Schedule
+from pipetrain.schedules.messages import MessageKey, message
 from pipetrain.simulation.costs import Costs, Variation
 from pipetrain.timeline import Event, Timeline
 
@@ -24,120 +26,131 @@ def simulate(
 
     With ``variation``, every forward, backward and weight-gradient action is its cost times
     a factor drawn from the variation (random, repeatable for one ``seed``): one possible
-    step of a pipeline whose actions vary as measured.
+    step of a pipeline whose actions vary as measured. Each action is played once: a rank
+    runs until it waits for a message or a collective, and whatever ends the wait puts it
+    back on the work list.
     """
-    stages = schedule.stages
-    forward = costs.per_stage("forward_s", stages)
-    backward = costs.per_stage("backward_s", stages)
-    weight = costs.per_stage("weight_s", stages)
-    step = costs.per_stage("step_s", stages)
-    allreduce = costs.per_stage("allreduce_s", stages)
+    stages, num_ranks = schedule.stages, schedule.num_ranks
     boundaries = max(stages - 1, 1)
     activation = costs.per_stage("activation_bytes", boundaries)
     bandwidth = costs.per_stage("bandwidth", boundaries)
     if any(b == 0 for b in bandwidth):
         raise ValueError("Costs.bandwidth must be positive")
-    for name in ("latency_s", "receive_s"):
+    for name in ("latency_s", "receive_s", "loss_s"):
         if not getattr(costs, name) >= 0:
             raise ValueError(
                 f"Costs.{name} must be a non-negative number of seconds, got {getattr(costs, name)!r}"
             )
-    duration = {
-        Kind.FORWARD: forward,
-        Kind.BACKWARD: backward
-        if schedule.split_backward
-        else [b + w for b, w in zip(backward, weight)],
-        Kind.WEIGHT: weight,
-        Kind.STEP: step,
-    }
-
+    duration = _durations(schedule, costs)
+    draw = random.Random(seed).choice
+    factors: dict[Kind, Sequence[Sequence[float]]] = {}
     if variation is not None:
         variation.check(stages)
-        draw = random.Random(seed).choice
         factors = {
             Kind.FORWARD: variation.forward,
             Kind.BACKWARD: variation.backward,
             Kind.WEIGHT: variation.backward,
         }
+    latency, receive_s = costs.latency_s, costs.receive_s
+    transfer_s = [latency + size / speed for size, speed in zip(activation, bandwidth)]
+    collective_s = {
+        Kind.ALLREDUCE: costs.per_stage("allreduce_s", stages),
+        Kind.LOSS: [costs.loss_s],
+    }
+    groups = {Kind.ALLREDUCE: schedule.stage_ranks, Kind.LOSS: [tuple(range(num_ranks))]}
 
-    def transfer_s(boundary: int) -> float:
-        return costs.latency_s + activation[boundary] / bandwidth[boundary]
-
-    clock = [0.0] * schedule.num_ranks
-    position = [0] * schedule.num_ranks
+    names = {kind: kind.value for kind in Kind}  # plain strings, looked up fast
+    clock = [0.0] * num_ranks
+    position = [0] * num_ranks
     events: list[Event] = []
-    arrival: dict[
-        tuple[int, Kind, int, int], float
-    ] = {}  # (receiver, recv kind, stage, mb) -> time
+    arrival: dict[tuple[int, MessageKey], float] = {}  # (receiver, message) -> time
     link_free: dict[tuple[int, int], float] = defaultdict(float)
-    waiting_on: dict[tuple[int, Kind, int, int], int] = {}
-    allreduce_arrived: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)
-    allreduce_done: list[dict[int, int]] = [defaultdict(int) for _ in range(schedule.num_ranks)]
-    runnable = deque(range(schedule.num_ranks))
-
-    def record(rank: int, kind: Kind, stage: int, mb: int | None, start: float, end: float) -> None:
-        events.append(Event(rank, kind.value, stage, mb, start, end))
+    waiting_on: dict[tuple[int, MessageKey], int] = {}
+    arrived: dict[tuple[Kind, int, int], dict[int, float]] = defaultdict(dict)
+    collectives_done: list[dict[tuple[Kind, int], int]] = [
+        defaultdict(int) for _ in range(num_ranks)
+    ]
+    runnable = deque(range(num_ranks))
 
     while runnable:
         rank = runnable.popleft()
         actions = schedule.ranks[rank]
-        while position[rank] < len(actions):
-            action = actions[position[rank]]
-            kind, stage, mb = action.kind, action.stage, action.microbatch
-            now = clock[rank]
-            if kind in duration:
-                cost = duration[kind][stage]
-                if variation is not None and kind in factors:
+        now = clock[rank]
+        index = position[rank]
+        while index < len(actions):
+            action = actions[index]
+            kind, stage = action.kind, action.stage
+            spans = duration.get(kind)
+            if spans is not None:
+                cost = spans[stage]
+                if kind in factors:
                     cost *= draw(factors[kind][stage])
-                end = now + cost
-                record(rank, kind, stage, mb, now, end)
-                clock[rank] = end
-            elif kind in (Kind.SEND_F, Kind.SEND_B):
-                boundary = stage if kind is Kind.SEND_F else stage - 1
-                link = (rank, action.peer)
+                events.append(Event(rank, names[kind], stage, action.microbatch, now, now + cost))
+                now += cost
+            elif kind in SEND_KINDS:
+                peer = action.peer if action.peer is not None else -1
+                key = message(action)
+                link = (rank, peer)
                 start = max(now, link_free[link])
-                end = start + transfer_s(boundary)
+                end = start + (transfer_s[key[1]] if key[0] in ("F", "B") else latency)
                 link_free[link] = end
-                record(rank, kind, stage, mb, start, end)
-                key = (
-                    action.peer,
-                    Kind.RECV_F if kind is Kind.SEND_F else Kind.RECV_B,
-                    stage + 1 if kind is Kind.SEND_F else stage - 1,
-                    mb,
-                )
-                arrival[key] = end
-                if key in waiting_on:
-                    runnable.append(waiting_on.pop(key))
-            elif kind in (Kind.RECV_F, Kind.RECV_B):
-                key = (rank, kind, stage, mb)
-                if key not in arrival:
-                    waiting_on[key] = rank
+                events.append(Event(rank, names[kind], stage, action.microbatch, start, end))
+                arrival[(peer, key)] = end
+                waiter = waiting_on.pop((peer, key), None)
+                if waiter is not None:
+                    runnable.append(waiter)
+            elif kind in RECV_KINDS:
+                key = message(action)
+                landed = arrival.pop((rank, key), None)
+                if landed is None:
+                    waiting_on[(rank, key)] = rank
                     break
-                end = max(now, arrival.pop(key)) + costs.receive_s
-                record(rank, kind, stage, mb, now, end)
-                clock[rank] = end
-            elif kind is Kind.ALLREDUCE:
-                group = schedule.stage_ranks[stage]
-                key = (stage, allreduce_done[rank][stage])
-                allreduce_arrived[key][rank] = now
-                if len(allreduce_arrived[key]) < len(group):
+                end = max(now, landed) + receive_s
+                events.append(Event(rank, names[kind], stage, action.microbatch, now, end))
+                now = end
+            else:  # ALLREDUCE over the stage's replicas, LOSS over every rank
+                position[rank] = index
+                scope = stage if kind is Kind.ALLREDUCE else 0
+                group = groups[kind][scope]
+                count = collectives_done[rank][(kind, scope)]
+                members = arrived[(kind, scope, count)]
+                members[rank] = now
+                if len(members) < len(group):
                     break
-                start = max(allreduce_arrived[key].values())
+                start = max(members.values())
+                end = start + collective_s[kind][scope]
                 for member in group:
-                    record(member, kind, stage, None, start, start + allreduce[stage])
-                    clock[member] = start + allreduce[stage]
-                    allreduce_done[member][stage] += 1
+                    events.append(Event(member, names[kind], stage, None, start, end))
+                    clock[member] = end
+                    collectives_done[member][(kind, scope)] += 1
                     position[member] += 1
                     if member != rank:
                         runnable.append(member)
+                now, index = end, position[rank]
                 continue
-            position[rank] += 1
-    unfinished = [r for r in range(schedule.num_ranks) if position[r] < len(schedule.ranks[r])]
+            index += 1
+        clock[rank], position[rank] = now, index
+    unfinished = [r for r in range(num_ranks) if position[r] < len(schedule.ranks[r])]
     if unfinished:
         raise RuntimeError(
             f"simulation of {schedule.name} stopped with ranks {unfinished} waiting; validate the schedule first"
         )
-    return Timeline(events, schedule.num_ranks, label=schedule.name)
+    return Timeline(events, num_ranks, label=schedule.name)
+
+
+def _durations(schedule: Schedule, costs: Costs) -> dict[Kind, list[float]]:
+    """Per-stage time of each compute kind and of the optimizer step."""
+    stages = schedule.stages
+    forward, backward, weight, step = (
+        costs.per_stage(name, stages) for name in ("forward_s", "backward_s", "weight_s", "step_s")
+    )
+    unsplit = [b + w for b, w in zip(backward, weight)]
+    return {
+        Kind.FORWARD: forward,
+        Kind.BACKWARD: backward if schedule.split_backward else unsplit,
+        Kind.WEIGHT: weight,
+        Kind.STEP: step,
+    }
 
 
 def median_makespan(

@@ -1,0 +1,87 @@
+"""Zero-bubble ZB-H1: the backward split into B (input gradient) and W (weight gradient)."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+
+from pipetrain.schedules.actions import Action, Kind
+from pipetrain.schedules.builtin.common import one_f_one_b_in_flight
+from pipetrain.schedules.registry import (
+    Bubble,
+    Generated,
+    Options,
+    ScheduleSpec,
+    UniformCosts,
+)
+
+
+def generate(
+    ranks: int, microbatches: int, replicas: Sequence[int] | None, options: Options
+) -> Generated:
+    """Built by list scheduling under unit costs (F = B = W = 1).
+
+    A rank runs a ready B first, then a forward while fewer than ``stages - s``
+    micro-batches are in flight (the 1F1B memory limit), and a deferred W whenever it would
+    otherwise wait or holds more than ``stages`` deferred W's. Deferring W's lets every B
+    travel up the pipeline at once, so with F = B = W the bubble is (p − 1)/(3m + p − 1), a
+    third of 1F1B's.
+    """
+    p, m = ranks, microbatches
+    forward_done = [[math.inf] * m for _ in range(p)]
+    backward_done = [[math.inf] * m for _ in range(p)]
+    next_forward, next_backward = [0] * p, [0] * p
+    pending_weight: list[deque[int]] = [deque() for _ in range(p)]
+    busy_until = [0] * p
+    orders: list[list[Action]] = [[] for _ in range(p)]
+    finished = time = 0
+    while finished < p:
+        for rank in range(p):
+            if busy_until[rank] > time or len(orders[rank]) == 3 * m:
+                continue
+            limit = min(p - rank, m)
+            f, b = next_forward[rank], next_backward[rank]
+            b_ready = b < f and (rank == p - 1 or backward_done[rank + 1][b] <= time)
+            f_ready = f < m and f - b < limit and (rank == 0 or forward_done[rank - 1][f] <= time)
+            if b_ready:
+                orders[rank].append(Action(Kind.BACKWARD, rank, b))
+                backward_done[rank][b] = time + 1
+                next_backward[rank] += 1
+                pending_weight[rank].append(b)
+            elif pending_weight[rank] and (len(pending_weight[rank]) > p or not f_ready):
+                orders[rank].append(Action(Kind.WEIGHT, rank, pending_weight[rank].popleft()))
+            elif f_ready:
+                orders[rank].append(Action(Kind.FORWARD, rank, f))
+                forward_done[rank][f] = time + 1
+                next_forward[rank] += 1
+            else:
+                continue
+            busy_until[rank] = time + 1
+            if len(orders[rank]) == 3 * m:
+                finished += 1
+        time += 1
+    for rank in range(p):
+        orders[rank].append(Action(Kind.STEP, rank))
+    return Generated(orders, [(rank,) for rank in range(p)])
+
+
+def bubble(ranks: int, microbatches: int, options: Options, costs: UniformCosts) -> Bubble | None:
+    """The zero-bubble paper's count, where it holds (m >= p and W <= min(F, B))."""
+    f, b, w = costs
+    if microbatches < ranks or w > min(f, b):
+        return None
+    idle = (ranks - 1) * (f + b - w)
+    return "(p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W))", idle / (microbatches * (f + b + w) + idle)
+
+
+SPEC = ScheduleSpec(
+    name="zb-h1",
+    summary="zero-bubble ZB-H1: B and W apart, W's fill the bubble; one synchronous update",
+    generate=generate,
+    split_backward=True,
+    in_flight=one_f_one_b_in_flight,
+    textbook_bubble=bubble,
+    default_costs={"forward_s": 1.0, "backward_s": 1.0, "weight_s": 1.0},
+    planned_by_default=True,
+)

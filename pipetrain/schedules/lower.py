@@ -1,0 +1,140 @@
+"""Lowering: from the actions a schedule's author writes to every action a rank performs.
+
+- :func:`lower` adds the sends and receives that connect stages, and the loss all-reduce
+  that ends a training step;
+- :func:`with_targets_shipped` adds the transfer of the step's targets from the input stage
+  to the last stage;
+- :func:`forward_only` keeps the forwards and gathers the last stage's outputs on one rank.
+
+Sends go right after the action that produced the tensor. Receives are placed so that on
+every (sender, receiver) pair they come in the sender's order: backends such as NCCL match
+point-to-point messages between a pair of ranks in order, and pre-posting receives in that
+order is then always safe. A receive is moved no later than the first consumer of any
+message sent after it on the same pair, which cannot introduce a deadlock: the receiver has
+to wait for that later message at that point anyway, and it is sent after. Every pass is
+linear in the number of actions.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+from pipetrain.schedules.actions import Action, Kind
+from pipetrain.schedules.messages import message, needed_by, received_by, sent_after
+
+Lanes = tuple[tuple[Action, ...], ...]
+
+
+def lower(
+    compute_orders: Sequence[Sequence[Action]],
+    stage_ranks: Sequence[Sequence[int]],
+    loss: bool = True,
+) -> Lanes:
+    """Full per-rank action lists: the written actions, the transfers between stages and,
+    with ``loss``, a closing ``LOSS`` on every rank (on the highest stage it holds)."""
+    last = len(stage_ranks) - 1
+    single = [ranks[0] if len(ranks) == 1 else -1 for ranks in stage_ranks]
+
+    def rank_of(stage: int, microbatch: int) -> int:
+        owner = single[stage]
+        if owner >= 0:
+            return owner
+        replicas = stage_ranks[stage]
+        return replicas[microbatch % len(replicas)]
+
+    with_sends: list[list[Action]] = []
+    # sent[(sender, receiver)]: receive actions in the sender's order
+    sent: dict[tuple[int, int], list[Action]] = defaultdict(list)
+    # consumer[rank][message key]: index, in the rank's written order, of the action using it
+    consumer: list[dict[tuple, int]] = [{} for _ in compute_orders]
+    for rank, order in enumerate(compute_orders):
+        actions: list[Action] = []
+        uses = consumer[rank]
+        for index, action in enumerate(order):
+            mb = action.microbatch
+            need = needed_by(action, last)
+            if need is not None and mb is not None and rank_of(need[2], mb) != rank:
+                uses[(need[0], action.stage, mb)] = index
+            actions.append(action)
+            out = sent_after(action, last)
+            if out is not None and mb is not None:
+                target = rank_of(out[1], mb)
+                if target != rank:
+                    send = Action(out[0], action.stage, mb, target)
+                    actions.append(send)
+                    sent[(rank, target)].append(received_by(send, last, rank))
+        with_sends.append(actions)
+
+    # receives_before[receiver][index]: receives to issue right before written action index
+    receives_before: list[dict[int, list[Action]]] = [defaultdict(list) for _ in compute_orders]
+    for (sender, receiver), receives in sent.items():
+        uses = consumer[receiver]
+        slot = len(compute_orders[receiver])
+        slots = [0] * len(receives)
+        for i in range(len(receives) - 1, -1, -1):
+            receive = receives[i]
+            need = uses.get((receive.kind, receive.stage, receive.microbatch))
+            if need is None:
+                raise ValueError(
+                    f"rank {sender} sends {message(receive)} to rank {receiver}, which never uses "
+                    f"it: {receive._replace(peer=sender)} has no consumer there"
+                )
+            slot = min(slot, need)
+            slots[i] = slot
+        for receive, at in zip(receives, slots):
+            receives_before[receiver][at].append(receive)
+
+    lanes = []
+    for rank, actions in enumerate(with_sends):
+        before = receives_before[rank]
+        merged: list[Action] = []
+        index = 0
+        for action in actions:
+            if action.peer is None:  # a written action (sends carry a peer)
+                if index in before:
+                    merged.extend(before[index])
+                index += 1
+            merged.append(action)
+        if loss:
+            held = [s for s, ranks in enumerate(stage_ranks) if rank in ranks]
+            merged.append(Action(Kind.LOSS, max(held) if held else 0))
+        lanes.append(tuple(merged))
+    return tuple(lanes)
+
+
+def with_targets_shipped(lanes: Lanes, stage_ranks: Sequence[Sequence[int]]) -> Lanes:
+    """``lanes`` with the step's targets sent from the first input-stage rank to every
+    last-stage rank before anything else, so only the input stage needs to load data."""
+    source, sinks, last = stage_ranks[0][0], stage_ranks[-1], len(stage_ranks) - 1
+    shipped = []
+    for rank, actions in enumerate(lanes):
+        head: tuple[Action, ...] = ()
+        if rank == source:
+            head = tuple(Action(Kind.SEND_T, 0, None, sink) for sink in sinks if sink != source)
+        elif rank in sinks:
+            head = (Action(Kind.RECV_T, last, None, source),)
+        shipped.append(head + tuple(actions))
+    return tuple(shipped)
+
+
+def forward_only(lanes: Lanes, stage_ranks: Sequence[Sequence[int]]) -> Lanes:
+    """The forwards and their transfers, on the newest weights, with every last-stage
+    output gathered on the first rank of the last stage (for evaluation)."""
+    last = len(stage_ranks) - 1
+    gather = stage_ranks[last][0]
+    keep = (Kind.FORWARD, Kind.SEND_F, Kind.RECV_F)
+    result: list[list[Action]] = []
+    incoming: list[Action] = []
+    for rank, actions in enumerate(lanes):
+        kept: list[Action] = []
+        for action in actions:
+            if action.kind not in keep:
+                continue
+            kept.append(action._replace(version=None))
+            if action.kind is Kind.FORWARD and action.stage == last and rank != gather:
+                kept.append(Action(Kind.SEND_O, last, action.microbatch, gather))
+                incoming.append(Action(Kind.RECV_O, last, action.microbatch, rank))
+        result.append(kept)
+    result[gather].extend(incoming)
+    return tuple(tuple(actions) for actions in result)

@@ -1,0 +1,201 @@
+"""The :class:`Schedule` value and its text form.
+
+A schedule is plain data. The validator, the simulator and the runtime all read the same
+value, so a predicted timeline and a measured one describe the same actions.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from pipetrain.schedules.actions import COMPUTE_KINDS, WRITTEN_KINDS, Action, Kind
+from pipetrain.schedules.lower import lower
+from pipetrain.schedules.validate import ScheduleError, validate
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Every rank's ordered actions for one training step (or one window of async steps).
+
+    ``stages`` counts model stages and ``num_ranks`` ranks (worker processes); a rank may
+    hold several stages (interleaved chunks). ``stage_ranks[s]`` lists the ranks that hold
+    stage ``s``; a stage on more than one rank is replicated and micro-batch ``k`` of it
+    runs on ``stage_ranks[s][k % replicas]``. ``microbatches`` counts every micro-batch the
+    schedule runs (for ``2bw``, those of all its updates). ``options`` holds the facts the
+    validator checks (``max_versions``, ``vertical_sync``) and the builder's options.
+    """
+
+    name: str
+    stages: int
+    microbatches: int
+    ranks: tuple[tuple[Action, ...], ...]
+    stage_ranks: tuple[tuple[int, ...], ...]
+    split_backward: bool = False
+    asynchronous: bool = False
+    options: Mapping[str, object] = field(default_factory=dict, compare=False)
+
+    @property
+    def num_ranks(self) -> int:
+        """How many ranks (worker processes) the schedule needs."""
+        return len(self.ranks)
+
+    def rank_of(self, stage: int, microbatch: int) -> int:
+        """The rank that runs ``microbatch`` of ``stage`` (round-robin over replicas)."""
+        replicas = self.stage_ranks[stage]
+        return replicas[microbatch % len(replicas)]
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages a rank holds, in increasing order."""
+        return tuple(s for s, ranks in enumerate(self.stage_ranks) if rank in ranks)
+
+    def compute_order(self, rank: int) -> list[str]:
+        """The rank's compute actions as short strings, for reading and tests."""
+        return [str(a) for a in self.ranks[rank] if a.kind in COMPUTE_KINDS]
+
+    def describe(self) -> str:
+        """The schedule as text: a header, the placement, and every rank's written actions.
+
+        Sends, receives and the loss all-reduce are left out: the lowering pass derives
+        them, so :meth:`from_text` of this text gives this schedule back.
+        """
+        flags = [flag for flag in ("split_backward", "asynchronous") if getattr(self, flag)]
+        options = [f"{key}={_option_text(value)}" for key, value in sorted(self.options.items())]
+        lines = [
+            f"schedule {self.name}: {self.stages} stages on {self.num_ranks} ranks, "
+            f"{self.microbatches} micro-batches",
+            "placement: " + " ".join(",".join(map(str, ranks)) for ranks in self.stage_ranks),
+        ]
+        if flags or options:
+            lines.append("facts: " + " ".join(flags + options))
+        for rank, actions in enumerate(self.ranks):
+            written = " ".join(str(a) for a in actions if a.kind in WRITTEN_KINDS)
+            lines.append(f"rank {rank}: {written}")
+        return "\n".join(lines)
+
+    @classmethod
+    def from_text(cls, text: str) -> Schedule:
+        """Read a schedule written as :meth:`describe` writes it, add its communication
+        (:func:`~pipetrain.schedules.lower.lower`), and validate it.
+
+        Only the ``rank R: ...`` lines are required; blank lines and lines starting with
+        ``#`` are skipped. Without a header the name is ``custom`` and the stage and
+        micro-batch counts are the highest named plus one; without ``placement`` each stage
+        is held by the ranks whose actions name it; ``facts`` default to a split backward if
+        any ``W`` appears and asynchronous if any action names a version.
+        """
+        header, placement, facts, orders = _read_lines(text)
+        written = [action for order in orders for action in order]
+        stages = header[1] if header else 1 + max((a.stage for a in written), default=-1)
+        microbatches = (
+            header[3] if header else 1 + max((a.microbatch or 0 for a in written), default=0)
+        )
+        if placement is None:
+            placement = tuple(
+                tuple(r for r, order in enumerate(orders) if any(a.stage == s for a in order))
+                for s in range(stages)
+            )
+        if len(placement) != stages:
+            raise ScheduleError(
+                f"placement lists {len(placement)} stages, but the schedule has {stages}"
+            )
+        flags, options = facts
+        if flags is None:
+            flags = {"split_backward"} if any(a.kind is Kind.WEIGHT for a in written) else set()
+            if any(a.version is not None for a in written):
+                flags.add("asynchronous")
+        schedule = cls(
+            name=header[0] if header else "custom",
+            stages=stages,
+            microbatches=microbatches,
+            ranks=lower(orders, placement),
+            stage_ranks=placement,
+            split_backward="split_backward" in flags,
+            asynchronous="asynchronous" in flags,
+            options=options,
+        )
+        validate(schedule)
+        return schedule
+
+
+def _option_text(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+_HEADER = re.compile(r"^schedule (\S+): (\d+) stages on (\d+) ranks, (\d+) micro-batches$")
+_RANK = re.compile(r"^rank (\d+):(.*)$")
+
+Header = tuple[str, int, int, int] | None  # name, stages, ranks, micro-batches
+Facts = tuple[set[str] | None, dict[str, object]]
+
+
+def _read_lines(
+    text: str,
+) -> tuple[Header, tuple[tuple[int, ...], ...] | None, Facts, list[list[Action]]]:
+    """The header, placement, facts and per-rank written actions of a schedule's text."""
+    header: Header = None
+    placement: tuple[tuple[int, ...], ...] | None = None
+    facts: Facts = (None, {})
+    lanes: dict[int, list[Action]] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            if match := _HEADER.match(line):
+                name, stages, ranks, microbatches = match.groups()
+                header = (name, int(stages), int(ranks), int(microbatches))
+            elif line.startswith("placement:"):
+                placement = tuple(
+                    tuple(int(r) for r in part.split(",")) for part in line[10:].split()
+                )
+            elif line.startswith("facts:"):
+                facts = _read_facts(line[6:].split())
+            elif match := _RANK.match(line):
+                lanes[int(match.group(1))] = _read_actions(match.group(2).split())
+            else:
+                raise ValueError(
+                    "expected 'schedule NAME: S stages on R ranks, M micro-batches', "
+                    "'placement: ...', 'facts: ...' or 'rank R: actions'"
+                )
+        except ValueError as error:
+            raise ScheduleError(f"line {number}: {raw.strip()!r}: {error}") from None
+    if sorted(lanes) != list(range(len(lanes))) or not lanes:
+        raise ScheduleError(
+            f"the text must have lines 'rank 0:' to 'rank N:', got ranks {sorted(lanes)}"
+        )
+    if header is not None and header[2] != len(lanes):
+        raise ScheduleError(
+            f"the header says {header[2]} ranks, but {len(lanes)} rank lines follow"
+        )
+    return header, placement, facts, [lanes[r] for r in range(len(lanes))]
+
+
+def _read_actions(words: list[str]) -> list[Action]:
+    actions = [Action.parse(word) for word in words]
+    derived = [a for a in actions if a.kind not in WRITTEN_KINDS]
+    if derived:
+        raise ValueError(
+            f"{derived[0]} is derived by the lowering pass; write only "
+            f"{', '.join(sorted(k.value for k in WRITTEN_KINDS))} actions"
+        )
+    return actions
+
+
+def _read_facts(words: list[str]) -> Facts:
+    flags: set[str] = set()
+    options: dict[str, object] = {}
+    for word in words:
+        if "=" not in word:
+            if word not in ("split_backward", "asynchronous"):
+                raise ValueError(
+                    f"unknown fact {word!r}: use split_backward, asynchronous or key=value"
+                )
+            flags.add(word)
+            continue
+        key, value = word.split("=", 1)
+        options[key] = {"true": True, "false": False}.get(
+            value, int(value) if value.isdigit() else value
+        )
+    return flags, options
