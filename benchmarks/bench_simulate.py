@@ -1,7 +1,7 @@
 """How long building, validating and simulating a large schedule takes.
 
-For each schedule, 64 stages × 512 micro-batches (interleaved: 64 ranks × 2 chunks; 2bw:
-512 micro-batches per update, 2 updates): the time to build (generate, connect, validate)
+For each registered schedule, 64 ranks × 512 micro-batches (interleaved: 2 chunks per rank;
+2bw: 512 micro-batches per update, 2 updates): the time to build (generate, lower, validate)
 and the time to simulate, each the best of 3 runs.
 
     python benchmarks/bench_simulate.py [--stages 64] [--microbatches 512]
@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from pipetrain.schedules import SCHEDULE_NAMES, build
+from pipetrain.schedules import build, names, spec
 from pipetrain.simulation import Costs, simulate
 
 T = TypeVar("T")
@@ -47,14 +47,18 @@ def main() -> None:
     )
     print(f"{args.stages} stages x {args.microbatches} micro-batches")
     print(f"{'schedule':12} {'actions':>9} {'build s':>8} {'simulate s':>11} {'bubble':>8}")
-    for name in SCHEDULE_NAMES:
+    for name in names():
         build_s, schedule = best_of(
             3, functools.partial(build, name, args.stages, args.microbatches)
         )
-        per_chunk = (
-            Costs(**{**costs.__dict__, "forward_s": 0.5, "backward_s": 0.5, "weight_s": 0.5})
-            if name == "interleaved"
-            else costs
+        chunks = spec(name).chunks({})
+        per_chunk = Costs(
+            **{
+                **costs.__dict__,
+                "forward_s": 1 / chunks,
+                "backward_s": 1 / chunks,
+                "weight_s": 1 / chunks,
+            }
         )
         simulate_s, timeline = best_of(3, functools.partial(simulate, schedule, per_chunk))
         actions = sum(len(actions) for actions in schedule.ranks)

@@ -1,47 +1,39 @@
-"""Draw the simulated timeline of every schedule at 4 stages x 8 micro-batches into docs/timelines/.
+"""Draw the simulated timeline of every registered schedule at 4 ranks x 8 micro-batches
+into docs/timelines/.
 
-Costs per micro-batch and stage: forward 1, backward 2; zb-h1 splits the backward into
-B = W = 1 with forward 1, as in the zero-bubble paper; interleaved shares each rank's
-costs between its 2 chunks. Run with ``make timelines``.
+Costs per micro-batch are each schedule's defaults (forward 1, backward 2; zb-h1 splits the
+backward into B = W = 1 with forward 1, as in the zero-bubble paper), a rank's time shared
+by its chunks (interleaved: 2). Run with ``make timelines``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from pipetrain.schedules import SCHEDULE_NAMES, build
+from pipetrain.schedules import build, names, spec
 from pipetrain.simulation import Costs, simulate
 
-STAGES, MICROBATCHES, VIRTUAL = 4, 8, 2
+RANKS, MICROBATCHES = 4, 8
 OUT = Path(__file__).resolve().parent / "timelines"
 
 
 def costs_for(name: str) -> Costs:
-    """The costs each schedule is drawn with (see the module docstring)."""
-    if name == "zb-h1":
-        return Costs(forward_s=1.0, backward_s=1.0, weight_s=1.0)
-    if name == "interleaved":
-        return Costs(forward_s=1.0 / VIRTUAL, backward_s=2.0 / VIRTUAL)
-    return Costs(forward_s=1.0, backward_s=2.0)
+    """The schedule's default costs, a rank's time shared by its chunks."""
+    family = spec(name)
+    chunks = family.chunks({})
+    return Costs(**{field: value / chunks for field, value in family.default_costs.items()})
 
 
 def title_for(name: str) -> str:
-    """The chart title: schedule, shape and what is specific to it."""
-    detail = {
-        "interleaved": f", {VIRTUAL} chunks per rank",
-        "2bw": ", 2 updates in the window",
-        "pipedream": " (asynchronous, weight stashing)",
-        "zb-h1": ", F = B = W",
-    }.get(name, "")
-    return f"{name}: {STAGES} stages, {MICROBATCHES} micro-batches{detail}"
+    """The chart title: the schedule and the shape drawn."""
+    return f"{name}: {RANKS} ranks, {MICROBATCHES} micro-batches"
 
 
 def main() -> None:
-    """Write ``docs/timelines/<schedule>.png`` for every schedule."""
+    """Write ``docs/timelines/<schedule>.png`` for every registered schedule."""
     OUT.mkdir(exist_ok=True)
-    for name in SCHEDULE_NAMES:
-        options = {"virtual": VIRTUAL} if name == "interleaved" else {}
-        timeline = simulate(build(name, STAGES, MICROBATCHES, **options), costs_for(name))
+    for name in names():
+        timeline = simulate(build(name, RANKS, MICROBATCHES), costs_for(name))
         path = OUT / f"{name}.png"
         timeline.plot(path, title_for(name))
         print(

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipetrain import cli
+from pipetrain.app import cli
 from pipetrain.app.simulate_job import textbook_bubble
-from pipetrain.schedules import SCHEDULE_NAMES, build
+from pipetrain.schedules import build, names
 from pipetrain.simulation import Costs, simulate
 from pipetrain.timeline import Event, Timeline
 
@@ -52,19 +52,19 @@ def reference_costs(name: str) -> Costs:
     return Costs(forward_s=1.0, backward_s=2.0)
 
 
-@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+@pytest.mark.parametrize("name", names())
 def test_simulate_json_equals_the_library(capsys: pytest.CaptureFixture[str], name: str) -> None:
-    result = simulate_json(capsys, "--schedule", name, "--stages", "4", "--microbatches", "8")
+    result = simulate_json(capsys, "--schedule", name, "--ranks", "4", "--microbatches", "8")
     options = {"virtual": 2} if name == "interleaved" else {}
     expected = simulate(build(name, 4, 8, **options), reference_costs(name))
     assert result["makespan"] == pytest.approx(expected.makespan)
     assert result["bubble_fraction"] == pytest.approx(expected.bubble_fraction)
     assert result["peak_activations"] == expected.peak_activations
-    assert (result["schedule"], result["stages"], result["microbatches"]) == (name, 4, 8)
+    assert (result["schedule"], result["ranks"], result["microbatches"]) == (name, 4, 8)
 
 
 def test_simulate_text_shows_the_textbook_figures(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["simulate", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8"]) == 0
+    assert cli.main(["simulate", "--schedule", "1f1b", "--ranks", "4", "--microbatches", "8"]) == 0
     text = capsys.readouterr().out
     # by hand: makespan (m + p - 1)(F + B) = 11 * 3, bubble (p - 1)/(m + p - 1) = 3/11
     assert "33 s" in text
@@ -85,7 +85,7 @@ def test_simulate_costs_file_with_per_stage_lists_and_flag_override(
         capsys,
         "--schedule",
         "gpipe",
-        "--stages",
+        "--ranks",
         "3",
         "--microbatches",
         "5",
@@ -103,7 +103,7 @@ def test_simulate_costs_file_with_per_stage_lists_and_flag_override(
 
 @settings(max_examples=60, deadline=None)
 @given(
-    name=st.sampled_from(SCHEDULE_NAMES),
+    name=st.sampled_from(names()),
     p=st.integers(1, 5),
     m=st.integers(1, 10),
     costs=st.tuples(
@@ -141,7 +141,7 @@ def test_simulate_writes_png_and_chrome_trace(
                     "simulate",
                     "--schedule",
                     "zb-h1",
-                    "--stages",
+                    "--ranks",
                     "3",
                     "--microbatches",
                     "4",
@@ -159,16 +159,16 @@ def test_simulate_writes_png_and_chrome_trace(
 
 
 BAD_ARGUMENTS = [
-    (["simulate", "--schedule", "1f1b", "--stages", "0", "--microbatches", "4"], "0"),
-    (["simulate", "--schedule", "1f1b", "--stages", "2", "--microbatches", "-3"], "-3"),
-    (["simulate", "--schedule", "interleaved", "--stages", "4", "--microbatches", "6"], "6"),
-    (["simulate", "--schedule", "zigzag", "--stages", "4", "--microbatches", "8"], "zigzag"),
+    (["simulate", "--schedule", "1f1b", "--ranks", "0", "--microbatches", "4"], "0"),
+    (["simulate", "--schedule", "1f1b", "--ranks", "2", "--microbatches", "-3"], "-3"),
+    (["simulate", "--schedule", "interleaved", "--ranks", "4", "--microbatches", "6"], "6"),
+    (["simulate", "--schedule", "zigzag", "--ranks", "4", "--microbatches", "8"], "zigzag"),
     (
         [
             "simulate",
             "--schedule",
             "1f1b",
-            "--stages",
+            "--ranks",
             "2",
             "--microbatches",
             "2",
@@ -182,7 +182,7 @@ BAD_ARGUMENTS = [
             "simulate",
             "--schedule",
             "1f1b",
-            "--stages",
+            "--ranks",
             "2",
             "--microbatches",
             "2",
@@ -196,7 +196,7 @@ BAD_ARGUMENTS = [
             "simulate",
             "--schedule",
             "1f1b",
-            "--stages",
+            "--ranks",
             "2",
             "--microbatches",
             "2",
@@ -238,7 +238,7 @@ def test_bad_costs_files_give_one_line(
             "simulate",
             "--schedule",
             "gpipe",
-            "--stages",
+            "--ranks",
             "2",
             "--microbatches",
             "2",
@@ -347,7 +347,7 @@ def test_train_rejects_a_schedule_that_cannot_split_the_batch_before_starting_wo
     )
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1
-    assert "multiple of stages" in result.stderr and "3" in result.stderr
+    assert "multiple of ranks" in result.stderr and "3" in result.stderr
 
 
 # measured costs and the prediction --------------------------------------------------------
@@ -465,7 +465,7 @@ def test_interleaved_costs_per_rank_are_shared_by_its_chunks(
         capsys,
         "--schedule",
         "interleaved",
-        "--stages",
+        "--ranks",
         "2",
         "--microbatches",
         "4",
@@ -480,7 +480,7 @@ def test_interleaved_costs_per_rank_are_shared_by_its_chunks(
 
 def test_zero_bubble_fills_unspecified_costs_with_ones(capsys: pytest.CaptureFixture[str]) -> None:
     result = simulate_json(
-        capsys, "--schedule", "zb-h1", "--stages", "3", "--microbatches", "6", "--forward", "2"
+        capsys, "--schedule", "zb-h1", "--ranks", "3", "--microbatches", "6", "--forward", "2"
     )
     expected = simulate(build("zb-h1", 3, 6), Costs(forward_s=2.0, backward_s=1.0, weight_s=1.0))
     assert result["makespan"] == pytest.approx(expected.makespan)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from pipetrain.app.simulate_job import COST_FIELDS, run_simulation
-from pipetrain.schedules import RECOMPUTE_MODES, SCHEDULE_NAMES, Schedule, ScheduleError
+from pipetrain.schedules import RECOMPUTE_MODES, Schedule, ScheduleError, names, spec
 from pipetrain.timeline import Timeline, format_seconds
 
 if TYPE_CHECKING:
@@ -98,36 +98,33 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:
         "simulate",
         help="play a schedule against per-stage costs and report makespan and bubble",
         description=(
-            "Simulate one step of a schedule. Costs are seconds per micro-batch and stage "
-            "(for interleaved: per rank, shared equally by its chunks). Defaults: forward 1, "
-            "backward 2, weight 0; for zb-h1 forward = backward = weight = 1, as in the "
-            "zero-bubble paper. Flags override a costs file."
+            "Simulate one step of a schedule, by name or from a file of written actions (as "
+            "Schedule.describe() prints them). Costs are seconds per micro-batch and stage (with "
+            "several chunks per rank: per rank, shared equally by its chunks). Defaults are the "
+            "schedule's: forward 1, backward 2, weight 0; for zb-h1 forward = backward = weight "
+            "= 1, as in the zero-bubble paper. Flags override a costs file."
         ),
     )
-    parser.add_argument(
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
         "--schedule",
-        required=True,
-        choices=SCHEDULE_NAMES,
+        choices=names(),
         metavar="NAME",
-        help=f"one of {', '.join(SCHEDULE_NAMES)}",
+        help=f"one of {', '.join(names())}",
     )
-    parser.add_argument(
-        "--stages", required=True, type=positive_int, metavar="P", help="pipeline ranks"
+    source.add_argument(
+        "--schedule-file",
+        metavar="FILE",
+        help="a schedule written as text: 'rank R: F0.0 F0.1 B0.0 ...' lines, as describe() prints",
     )
+    parser.add_argument("--ranks", type=positive_int, metavar="P", help="pipeline ranks")
     parser.add_argument(
         "--microbatches",
-        required=True,
         type=positive_int,
         metavar="M",
         help="micro-batches per step (pipedream: mini-batches in the window; 2bw: per update)",
     )
-    parser.add_argument(
-        "--virtual",
-        type=positive_int,
-        default=2,
-        metavar="V",
-        help="model chunks per rank for interleaved (default 2)",
-    )
+    _add_schedule_options(parser)
     parser.add_argument(
         "--forward", type=non_negative_float, metavar="T", help="forward time per micro-batch"
     )
@@ -141,7 +138,7 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:
         "--weight",
         type=non_negative_float,
         metavar="T",
-        help="weight-gradient time per micro-batch (a separate W in zb-h1, else part of the backward)",
+        help="weight-gradient time per micro-batch (a separate W where the backward is split)",
     )
     parser.add_argument(
         "--costs",
@@ -157,44 +154,99 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
+def _add_schedule_options(parser: argparse.ArgumentParser) -> None:
+    """One flag per option of the registered schedules (``--virtual``, ``--vertical-sync``...)."""
+    seen: dict[str, list[str]] = {}
+    options = {}
+    for name in names():
+        for option in spec(name).options:
+            seen.setdefault(option.name, []).append(name)
+            options.setdefault(option.name, option)
+    for key, option in options.items():
+        flag = "--" + key.replace("_", "-")
+        owners = ", ".join(seen[key])
+        if isinstance(option.default, bool):
+            parser.add_argument(
+                flag, action="store_true", default=None, help=f"{owners}: {option.help}"
+            )
+        else:
+            parser.add_argument(
+                flag,
+                type=positive_int,
+                metavar="N",
+                help=f"{owners}: {option.help} (default {option.default})",
+            )
+
+
+def schedule_options(args: argparse.Namespace) -> dict[str, int | bool]:
+    """The schedule options given on the command line."""
+    keys = {option.name for name in names() for option in spec(name).options}
+    return {key: getattr(args, key) for key in keys if getattr(args, key, None) is not None}
+
+
 def _run_simulate(args: argparse.Namespace) -> None:
+    schedule = None
+    if args.schedule_file:
+        schedule = _read_schedule(args.schedule_file)
+        if args.ranks or args.microbatches or schedule_options(args):
+            raise ValueError(
+                "--schedule-file gives ranks, micro-batches and options itself; "
+                "drop --ranks, --microbatches and schedule options"
+            )
+    elif args.ranks is None or args.microbatches is None:
+        raise ValueError("--schedule needs --ranks and --microbatches")
     result = run_simulation(
         args.schedule,
-        args.stages,
+        args.ranks,
         args.microbatches,
-        virtual=args.virtual,
+        options=schedule_options(args),
+        schedule=schedule,
         costs_file=args.costs,
         forward_s=args.forward,
         backward_s=args.backward,
         weight_s=args.weight,
     )
+    timeline, schedule = result.timeline, result.schedule
     if args.out:
         write_timeline(
-            result.timeline,
+            timeline,
             args.out,
-            f"{args.schedule}, {args.stages} stages, {args.microbatches} micro-batches",
+            f"{schedule.name}, {schedule.num_ranks} ranks, {result.microbatches} micro-batches",
         )
     if args.json:
         print(json.dumps(result.to_json()))
         return
-    timeline, schedule = result.timeline, result.schedule
     chunks = f" ({schedule.stages} model stages)" if schedule.stages != schedule.num_ranks else ""
-    window = f" x {schedule.options['rounds']} rounds" if "rounds" in schedule.options else ""
+    window = (
+        f" ({schedule.microbatches} in the window)"
+        if schedule.microbatches != result.microbatches
+        else ""
+    )
     bubble = f"{timeline.bubble_fraction:.1%}"
     if result.textbook:
         formula, value = result.textbook
         bubble += f"   (textbook {formula} = {value:.1%})"
     print(
-        f"{args.schedule}: {args.stages} stages{chunks}, {args.microbatches} micro-batches{window}"
+        f"{schedule.name}: {schedule.num_ranks} ranks{chunks}, {result.microbatches} micro-batches{window}"
     )
     print(f"  costs             {_describe_costs(result.requested, schedule)}")
     print(f"  makespan          {format_seconds(timeline.makespan)}")
     print(f"  bubble fraction   {bubble}")
     print(
-        f"  peak activations  {timeline.peak_activations} (most (stage, micro-batch) activations held, per rank)"
+        f"  peak activations  {timeline.peak_activations} "
+        "(most (stage, micro-batch) activations held, per rank)"
     )
     if args.out:
         print(f"  timeline written  {args.out}")
+
+
+def _read_schedule(path: str) -> Schedule:
+    try:
+        with open(path, encoding="utf-8") as file:
+            text = file.read()
+    except OSError as error:
+        raise ValueError(f"cannot read schedule file {path!r}: {error.strerror}") from None
+    return Schedule.from_text(text)
 
 
 def _describe_costs(values: dict[str, Any], schedule: Schedule) -> str:
@@ -250,9 +302,9 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--schedule",
         default="1f1b",
-        choices=SCHEDULE_NAMES,
+        choices=names(),
         metavar="NAME",
-        help=f"one of {', '.join(SCHEDULE_NAMES)} (default 1f1b); pipedream splits each batch into "
+        help=f"one of {', '.join(names())} (default 1f1b); pipedream splits each batch into "
         "--microbatches mini-batches with an update each, 2bw makes 2 updates per step",
     )
     parser.add_argument(

@@ -1,8 +1,10 @@
-"""A simulation as ``pipetrain simulate`` does it: costs from defaults, a file and flags;
-the simulated step; and the textbook bubble formula to compare with, where one applies.
+"""A simulation as ``pipetrain simulate`` does it: costs from the schedule's defaults, a file
+and flags; the simulated step; and the textbook bubble formula to compare with, where one
+applies.
 
-Costs are seconds per micro-batch and stage. For ``interleaved`` they are per rank and shared
-equally by the rank's model chunks (or, as a list, one value per model stage).
+Costs are seconds per micro-batch and stage. For schedules with several model chunks per rank
+they are per rank and shared equally by the rank's chunks (or, as a list, one value per model
+stage).
 """
 
 from __future__ import annotations
@@ -12,18 +14,14 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from pipetrain.schedules import Schedule, build
+from pipetrain.schedules import Schedule, ScheduleSpec, build, names, spec
 from pipetrain.simulation import Costs, simulate
 from pipetrain.timeline import Timeline
 
 COST_FIELDS = tuple(f.name for f in fields(Costs))
 """The fields a costs file may hold."""
 
-DEFAULT_COSTS = {"forward_s": 1.0, "backward_s": 2.0}
-ZERO_BUBBLE_DEFAULT_COSTS = {"forward_s": 1.0, "backward_s": 1.0, "weight_s": 1.0}
-"""zb-h1's defaults: F = B = W, as in the zero-bubble paper's figures."""
-
-# time fields that, for interleaved, are given per rank and shared among its model chunks
+# time fields that, with several chunks per rank, are given per rank and shared among them
 PER_RANK_TIME_FIELDS = ("forward_s", "backward_s", "weight_s", "step_s")
 
 
@@ -77,8 +75,8 @@ def requested_costs(
     given = read_costs_file(costs_file) if costs_file else {}
     flags = {"forward_s": forward_s, "backward_s": backward_s, "weight_s": weight_s}
     given.update({name: value for name, value in flags.items() if value is not None})
-    defaults = ZERO_BUBBLE_DEFAULT_COSTS if schedule_name == "zb-h1" else DEFAULT_COSTS
-    return {**defaults, **given}
+    defaults = spec(schedule_name).default_costs if schedule_name in names() else {}
+    return {"forward_s": 1.0, "backward_s": 2.0, **defaults, **given}
 
 
 def schedule_costs(schedule: Schedule, values: dict[str, Any]) -> Costs:
@@ -104,9 +102,11 @@ def schedule_costs(schedule: Schedule, values: dict[str, Any]) -> Costs:
 
 
 def textbook_bubble(schedule: Schedule, costs: Costs) -> tuple[str, float] | None:
-    """The closed-form bubble fraction and its formula, for uniform costs without
-    communication or optimizer-step time; ``None`` where no formula applies."""
-    p, m, stages = schedule.num_ranks, schedule.microbatches, schedule.stages
+    """The closed-form bubble fraction and its formula, from the schedule's spec, for uniform
+    costs without communication or optimizer-step time; ``None`` where no formula applies."""
+    if schedule.name not in names():
+        return None
+    family, stages = spec(schedule.name), schedule.stages
     forward, backward, weight = (
         costs.per_stage(name, stages) for name in ("forward_s", "backward_s", "weight_s")
     )
@@ -121,22 +121,16 @@ def textbook_bubble(schedule: Schedule, costs: Costs) -> tuple[str, float] | Non
     )
     no_steps = not any(costs.per_stage("step_s", stages))
     replicated = any(len(ranks) > 1 for ranks in schedule.stage_ranks)
-    if not (uniform and no_transfers and no_steps) or replicated:
+    if family.textbook_bubble is None or replicated or not (uniform and no_transfers and no_steps):
         return None
-    if schedule.name == "interleaved":
-        v = schedule.options["virtual"]
-        return "(p-1)/(v*m+p-1)", (p - 1) / (v * m + p - 1)
-    if schedule.name == "2bw":  # m counts every micro-batch of the r updates in the window
-        return "(p-1)/(r*m+p-1)", (p - 1) / (m + p - 1)
-    if schedule.name == "zb-h1":
-        f, b, w = forward[0], backward[0], weight[0]
-        if m < p or w > min(
-            f, b
-        ):  # outside the conditions the zero-bubble paper's count holds under
-            return None
-        idle = (p - 1) * (f + b - w)
-        return "(p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W))", idle / (m * (f + b + w) + idle)
-    return "(p-1)/(m+p-1)", (p - 1) / (m + p - 1)
+    options = family.resolve({k: v for k, v in schedule.options.items() if k in _names(family)})
+    return family.textbook_bubble(
+        schedule.num_ranks, schedule.microbatches, options, (forward[0], backward[0], weight[0])
+    )
+
+
+def _names(family: ScheduleSpec) -> set[str]:
+    return {option.name for option in family.options}
 
 
 @dataclass(frozen=True)
@@ -144,7 +138,7 @@ class SimulateResult:
     """One simulated step: what was asked, the schedule, the timeline and the textbook value."""
 
     name: str
-    stages: int
+    ranks: int
     microbatches: int
     schedule: Schedule
     requested: dict[str, Any]  # cost values as given: per stage, or per rank for interleaved
@@ -156,7 +150,7 @@ class SimulateResult:
         formula, value = self.textbook or (None, None)
         return {
             "schedule": self.name,
-            "stages": self.stages,
+            "ranks": self.ranks,
             "microbatches": self.microbatches,
             "model_stages": self.schedule.stages,
             "makespan": self.timeline.makespan,
@@ -176,22 +170,32 @@ def _finite_or_none(value: Any) -> Any:
 
 
 def run_simulation(
-    name: str,
-    stages: int,
-    microbatches: int,
+    name: str | None,
+    ranks: int | None,
+    microbatches: int | None,
     *,
-    virtual: int = 2,
+    options: dict[str, int | bool] | None = None,
+    schedule: Schedule | None = None,
     costs_file: str | None = None,
     forward_s: float | None = None,
     backward_s: float | None = None,
     weight_s: float | None = None,
 ) -> SimulateResult:
-    """Build schedule ``name``, simulate it on the requested costs, and find its textbook bubble."""
-    options = {"virtual": virtual} if name == "interleaved" else {}
-    schedule = build(name, stages, microbatches, **options)
-    requested = requested_costs(name, costs_file, forward_s, backward_s, weight_s)
+    """Build schedule ``name`` (or take ``schedule``, read from a file), simulate it on the
+    requested costs, and find its textbook bubble."""
+    if schedule is None:
+        if name is None or ranks is None or microbatches is None:
+            raise ValueError("give a schedule name, ranks and micro-batches, or a schedule file")
+        schedule = build(name, ranks, microbatches, **(options or {}))
+    requested = requested_costs(schedule.name, costs_file, forward_s, backward_s, weight_s)
     costs = schedule_costs(schedule, requested)
     timeline = simulate(schedule, costs)
     return SimulateResult(
-        name, stages, microbatches, schedule, requested, timeline, textbook_bubble(schedule, costs)
+        schedule.name,
+        schedule.num_ranks,
+        microbatches or schedule.microbatches,
+        schedule,
+        requested,
+        timeline,
+        textbook_bubble(schedule, costs),
     )
