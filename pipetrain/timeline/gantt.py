@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from pipetrain.timeline.timeline import Timeline
 from pipetrain.units import format_seconds, time_unit
 
 if TYPE_CHECKING:
@@ -25,7 +24,7 @@ if TYPE_CHECKING:
     from matplotlib.patches import Patch
     from numpy.typing import ArrayLike
 
-    from pipetrain.timeline.timeline import StrPath
+    from pipetrain.timeline.timeline import StrPath, Timeline
 
 COMPUTE_COLOURS = {"F": "#3b75af", "B": "#e07b20", "W": "#7b4fa6", "STEP": "#3a3a3a"}
 COMPUTE_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient", "STEP": "optimizer step"}
