@@ -21,7 +21,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from pipetrain.schedules.actions import Action, Kind
-from pipetrain.schedules.messages import message, needed_by, received_by, sent_after
+from pipetrain.schedules.messages import HANDS_ON, NEEDS, RECEIVES
 
 Lanes = tuple[tuple[Action, ...], ...]
 
@@ -31,69 +31,69 @@ def lower(
     stage_ranks: Sequence[Sequence[int]],
     loss: bool = True,
 ) -> Lanes:
-    """Full per-rank action lists: the written actions, the transfers between stages and,
-    with ``loss``, a closing ``LOSS`` on every rank (on the highest stage it holds)."""
+    """Full per-rank action lists: the written actions, the transfers between stages that
+    :data:`~pipetrain.schedules.messages.NEEDS` and
+    :data:`~pipetrain.schedules.messages.HANDS_ON` call for and, with ``loss``, a closing
+    ``LOSS`` on every rank (on the highest stage it holds)."""
     last = len(stage_ranks) - 1
-    single = [ranks[0] if len(ranks) == 1 else -1 for ranks in stage_ranks]
-
-    def rank_of(stage: int, microbatch: int) -> int:
-        owner = single[stage]
-        if owner >= 0:
-            return owner
-        replicas = stage_ranks[stage]
-        return replicas[microbatch % len(replicas)]
-
+    needs, hands_on = NEEDS.get, HANDS_ON.get
+    # sent[(sender, receiver)]: (receive kind, stage, micro-batch) in the sender's order
+    sent: dict[tuple[int, int], list[tuple[Kind, int, int]]] = defaultdict(list)
+    # consumer[rank][(receive kind, stage, micro-batch)]: index of the written action using it
+    consumer: list[dict[tuple[Kind, int, int], int]] = [{} for _ in compute_orders]
     with_sends: list[list[Action]] = []
-    # sent[(sender, receiver)]: receive actions in the sender's order
-    sent: dict[tuple[int, int], list[Action]] = defaultdict(list)
-    # consumer[rank][message key]: index, in the rank's written order, of the action using it
-    consumer: list[dict[tuple, int]] = [{} for _ in compute_orders]
     for rank, order in enumerate(compute_orders):
         actions: list[Action] = []
         uses = consumer[rank]
         for index, action in enumerate(order):
-            mb = action.microbatch
-            need = needed_by(action, last)
-            if need is not None and mb is not None and rank_of(need[2], mb) != rank:
-                uses[(need[0], action.stage, mb)] = index
             actions.append(action)
-            out = sent_after(action, last)
-            if out is not None and mb is not None:
-                target = rank_of(out[1], mb)
+            kind, stage, mb = action.kind, action.stage, action.microbatch
+            need = needs(kind)
+            if need is None or mb is None:
+                continue
+            source = stage + need[2]
+            if 0 <= source <= last:
+                holders = stage_ranks[source]
+                if holders[mb % len(holders)] != rank:
+                    uses[(need[0], stage, mb)] = index
+            send, offset = hands_on(kind)  # type: ignore[misc]  # NEEDS and HANDS_ON share keys
+            target_stage = stage + offset
+            if 0 <= target_stage <= last:
+                holders = stage_ranks[target_stage]
+                target = holders[mb % len(holders)]
                 if target != rank:
-                    send = Action(out[0], action.stage, mb, target)
-                    actions.append(send)
-                    sent[(rank, target)].append(received_by(send, last, rank))
+                    actions.append(Action(send, stage, mb, target))
+                    sent[(rank, target)].append((RECEIVES[send][0], target_stage, mb))
         with_sends.append(actions)
 
-    # receives_before[receiver][index]: receives to issue right before written action index
-    receives_before: list[dict[int, list[Action]]] = [defaultdict(list) for _ in compute_orders]
+    # before[receiver][index]: receives to issue right before written action index
+    before: list[dict[int, list[Action]]] = [defaultdict(list) for _ in compute_orders]
     for (sender, receiver), receives in sent.items():
         uses = consumer[receiver]
         slot = len(compute_orders[receiver])
         slots = [0] * len(receives)
         for i in range(len(receives) - 1, -1, -1):
-            receive = receives[i]
-            need = uses.get((receive.kind, receive.stage, receive.microbatch))
+            need = uses.get(receives[i])
             if need is None:
+                kind, stage, mb = receives[i]
                 raise ValueError(
-                    f"rank {sender} sends {message(receive)} to rank {receiver}, which never uses "
-                    f"it: {receive._replace(peer=sender)} has no consumer there"
+                    f"rank {sender} sends {kind.value}{stage}.{mb} to rank {receiver}, which "
+                    "never uses it"
                 )
             slot = min(slot, need)
             slots[i] = slot
-        for receive, at in zip(receives, slots):
-            receives_before[receiver][at].append(receive)
+        for (kind, stage, mb), at in zip(receives, slots):
+            before[receiver][at].append(Action(kind, stage, mb, sender))
 
     lanes = []
     for rank, actions in enumerate(with_sends):
-        before = receives_before[rank]
+        waiting = before[rank]
         merged: list[Action] = []
         index = 0
         for action in actions:
             if action.peer is None:  # a written action (sends carry a peer)
-                if index in before:
-                    merged.extend(before[index])
+                if index in waiting:
+                    merged.extend(waiting[index])
                 index += 1
             merged.append(action)
         if loss:

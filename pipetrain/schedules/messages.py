@@ -30,8 +30,7 @@ Channel = tuple[str, int]
 MessageKey = tuple[str, int, int | None]
 """``(family, boundary, micro-batch)``: the same value for a send and its receive."""
 
-# kind -> (family, offset from the action's stage to the boundary, whether it spans the step)
-_CHANNELS: dict[Kind, tuple[str, int, bool]] = {
+CHANNELS: dict[Kind, tuple[str, int, bool]] = {
     Kind.SEND_F: ("F", 0, False),
     Kind.RECV_F: ("F", -1, False),
     Kind.SEND_B: ("B", -1, False),
@@ -41,12 +40,30 @@ _CHANNELS: dict[Kind, tuple[str, int, bool]] = {
     Kind.SEND_O: ("O", 0, True),
     Kind.RECV_O: ("O", 0, True),
 }
-# send kind -> (matching receive kind, offset from the sending to the receiving stage)
-_RECEIVES = {
+"""Send or receive kind -> (family, offset from the action's stage to the boundary it
+crosses, whether it carries the whole step rather than a boundary's tensors)."""
+
+RECEIVES: dict[Kind, tuple[Kind, int]] = {
     Kind.SEND_F: (Kind.RECV_F, 1),
     Kind.SEND_B: (Kind.RECV_B, -1),
     Kind.SEND_O: (Kind.RECV_O, 0),
 }
+"""Send kind -> (matching receive kind, offset from the sending to the receiving stage);
+the targets (``SEND_T``) go to the last stage."""
+
+NEEDS: dict[Kind, tuple[Kind, Kind, int]] = {
+    Kind.FORWARD: (Kind.RECV_F, Kind.FORWARD, -1),
+    Kind.BACKWARD: (Kind.RECV_B, Kind.BACKWARD, 1),
+}
+"""Compute kind -> (receive kind, producing kind, offset to the producing stage): a forward
+takes the previous stage's outputs, a backward the next stage's input gradients. Where the
+producing stage does not exist, it reads the step's data (or the loss) instead."""
+
+HANDS_ON: dict[Kind, tuple[Kind, int]] = {
+    Kind.FORWARD: (Kind.SEND_F, 1),
+    Kind.BACKWARD: (Kind.SEND_B, -1),
+}
+"""Compute kind -> (send kind, offset to the consuming stage), where that stage exists."""
 
 
 def rank_of(stage_ranks: Sequence[Sequence[int]], stage: int, microbatch: int) -> int:
@@ -57,13 +74,13 @@ def rank_of(stage_ranks: Sequence[Sequence[int]], stage: int, microbatch: int) -
 
 def channel(action: Action) -> Channel:
     """The channel a send or receive uses."""
-    family, offset, whole_step = _CHANNELS[action.kind]
+    family, offset, whole_step = CHANNELS[action.kind]
     return (family, 0 if whole_step else action.stage + offset)
 
 
 def message(action: Action) -> MessageKey:
     """The key of the message a send or receive carries, equal on both sides."""
-    family, offset, whole_step = _CHANNELS[action.kind]
+    family, offset, whole_step = CHANNELS[action.kind]
     return (family, 0 if whole_step else action.stage + offset, action.microbatch)
 
 
@@ -76,7 +93,7 @@ def received_by(send: Action, last_stage: int, sender: int | None = None) -> Act
 
 def receive_key(send: Action, last_stage: int) -> tuple[Kind, int, int | None]:
     """``(kind, stage, micro-batch)`` of the receive that takes the message of ``send``."""
-    found = _RECEIVES.get(send.kind)
+    found = RECEIVES.get(send.kind)
     if found is None:  # the targets go to the last stage
         return (Kind.RECV_T, last_stage, send.microbatch)
     return (found[0], send.stage + found[1], send.microbatch)
@@ -85,28 +102,28 @@ def receive_key(send: Action, last_stage: int) -> tuple[Kind, int, int | None]:
 def produced_by(send: Action) -> tuple[Kind, int, int | None] | None:
     """``(kind, stage, micro-batch)`` of the compute whose result a send carries; ``None``
     for the targets, which come with the step's data."""
-    if send.kind in (Kind.SEND_F, Kind.SEND_O):
+    kind = send.kind
+    if kind is Kind.SEND_F or kind is Kind.SEND_O:
         return (Kind.FORWARD, send.stage, send.microbatch)
-    if send.kind is Kind.SEND_B:
+    if kind is Kind.SEND_B:
         return (Kind.BACKWARD, send.stage, send.microbatch)
     return None
 
 
 def needed_by(action: Action, last_stage: int) -> tuple[Kind, Kind, int] | None:
     """What a forward or backward consumes from a neighbouring stage: ``(receive kind,
-    producing kind, producing stage)``, or ``None`` where it reads the step's data (a
-    first-stage forward) or the loss (a last-stage backward)."""
-    if action.kind is Kind.FORWARD and action.stage > 0:
-        return (Kind.RECV_F, Kind.FORWARD, action.stage - 1)
-    if action.kind is Kind.BACKWARD and action.stage < last_stage:
-        return (Kind.RECV_B, Kind.BACKWARD, action.stage + 1)
-    return None
+    producing kind, producing stage)``, or ``None`` (see :data:`NEEDS`)."""
+    need = NEEDS.get(action.kind)
+    if need is None:
+        return None
+    source = action.stage + need[2]
+    return (need[0], need[1], source) if 0 <= source <= last_stage else None
 
 
 def sent_after(action: Action, last_stage: int) -> tuple[Kind, int] | None:
     """What a forward or backward hands on: ``(send kind, consuming stage)``, or ``None``."""
-    if action.kind is Kind.FORWARD and action.stage < last_stage:
-        return (Kind.SEND_F, action.stage + 1)
-    if action.kind is Kind.BACKWARD and action.stage > 0:
-        return (Kind.SEND_B, action.stage - 1)
-    return None
+    out = HANDS_ON.get(action.kind)
+    if out is None:
+        return None
+    target = action.stage + out[1]
+    return (out[0], target) if 0 <= target <= last_stage else None

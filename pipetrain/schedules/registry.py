@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from pipetrain.allocation import collector_paused
 from pipetrain.schedules.actions import Action
 from pipetrain.schedules.lower import lower
 from pipetrain.schedules.schedule import Schedule
@@ -249,18 +250,19 @@ def build(
     family = spec(name)
     resolved = family.resolve(options)
     _checked_sizes(family, ranks, microbatches, replicas, resolved)
-    orders, stage_ranks, facts = family.generate(
-        ranks, microbatches, None if replicas is None else list(replicas), resolved
-    )
-    schedule = Schedule(
-        name=name,
-        stages=len(stage_ranks),
-        microbatches=family.window(microbatches, resolved),
-        ranks=lower(orders, stage_ranks),
-        stage_ranks=tuple(tuple(r) for r in stage_ranks),
-        split_backward=family.split_backward,
-        asynchronous=family.asynchronous,
-        options={**resolved, **facts},
-    )
-    validate(schedule)
+    with collector_paused():
+        orders, stage_ranks, facts = family.generate(
+            ranks, microbatches, None if replicas is None else list(replicas), resolved
+        )
+        schedule = Schedule(
+            name=name,
+            stages=len(stage_ranks),
+            microbatches=family.window(microbatches, resolved),
+            ranks=lower(orders, stage_ranks),
+            stage_ranks=tuple(tuple(r) for r in stage_ranks),
+            split_backward=family.split_backward,
+            asynchronous=family.asynchronous,
+            options={**resolved, **facts},
+        )
+        validate(schedule)
     return schedule

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from pipetrain.schedules.actions import COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, Action, Kind
-from pipetrain.schedules.messages import needed_by, produced_by, receive_key
+from pipetrain.schedules.messages import NEEDS, RECEIVES, produced_by
 
 if TYPE_CHECKING:
     from pipetrain.schedules.schedule import Schedule
@@ -64,76 +64,124 @@ def validate(schedule: Schedule) -> None:
     _check_placement_and_coverage(schedule)
     if schedule.asynchronous:
         _check_versions(schedule)
-    else:
-        _check_flush(schedule)
     _execute(schedule)
 
 
 def _check_placement_and_coverage(schedule: Schedule) -> None:
+    """Each action on a rank holding its stage, each compute where routing puts it and in
+    order, every (kind, stage, micro-batch) once, and a synchronous stage stepped once after
+    all of its rank's work on it."""
     expected = {Kind.FORWARD, Kind.BACKWARD} | ({Kind.WEIGHT} if schedule.split_backward else set())
-    stage_sets = [frozenset(ranks) for ranks in schedule.stage_ranks]
-    stages, microbatches = schedule.stages, schedule.microbatches
-    counts: Counter[tuple[Kind, int, int | None]] = Counter()
+    stage_ranks, stages, microbatches = schedule.stage_ranks, schedule.stages, schedule.microbatches
+    synchronous = not schedule.asynchronous
+    forward, backward, weight, step = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT, Kind.STEP
+    covered = 0
     for rank, lane in enumerate(schedule.ranks):
         seen: set[tuple[Kind, int, int | None]] = set()
+        stepped: set[int] = set()
         for index, action in enumerate(lane):
             kind, stage, mb = action.kind, action.stage, action.microbatch
-
-            def fail(message: str, index: int = index) -> ScheduleError:
-                return ScheduleError(f"rank {rank}: {message}", lane, rank, index)
-
-            if not 0 <= stage < stages:
-                raise fail(f"{action} names stage {stage}, outside 0..{stages - 1}")
-            if rank not in stage_sets[stage]:
-                held = schedule.stage_ranks[stage]
-                raise fail(f"{action} belongs to stage {stage}, held by ranks {held}")
-            if mb is not None and not 0 <= mb < microbatches:
-                raise fail(f"{action} names micro-batch {mb} of {microbatches}")
-            if kind not in COMPUTE_KINDS:
-                continue
-            if mb is None:
-                raise fail(f"{action} names no micro-batch")
-            if kind not in expected:
-                raise fail(f"{action} is a {kind.value}, which this schedule does not use")
-            if schedule.rank_of(stage, mb) != rank:
-                raise fail(f"{action} should run on rank {schedule.rank_of(stage, mb)}")
-            if kind is Kind.BACKWARD and (Kind.FORWARD, stage, mb) not in seen:
-                raise fail(f"{action} runs before its forward")
-            if kind is Kind.WEIGHT and (Kind.BACKWARD, stage, mb) not in seen:
-                raise fail(f"{action} runs before its backward")
-            key = (kind, stage, mb)
-            seen.add(key)
-            counts[key] += 1
-    for kind in expected:
-        for stage in range(stages):
-            for mb in range(microbatches):
-                count = counts[(kind, stage, mb)]
-                if count != 1:
+            if (
+                not 0 <= stage < stages
+                or rank not in stage_ranks[stage]
+                or (mb is not None and not 0 <= mb < microbatches)
+            ):
+                raise _misplaced(schedule, rank, index)
+            if kind in COMPUTE_KINDS:
+                key = (kind, stage, mb)
+                holders = stage_ranks[stage]
+                if (
+                    mb is None
+                    or kind not in expected
+                    or holders[mb % len(holders)] != rank
+                    or key in seen
+                    or (kind is backward and (forward, stage, mb) not in seen)
+                    or (kind is weight and (backward, stage, mb) not in seen)
+                    or (synchronous and stage in stepped)
+                ):
+                    raise _misordered(schedule, rank, index, seen, stepped)
+                seen.add(key)
+            elif kind is step and synchronous:
+                if stage in stepped:
                     raise ScheduleError(
-                        f"{kind.value} of stage {stage} micro-batch {mb} appears {count} times, "
+                        f"rank {rank}: stage {stage} has 2 optimizer steps, expected 1",
+                        lane,
+                        rank,
+                        index,
+                    )
+                stepped.add(stage)
+        covered += len(seen)
+        if synchronous:
+            for stage in schedule.stages_of(rank):
+                if stage not in stepped:
+                    raise ScheduleError(
+                        f"rank {rank}: stage {stage} has 0 optimizer steps, expected 1"
+                    )
+    if covered != len(expected) * stages * microbatches:
+        _report_missing(schedule, expected)
+
+
+def _misplaced(schedule: Schedule, rank: int, index: int) -> ScheduleError:
+    lane = schedule.ranks[rank]
+    action = lane[index]
+    stage, mb = action.stage, action.microbatch
+    if not 0 <= stage < schedule.stages:
+        message = f"{action} names stage {stage}, outside 0..{schedule.stages - 1}"
+    elif rank not in schedule.stage_ranks[stage]:
+        message = f"{action} belongs to stage {stage}, held by ranks {schedule.stage_ranks[stage]}"
+    else:
+        message = f"{action} names micro-batch {mb} of {schedule.microbatches}"
+    return ScheduleError(f"rank {rank}: {message}", lane, rank, index)
+
+
+def _misordered(
+    schedule: Schedule,
+    rank: int,
+    index: int,
+    seen: set[tuple[Kind, int, int | None]],
+    stepped: set[int],
+) -> ScheduleError:
+    lane = schedule.ranks[rank]
+    action = lane[index]
+    kind, stage, mb = action.kind, action.stage, action.microbatch
+    if mb is None:
+        message = f"{action} names no micro-batch"
+    elif kind is Kind.WEIGHT and not schedule.split_backward:
+        message = f"{action} is a {kind.value}, which this schedule does not use"
+    elif schedule.rank_of(stage, mb) != rank:
+        message = f"{action} should run on rank {schedule.rank_of(stage, mb)}"
+    elif (kind, stage, mb) in seen:
+        count = sum(1 for a in lane if a[:3] == (kind, stage, mb))
+        return ScheduleError(
+            f"{kind.value} of stage {stage} micro-batch {mb} appears {count} times, expected once",
+            lane,
+            rank,
+            index,
+        )
+    elif kind is Kind.BACKWARD and (Kind.FORWARD, stage, mb) not in seen:
+        message = f"{action} runs before its forward"
+    elif kind is Kind.WEIGHT and (Kind.BACKWARD, stage, mb) not in seen:
+        message = f"{action} runs before its backward"
+    else:
+        message = f"stage {stage} steps the optimizer before {action}"
+    return ScheduleError(f"rank {rank}: {message}", lane, rank, index)
+
+
+def _report_missing(schedule: Schedule, expected: set[Kind]) -> None:
+    present = {
+        (a.kind, a.stage, a.microbatch)
+        for lane in schedule.ranks
+        for a in lane
+        if a.kind in expected
+    }
+    for kind in sorted(expected):
+        for stage in range(schedule.stages):
+            for mb in range(schedule.microbatches):
+                if (kind, stage, mb) not in present:
+                    raise ScheduleError(
+                        f"{kind.value} of stage {stage} micro-batch {mb} appears 0 times, "
                         "expected once"
                     )
-
-
-def _check_flush(schedule: Schedule) -> None:
-    """A synchronous schedule steps each stage once, after all of that rank's work on it."""
-    for rank, lane in enumerate(schedule.ranks):
-        steps: Counter[int] = Counter()
-        for index, action in enumerate(lane):
-            if action.kind is Kind.STEP:
-                steps[action.stage] += 1
-            elif action.kind in COMPUTE_KINDS and steps[action.stage]:
-                raise ScheduleError(
-                    f"rank {rank}: stage {action.stage} steps the optimizer before {action}",
-                    lane,
-                    rank,
-                    index,
-                )
-        for stage in schedule.stages_of(rank):
-            if steps[stage] != 1:
-                raise ScheduleError(
-                    f"rank {rank}: stage {stage} has {steps[stage]} optimizer steps, expected 1"
-                )
 
 
 def _check_versions(schedule: Schedule) -> None:
@@ -192,34 +240,36 @@ def _execute(schedule: Schedule) -> None:
     arrival that unblocks it puts it back on the work list, so every action runs once.
     """
     lanes, num_ranks, last = schedule.ranks, schedule.num_ranks, schedule.stages - 1
+    stage_ranks = schedule.stage_ranks
     position = [0] * num_ranks
     done: list[set[tuple[Kind, int, int | None]]] = [set() for _ in range(num_ranks)]
     channels: dict[tuple[int, int], deque[tuple[Kind, int, int | None]]] = defaultdict(deque)
     blocked_on: dict[tuple[int, int], int] = {}  # (sender, receiver) -> receiver
-    groups = [tuple(ranks) for ranks in schedule.stage_ranks]
     everyone = tuple(range(num_ranks))
     arrived: dict[tuple[Kind, int, int], list[int]] = defaultdict(list)
     collectives: list[Counter[tuple[Kind, int]]] = [Counter() for _ in range(num_ranks)]
     runnable = deque(range(num_ranks))
+    compute, sends, receives = COMPUTE_KINDS, SEND_KINDS, RECV_KINDS
+    needs, receives_of = NEEDS.get, RECEIVES.get
     while runnable:
         rank = runnable.popleft()
         lane, mine = lanes[rank], done[rank]
-        index = position[rank]
-        while index < len(lane):
+        index, end = position[rank], len(lane)
+        while index < end:
             action = lane[index]
-            kind, stage, mb = action.kind, action.stage, action.microbatch
-            if kind in COMPUTE_KINDS:
-                need = needed_by(action, last)
-                if need is not None and mb is not None:
-                    receive, produce, source = need
-                    local = schedule.rank_of(source, mb) == rank
-                    wanted = (produce, source, mb) if local else (receive, stage, mb)
+            kind = action.kind
+            if kind in compute:
+                stage, mb = action.stage, action.microbatch
+                need = needs(kind)
+                source = -1 if need is None else stage + need[2]
+                if 0 <= source <= last and mb is not None:
+                    holders = stage_ranks[source]
+                    local = holders[mb % len(holders)] == rank
+                    wanted = (need[1], source, mb) if local else (need[0], stage, mb)  # type: ignore[index]
                     if wanted not in mine:
-                        what = f"{produce.value}{source}.{mb}" if local else f"its {receive.value}"
-                        raise ScheduleError(
-                            f"rank {rank}: {action} runs before {what}", lane, rank, index
-                        )
-            elif kind in SEND_KINDS:
+                        raise _used_too_early(lane, rank, index, local)
+                mine.add((kind, stage, mb))
+            elif kind in sends:
                 produced = produced_by(action)
                 if produced is not None and produced not in mine:
                     text = f"{produced[0].value}{produced[1]}.{produced[2]}"
@@ -227,47 +277,80 @@ def _execute(schedule: Schedule) -> None:
                         f"rank {rank}: {action} sends before computing {text}", lane, rank, index
                     )
                 pair = (rank, action.peer if action.peer is not None else -1)
-                channels[pair].append(receive_key(action, last))
+                found = receives_of(kind)
+                channels[pair].append(
+                    (Kind.RECV_T, last, None)  # the targets go to the last stage
+                    if found is None
+                    else (found[0], action.stage + found[1], action.microbatch)
+                )
                 waiter = blocked_on.pop(pair, None)
                 if waiter is not None:
                     runnable.append(waiter)
-            elif kind in RECV_KINDS:
+            elif kind in receives:
                 pair = (action.peer if action.peer is not None else -1, rank)
                 queue = channels[pair]
                 if not queue:
                     blocked_on[pair] = rank
                     break
-                head = queue[0]
-                if head != (kind, stage, mb):
+                head = queue.popleft()
+                if head != (kind, action.stage, action.microbatch):
                     raise ScheduleError(
-                        f"rank {rank}: {action} would be matched with {Action(*head)}, the next message "
-                        f"rank {action.peer} sends on that channel",
+                        f"rank {rank}: {action} would be matched with {Action(*head)}, "
+                        f"the next message rank {action.peer} sends on that channel",
                         lane,
                         rank,
                         index,
                     )
-                queue.popleft()
+                mine.add(head)
             elif kind is Kind.ALLREDUCE or kind is Kind.LOSS:
                 position[rank] = index
-                group = groups[stage] if kind is Kind.ALLREDUCE else everyone
-                scope = stage if kind is Kind.ALLREDUCE else 0
-                key = (kind, scope, collectives[rank][(kind, scope)])
-                members = arrived[key]
-                if rank not in members:
-                    members.append(rank)
-                if len(members) < len(group):
+                if not _arrive(
+                    rank, action, stage_ranks, everyone, arrived, collectives, position, runnable
+                ):
                     break
-                for member in members:
-                    collectives[member][(kind, scope)] += 1
-                    position[member] += 1
-                    if member != rank:
-                        runnable.append(member)
                 index = position[rank]
                 continue
-            mine.add((kind, stage, mb))
             index += 1
         position[rank] = index
     _report_stuck(schedule, position, channels)
+
+
+def _arrive(
+    rank: int,
+    action: Action,
+    stage_ranks: tuple[tuple[int, ...], ...],
+    everyone: tuple[int, ...],
+    arrived: dict[tuple[Kind, int, int], list[int]],
+    collectives: list[Counter[tuple[Kind, int]]],
+    position: list[int],
+    runnable: deque[int],
+) -> bool:
+    """``rank`` reaches a collective (an all-reduce over the stage's replicas, the loss over
+    every rank); when it is the last to arrive, every member moves past it and the others
+    go back on the work list. Returns whether ``rank`` moved past it."""
+    kind = action.kind
+    group, scope = (
+        (stage_ranks[action.stage], action.stage) if kind is Kind.ALLREDUCE else (everyone, 0)
+    )
+    members = arrived[(kind, scope, collectives[rank][(kind, scope)])]
+    if rank not in members:
+        members.append(rank)
+    if len(members) < len(group):
+        return False
+    for member in members:
+        collectives[member][(kind, scope)] += 1
+        position[member] += 1
+        if member != rank:
+            runnable.append(member)
+    return True
+
+
+def _used_too_early(lane: Sequence[Action], rank: int, index: int, local: bool) -> ScheduleError:
+    action = lane[index]
+    receive, produce, offset = NEEDS[action.kind]
+    source = action.stage + offset
+    what = f"{produce.value}{source}.{action.microbatch}" if local else f"its {receive.value}"
+    return ScheduleError(f"rank {rank}: {action} runs before {what}", lane, rank, index)
 
 
 def _report_stuck(

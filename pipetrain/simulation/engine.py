@@ -13,8 +13,9 @@ import statistics
 from collections import defaultdict, deque
 from collections.abc import Sequence
 
+from pipetrain.allocation import collector_paused
 from pipetrain.schedules import RECV_KINDS, SEND_KINDS, Kind, Schedule
-from pipetrain.schedules.messages import MessageKey, message
+from pipetrain.schedules.messages import CHANNELS, MessageKey
 from pipetrain.simulation.costs import Costs, Variation
 from pipetrain.timeline import Event, Timeline
 
@@ -30,6 +31,12 @@ def simulate(
     runs until it waits for a message or a collective, and whatever ends the wait puts it
     back on the work list.
     """
+    with collector_paused():
+        return _play(schedule, costs, variation, seed)
+
+
+def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: int) -> Timeline:
+    """The body of :func:`simulate`."""
     stages, num_ranks = schedule.stages, schedule.num_ranks
     boundaries = max(stages - 1, 1)
     activation = costs.per_stage("activation_bytes", boundaries)
@@ -60,6 +67,7 @@ def simulate(
     groups = {Kind.ALLREDUCE: schedule.stage_ranks, Kind.LOSS: [tuple(range(num_ranks))]}
 
     names = {kind: kind.value for kind in Kind}  # plain strings, looked up fast
+    make = Event.trusted  # every value below is already a plain int, str or float
     clock = [0.0] * num_ranks
     position = [0] * num_ranks
     events: list[Event] = []
@@ -71,7 +79,7 @@ def simulate(
         defaultdict(int) for _ in range(num_ranks)
     ]
     runnable = deque(range(num_ranks))
-
+    sends, receives, channels = SEND_KINDS, RECV_KINDS, CHANNELS
     while runnable:
         rank = runnable.popleft()
         actions = schedule.ranks[rank]
@@ -85,28 +93,30 @@ def simulate(
                 cost = spans[stage]
                 if kind in factors:
                     cost *= draw(factors[kind][stage])
-                events.append(Event(rank, names[kind], stage, action.microbatch, now, now + cost))
+                events.append(make(rank, names[kind], stage, action.microbatch, now, now + cost))
                 now += cost
-            elif kind in SEND_KINDS:
+            elif kind in sends:
                 peer = action.peer if action.peer is not None else -1
-                key = message(action)
+                family, offset, whole_step = channels[kind]
+                key = (family, 0 if whole_step else stage + offset, action.microbatch)
                 link = (rank, peer)
                 start = max(now, link_free[link])
-                end = start + (transfer_s[key[1]] if key[0] in ("F", "B") else latency)
+                end = start + (latency if whole_step else transfer_s[key[1]])
                 link_free[link] = end
-                events.append(Event(rank, names[kind], stage, action.microbatch, start, end))
+                events.append(make(rank, names[kind], stage, action.microbatch, start, end))
                 arrival[(peer, key)] = end
                 waiter = waiting_on.pop((peer, key), None)
                 if waiter is not None:
                     runnable.append(waiter)
-            elif kind in RECV_KINDS:
-                key = message(action)
+            elif kind in receives:
+                family, offset, whole_step = channels[kind]
+                key = (family, 0 if whole_step else stage + offset, action.microbatch)
                 landed = arrival.pop((rank, key), None)
                 if landed is None:
                     waiting_on[(rank, key)] = rank
                     break
                 end = max(now, landed) + receive_s
-                events.append(Event(rank, names[kind], stage, action.microbatch, now, end))
+                events.append(make(rank, names[kind], stage, action.microbatch, now, end))
                 now = end
             else:  # ALLREDUCE over the stage's replicas, LOSS over every rank
                 position[rank] = index
@@ -120,7 +130,10 @@ def simulate(
                 start = max(members.values())
                 end = start + collective_s[kind][scope]
                 for member in group:
-                    events.append(Event(member, names[kind], stage, None, start, end))
+                    own = schedule.ranks[member][
+                        position[member]
+                    ]  # LOSS is on each rank's own stage
+                    events.append(make(member, names[kind], own.stage, None, start, end))
                     clock[member] = end
                     collectives_done[member][(kind, scope)] += 1
                     position[member] += 1

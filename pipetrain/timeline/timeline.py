@@ -14,10 +14,9 @@ import math
 import numbers
 import operator
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from functools import cached_property
 from os import PathLike
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipetrain.checks import positive_int
 from pipetrain.jsonfile import JsonFile, unversioned, versioned, write_json
@@ -30,13 +29,23 @@ BUSY_KINDS = frozenset({"F", "B", "W", "STEP"})
 """Event kinds that count as useful work when computing busy time and the bubble fraction."""
 
 _EVENT_FIELDS = ("rank", "kind", "stage", "microbatch", "start", "end")
+_START_RANK = operator.itemgetter(4, 0)  # an event's (start, rank), the timeline's order
+_RANK = operator.itemgetter(0)
 
 StrPath = str | PathLike[str]
 
 
-@dataclass(frozen=True)
-class Event:
-    """One timed action of one rank.
+class _EventFields(NamedTuple):
+    rank: int
+    kind: str
+    stage: int | None
+    microbatch: int | None
+    start: float
+    end: float
+
+
+class Event(_EventFields):
+    """One timed action of one rank (an immutable tuple of the six fields).
 
     ``kind`` is ``"F"``, ``"B"``, ``"W"``, ``"STEP"``, a communication kind (``"SEND_F"``,
     ``"RECV_F"``, ``"SEND_B"``, ``"RECV_B"``, targets ``"SEND_T"``/``"RECV_T"``, eval outputs
@@ -46,40 +55,61 @@ class Event:
     origin.
     """
 
-    rank: int
-    kind: str
-    stage: int | None
-    microbatch: int | None
-    start: float
-    end: float
+    __slots__ = ()
 
-    def __post_init__(self) -> None:
+    def __new__(
+        cls,
+        rank: int,
+        kind: str,
+        stage: int | None,
+        microbatch: int | None,
+        start: float,
+        end: float,
+    ) -> Event:
         """Normalise the field types and reject impossible times."""
         if (
-            type(self.kind) is str
-            and type(self.rank) is int
-            and (self.stage is None or type(self.stage) is int)
-            and (self.microbatch is None or type(self.microbatch) is int)
-            and type(self.start) is float
-            and type(self.end) is float
-            and -math.inf < self.start <= self.end < math.inf
+            type(kind) is str
+            and type(rank) is int
+            and (stage is None or type(stage) is int)
+            and (microbatch is None or type(microbatch) is int)
+            and type(start) is float
+            and type(end) is float
+            and -math.inf < start <= end < math.inf
         ):
-            return  # already normal: simulators and the runtime make events by the 100,000
-        if not isinstance(self.kind, str):
-            raise TypeError(f"Event kind must be a string such as 'F', got {self.kind!r}")
-        # A str-valued enum (such as the schedule's Kind) becomes its plain string value.
-        object.__setattr__(self, "kind", str.__str__(self.kind))
-        object.__setattr__(self, "rank", _as_int(self.rank, "rank", self))
-        object.__setattr__(self, "stage", _as_optional_int(self.stage, "stage", self))
-        object.__setattr__(
-            self, "microbatch", _as_optional_int(self.microbatch, "microbatch", self)
+            return tuple.__new__(cls, (rank, kind, stage, microbatch, start, end))
+        what = (
+            f"event Event(rank={rank!r}, kind={kind!r}, stage={stage!r}, "
+            f"microbatch={microbatch!r}, start={start!r}, end={end!r})"
         )
-        object.__setattr__(self, "start", _as_seconds(self.start, "start", self))
-        object.__setattr__(self, "end", _as_seconds(self.end, "end", self))
-        if not (math.isfinite(self.start) and math.isfinite(self.end)):
-            raise ValueError(f"event {self!r} has a non-finite time; give finite seconds")
-        if self.end < self.start:
-            raise ValueError(f"event {self!r} ends before it starts; swap start and end")
+        if not isinstance(kind, str):
+            raise TypeError(f"Event kind must be a string such as 'F', got {kind!r}")
+        values = (
+            _as_int(rank, "rank", what),
+            str.__str__(kind),  # a str-valued enum (the schedule's Kind) becomes its value
+            _as_optional_int(stage, "stage", what),
+            _as_optional_int(microbatch, "microbatch", what),
+            _as_seconds(start, "start", what),
+            _as_seconds(end, "end", what),
+        )
+        if not (math.isfinite(values[4]) and math.isfinite(values[5])):
+            raise ValueError(f"{what} has a non-finite time; give finite seconds")
+        if values[5] < values[4]:
+            raise ValueError(f"{what} ends before it starts; swap start and end")
+        return tuple.__new__(cls, values)
+
+    @classmethod
+    def trusted(
+        cls,
+        rank: int,
+        kind: str,
+        stage: int | None,
+        microbatch: int | None,
+        start: float,
+        end: float,
+    ) -> Event:
+        """An event from values known to be of the right types and order, unchecked: how the
+        simulator and the runtime's recorder make events by the hundred thousand."""
+        return tuple.__new__(cls, (rank, kind, stage, microbatch, start, end))
 
     @property
     def duration(self) -> float:
@@ -97,24 +127,24 @@ class Event:
         return text
 
 
-def _as_int(value: Any, field_name: str, event: Event) -> int:
+def _as_int(value: Any, field_name: str, event: str) -> int:
     """``value`` as an ``int``, or a TypeError naming the event."""
     try:
         return operator.index(value)
     except TypeError:
         raise TypeError(
-            f"event {event!r} has {field_name}={value!r}; {field_name} must be an integer"
+            f"{event} has {field_name}={value!r}; {field_name} must be an integer"
         ) from None
 
 
-def _as_seconds(value: Any, field_name: str, event: Event) -> float:
+def _as_seconds(value: Any, field_name: str, event: str) -> float:
     """``value`` as a ``float``, or a TypeError naming the event."""
     if not isinstance(value, numbers.Real):
-        raise TypeError(f"event {event!r} has {field_name}={value!r}; give a time in seconds")
+        raise TypeError(f"{event} has {field_name}={value!r}; give a time in seconds")
     return float(value)
 
 
-def _as_optional_int(value: Any, field_name: str, event: Event) -> int | None:
+def _as_optional_int(value: Any, field_name: str, event: str) -> int | None:
     """``value`` as an ``int``, keeping ``None``."""
     return None if value is None else _as_int(value, field_name, event)
 
@@ -132,15 +162,19 @@ class Timeline(JsonFile):
         if not isinstance(label, str):
             raise TypeError(f"label must be a string, got {label!r}")
         collected = tuple(events)
-        for event in collected:
-            if not isinstance(event, Event):
-                raise TypeError(f"timeline events must be Event values, got {event!r}")
-            if not 0 <= event.rank < num_ranks:
-                raise ValueError(
-                    f"event {event!r} has rank {event.rank} outside [0, {num_ranks}); "
-                    f"pass num_ranks > {event.rank} or fix the event's rank"
-                )
-        self.events: tuple[Event, ...] = tuple(sorted(collected, key=lambda e: (e.start, e.rank)))
+        # map and set run in C: the simulator hands over hundreds of thousands of events
+        if not set(map(type, collected)) <= {Event}:
+            for event in collected:
+                if not isinstance(event, Event):
+                    raise TypeError(f"timeline events must be Event values, got {event!r}")
+        ranks = set(map(_RANK, collected))
+        if ranks and not (min(ranks) >= 0 and max(ranks) < num_ranks):
+            event = next(e for e in collected if not 0 <= e.rank < num_ranks)
+            raise ValueError(
+                f"event {event!r} has rank {event.rank} outside [0, {num_ranks}); "
+                f"pass num_ranks > {event.rank} or fix the event's rank"
+            )
+        self.events: tuple[Event, ...] = tuple(sorted(collected, key=_START_RANK))
         self.num_ranks: int = num_ranks
         self.label: str = label
 
