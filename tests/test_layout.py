@@ -62,7 +62,7 @@ def test_no_module_imports_itself_through_others() -> None:
         path.append(module)
         for target in sorted(graph[module]):
             if state.get(target) == 1:
-                circle = path[path.index(target) :] + [target]
+                circle = [*path[path.index(target) :], target]
                 raise AssertionError("import circle: " + " -> ".join(circle))
             if target not in state:
                 visit(target)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -72,7 +73,7 @@ def test_a_link_carries_one_transfer_at_a_time() -> None:
     costs = Costs(forward_s=0.1, backward_s=0.0, activation_bytes=1.0, bandwidth=1.0)
     timeline = simulate(build("gpipe", 2, 4), costs)
     sends = [e for e in timeline.events if e.kind == "SEND_F"]
-    for earlier, later in zip(sends, sends[1:]):
+    for earlier, later in itertools.pairwise(sends):
         assert later.start >= earlier.end - 1e-12
     # 4 activations queue on the link, then 4 gradients (as large) queue on the way back
     assert timeline.makespan == pytest.approx(0.1 + 4 * 1.0 + 0.1 + 4 * 1.0)

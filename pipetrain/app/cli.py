@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from pipetrain.app.simulate_job import COST_FIELDS, run_simulation
-from pipetrain.schedules import RECOMPUTE_MODES, Schedule, ScheduleError, names, spec
+from pipetrain.schedules import RECOMPUTE_MODES, Option, Schedule, ScheduleError, names, spec
 from pipetrain.timeline import Timeline, format_seconds
 
 if TYPE_CHECKING:
@@ -157,7 +157,7 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:
 def _add_schedule_options(parser: argparse.ArgumentParser) -> None:
     """One flag per option of the registered schedules (``--virtual``, ``--vertical-sync``...)."""
     seen: dict[str, list[str]] = {}
-    options = {}
+    options: dict[str, Option] = {}
     for name in names():
         for option in spec(name).options:
             seen.setdefault(option.name, []).append(name)
@@ -227,7 +227,8 @@ def _run_simulate(args: argparse.Namespace) -> None:
         formula, value = result.textbook
         bubble += f"   (textbook {formula} = {value:.1%})"
     print(
-        f"{schedule.name}: {schedule.num_ranks} ranks{chunks}, {result.microbatches} micro-batches{window}"
+        f"{schedule.name}: {schedule.num_ranks} ranks{chunks}, "
+        f"{result.microbatches} micro-batches{window}"
     )
     print(f"  costs             {_describe_costs(result.requested, schedule)}")
     print(f"  makespan          {format_seconds(timeline.makespan)}")
@@ -271,7 +272,8 @@ def _describe_costs(values: dict[str, Any], schedule: Schedule) -> str:
         return ", ".join(parts) + " (times in seconds per micro-batch and stage)"
     return (
         ", ".join(parts)
-        + f" (times in seconds per micro-batch and rank, shared by its {schedule.stages // schedule.num_ranks} chunks)"
+        + " (times in seconds per micro-batch and rank, shared by its "
+        + f"{schedule.stages // schedule.num_ranks} chunks)"
     )
 
 
@@ -360,7 +362,8 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--plan",
         metavar="auto|PLAN.json",
-        help="take split, replication, schedule and micro-batches from a plan; auto profiles and plans first",
+        help="take split, replication, schedule and micro-batches from a plan; "
+        "auto profiles and plans first",
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of the weights and the data (default 0)"
@@ -435,7 +438,8 @@ def _add_profile(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "profile",
         help="measure each layer of a built-in model",
-        description="Measure forward and backward time, activation, parameter and optimizer bytes per layer "
+        description="Measure forward and backward time, activation, parameter and optimizer "
+        "bytes per layer "
         "on one micro-batch of the model's data, and save the profile as JSON.",
     )
     parser.add_argument(
@@ -483,12 +487,14 @@ def _run_profile(args: argparse.Namespace) -> None:
         measured.save(args.out)
     lines = [
         f"{args.model}: {len(measured.layers)} layers, micro-batch of {measured.microbatch_size}",
-        f"{'layer':>5}  {'name':16} {'forward':>10} {'backward':>10} {'activation':>11} {'parameters':>11}",
+        f"{'layer':>5}  {'name':16} {'forward':>10} {'backward':>10} "
+        f"{'activation':>11} {'parameters':>11}",
     ]
     for index, layer in enumerate(measured.layers):
         lines.append(
             f"{index:>5}  {layer.name[:16]:16} {format_seconds(layer.forward_s):>10} "
-            f"{format_seconds(layer.backward_s):>10} {_bytes(layer.activation_bytes):>11} {_bytes(layer.parameter_bytes):>11}"
+            f"{format_seconds(layer.backward_s):>10} {_bytes(layer.activation_bytes):>11} "
+            f"{_bytes(layer.parameter_bytes):>11}"
         )
     emit(args, measured.to_dict(), "\n".join(lines), ("profile", args.out) if args.out else None)
 
@@ -506,8 +512,9 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "plan",
         help="choose stages, replication, schedule and micro-batches from a profile",
-        description="Plan a profiled model for a number of workers over a network: the split, the replicas of "
-        "each stage, the schedule, the micro-batch count and recomputation, by simulating candidates.",
+        description="Plan a profiled model for a number of workers over a network: the split, "
+        "the replicas of each stage, the schedule, the micro-batch count and recomputation, by "
+        "simulating candidates.",
     )
     parser.add_argument(
         "--profile", required=True, metavar="FILE.json", help="a profile from pipetrain profile"
@@ -518,7 +525,8 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--topology",
         metavar="LEVELS",
-        help="count x bandwidth per level, lowest first, e.g. 4x16GB/s,4x10Gbit/s (default: N workers, fast links)",
+        help="count x bandwidth per level, lowest first, e.g. 4x16GB/s,4x10Gbit/s "
+        "(default: N workers, fast links)",
     )
     parser.add_argument(
         "--memory", metavar="SIZE", help="memory per worker, e.g. 16GiB (default: no limit)"

@@ -186,7 +186,7 @@ def run_simulation(
     if schedule is None:
         if name is None or ranks is None or microbatches is None:
             raise ValueError("give a schedule name, ranks and micro-batches, or a schedule file")
-        schedule = build(name, ranks, microbatches, **(options or {}))
+        schedule = build(name, ranks, microbatches, replicas=None, **(options or {}))
     requested = requested_costs(schedule.name, costs_file, forward_s, backward_s, weight_s)
     costs = schedule_costs(schedule, requested)
     timeline = simulate(schedule, costs)

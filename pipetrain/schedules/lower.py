@@ -73,14 +73,14 @@ def lower(
         slot = len(compute_orders[receiver])
         slots = [0] * len(receives)
         for i in range(len(receives) - 1, -1, -1):
-            need = uses.get(receives[i])
-            if need is None:
+            user = uses.get(receives[i])
+            if user is None:
                 kind, stage, mb = receives[i]
                 raise ValueError(
                     f"rank {sender} sends {kind.value}{stage}.{mb} to rank {receiver}, which "
                     "never uses it"
                 )
-            slot = min(slot, need)
+            slot = min(slot, user)
             slots[i] = slot
         for (kind, stage, mb), at in zip(receives, slots):
             before[receiver][at].append(Action(kind, stage, mb, sender))

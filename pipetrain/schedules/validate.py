@@ -38,7 +38,7 @@ class ScheduleError(ValueError):
         rank: int | None = None,
         index: int | None = None,
     ) -> None:
-        """``message``, and the listing of ``lane`` (rank ``rank``'s actions) marked at ``index``."""
+        """``message``, then ``lane`` (rank ``rank``'s actions) listed, marked at ``index``."""
         if lane is not None and rank is not None and index is not None:
             message += "\n" + listing(lane, rank, index)
         super().__init__(message)
@@ -193,7 +193,9 @@ def _check_versions(schedule: Schedule) -> None:
         in_use: dict[int, Counter[int]] = defaultdict(Counter)
         for index, action in enumerate(lane):
 
-            def fail(message: str, index: int = index) -> ScheduleError:
+            def fail(
+                message: str, index: int = index, rank: int = rank, lane: Sequence[Action] = lane
+            ) -> ScheduleError:
                 return ScheduleError(f"rank {rank}: {message}", lane, rank, index)
 
             stage, key = action.stage, (action.stage, action.microbatch)
@@ -215,7 +217,7 @@ def _check_versions(schedule: Schedule) -> None:
                         f"{action} uses version {action.version} but its forward used "
                         f"{forward_version.get(key)}"
                     )
-                if action.kind is Kind.BACKWARD:
+                if action.kind is Kind.BACKWARD and action.version is not None:
                     in_use[stage][action.version] -= 1
             if max_versions is not None and action.kind in (Kind.FORWARD, Kind.STEP):
                 live = {v for v, n in in_use[stage].items() if n > 0} | {steps[stage]}
@@ -372,5 +374,6 @@ def _report_stuck(
     for (sender, receiver), queue in channels.items():
         if queue:
             raise ScheduleError(
-                f"rank {sender} sends {Action(*queue[0])} to rank {receiver}, which never receives it"
+                f"rank {sender} sends {Action(*queue[0])} to rank {receiver}, "
+                "which never receives it"
             )

@@ -70,5 +70,6 @@ class Variation:
             factors = getattr(self, name)
             if len(factors) != stages or any(not values or min(values) < 0 for values in factors):
                 raise ValueError(
-                    f"Variation.{name} needs a non-empty list of non-negative factors for each of the {stages} stages"
+                    f"Variation.{name} needs a non-empty list of non-negative factors for each "
+                    f"of the {stages} stages"
                 )

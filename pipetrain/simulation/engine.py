@@ -46,7 +46,8 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
     for name in ("latency_s", "receive_s", "loss_s"):
         if not getattr(costs, name) >= 0:
             raise ValueError(
-                f"Costs.{name} must be a non-negative number of seconds, got {getattr(costs, name)!r}"
+                f"Costs.{name} must be a non-negative number of seconds, "
+                f"got {getattr(costs, name)!r}"
             )
     duration = _durations(schedule, costs)
     draw = random.Random(seed).choice
@@ -146,7 +147,8 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
     unfinished = [r for r in range(num_ranks) if position[r] < len(schedule.ranks[r])]
     if unfinished:
         raise RuntimeError(
-            f"simulation of {schedule.name} stopped with ranks {unfinished} waiting; validate the schedule first"
+            f"simulation of {schedule.name} stopped with ranks {unfinished} waiting; "
+            "validate the schedule first"
         )
     return Timeline(events, num_ranks, label=schedule.name)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pipetrain.simulation.costs import Costs
 from pipetrain.timeline import Timeline
@@ -20,7 +20,7 @@ def measured_costs(timelines: Timeline | Sequence[Timeline], stages: int) -> Cos
     """
     runs = [timelines] if isinstance(timelines, Timeline) else list(timelines)
 
-    def per_stage(kind: str, statistic) -> list[float]:
+    def per_stage(kind: str, statistic: Callable[[list[float]], float]) -> list[float]:
         durations: list[list[float]] = [[] for _ in range(stages)]
         for timeline in runs:
             for event in timeline.events:

@@ -53,7 +53,8 @@ def check(ranks: int, microbatches: int, replicas: Sequence[int] | None, options
     """Micro-batches must come in groups of ``ranks``, as Megatron-LM's order needs."""
     if microbatches % ranks:
         raise ValueError(
-            f"interleaved needs microbatches to be a multiple of ranks ({ranks}), got {microbatches}"
+            f"interleaved needs microbatches to be a multiple of ranks ({ranks}), "
+            f"got {microbatches}"
         )
 
 
