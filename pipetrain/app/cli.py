@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from pipetrain.app.simulate_job import COST_FIELDS, run_simulation
 from pipetrain.schedules import RECOMPUTE_MODES, Option, Schedule, ScheduleError, names, spec
-from pipetrain.timeline import Timeline, format_seconds
+from pipetrain.timeline import Timeline
+from pipetrain.units import format_bytes, format_seconds
 
 if TYPE_CHECKING:
     from pipetrain.planning import Plan
@@ -493,18 +494,10 @@ def _run_profile(args: argparse.Namespace) -> None:
     for index, layer in enumerate(measured.layers):
         lines.append(
             f"{index:>5}  {layer.name[:16]:16} {format_seconds(layer.forward_s):>10} "
-            f"{format_seconds(layer.backward_s):>10} {_bytes(layer.activation_bytes):>11} "
-            f"{_bytes(layer.parameter_bytes):>11}"
+            f"{format_seconds(layer.backward_s):>10} {format_bytes(layer.activation_bytes):>11} "
+            f"{format_bytes(layer.parameter_bytes):>11}"
         )
     emit(args, measured.to_dict(), "\n".join(lines), ("profile", args.out) if args.out else None)
-
-
-def _bytes(size: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if size < 1000 or unit == "GB":
-            return f"{size:.3g} {unit}"
-        size /= 1000
-    return f"{size:.3g} GB"
 
 
 # plan -----------------------------------------------------------------------------------

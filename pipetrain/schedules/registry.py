@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pipetrain.allocation import collector_paused
+from pipetrain.checks import positive_int
 from pipetrain.schedules.actions import Action
 from pipetrain.schedules.lower import lower
 from pipetrain.schedules.schedule import Schedule
@@ -200,12 +201,6 @@ def spec(name: str) -> ScheduleSpec:
     return found
 
 
-def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
 def _checked_sizes(
     family: ScheduleSpec,
     ranks: int,
@@ -213,8 +208,8 @@ def _checked_sizes(
     replicas: Sequence[int] | None,
     options: Options,
 ) -> None:
-    _positive("ranks", ranks)
-    _positive("microbatches", microbatches)
+    positive_int("ranks", ranks)
+    positive_int("microbatches", microbatches)
     if replicas is not None:
         if not family.replicable:
             replicable = [s.name for s in _REGISTRY.values() if s.replicable]
@@ -222,7 +217,7 @@ def _checked_sizes(
                 f"replicas are supported by {', '.join(replicable)}, not {family.name!r}"
             )
         for count in replicas:
-            _positive("every replica count", count)
+            positive_int("every replica count", count)
         if sum(replicas) != ranks:
             raise ValueError(
                 f"replicas {list(replicas)} place {sum(replicas)} ranks, but ranks={ranks}: "

@@ -14,6 +14,7 @@ from collections import defaultdict, deque
 from collections.abc import Sequence
 
 from pipetrain.allocation import collector_paused
+from pipetrain.checks import positive_int
 from pipetrain.schedules import RECV_KINDS, SEND_KINDS, Kind, Schedule
 from pipetrain.schedules.messages import CHANNELS, MessageKey
 from pipetrain.simulation.costs import Costs, Variation
@@ -177,8 +178,7 @@ def median_makespan(
     A step waits for its slowest path, so its typical length exceeds the step of median
     actions: slow actions add up along the path, and a slow stage holds up those after it.
     """
-    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
-        raise ValueError(f"runs must be a positive integer, got {runs!r}")
+    positive_int("runs", runs)
     return statistics.median(
         simulate(schedule, costs, variation, seed + run).makespan for run in range(runs)
     )
