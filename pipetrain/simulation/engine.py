@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from pipetrain.allocation import collector_paused
 from pipetrain.checks import positive_int
 from pipetrain.schedules import RECV_KINDS, SEND_KINDS, Kind, Schedule
-from pipetrain.schedules.messages import CHANNELS, MessageKey
+from pipetrain.schedules.messages import CHANNELS
 from pipetrain.simulation.costs import Costs, Variation
-from pipetrain.timeline import Event, Timeline
+from pipetrain.timeline import Event, Timeline, trusted_event
 
 
 def simulate(
@@ -69,13 +69,14 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
     groups = {Kind.ALLREDUCE: schedule.stage_ranks, Kind.LOSS: [tuple(range(num_ranks))]}
 
     names = {kind: kind.value for kind in Kind}  # plain strings, looked up fast
-    make = Event.trusted  # every value below is already a plain int, str or float
+    make = trusted_event  # every value below is already a plain int, str or float
     clock = [0.0] * num_ranks
     position = [0] * num_ranks
     events: list[Event] = []
-    arrival: dict[tuple[int, MessageKey], float] = {}  # (receiver, message) -> time
+    # (receiver, family, boundary, micro-batch): a message's key on the rank receiving it
+    arrival: dict[tuple[int, str, int, int | None], float] = {}  # -> time it lands
     link_free: dict[tuple[int, int], float] = defaultdict(float)
-    waiting_on: dict[tuple[int, MessageKey], int] = {}
+    waiting_on: dict[tuple[int, str, int, int | None], int] = {}
     arrived: dict[tuple[Kind, int, int], dict[int, float]] = defaultdict(dict)
     collectives_done: list[dict[tuple[Kind, int], int]] = [
         defaultdict(int) for _ in range(num_ranks)
@@ -87,7 +88,8 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
         actions = schedule.ranks[rank]
         now = clock[rank]
         index = position[rank]
-        while index < len(actions):
+        stop = len(actions)
+        while index < stop:
             action = actions[index]
             kind, stage = action.kind, action.stage
             spans = duration.get(kind)
@@ -95,30 +97,31 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
                 cost = spans[stage]
                 if kind in factors:
                     cost *= draw(factors[kind][stage])
-                events.append(make(rank, names[kind], stage, action.microbatch, now, now + cost))
+                events.append(make((rank, names[kind], stage, action.microbatch, now, now + cost)))
                 now += cost
             elif kind in sends:
                 peer = action.peer if action.peer is not None else -1
                 family, offset, whole_step = channels[kind]
-                key = (family, 0 if whole_step else stage + offset, action.microbatch)
+                boundary = 0 if whole_step else stage + offset
+                key = (peer, family, boundary, action.microbatch)
                 link = (rank, peer)
                 start = max(now, link_free[link])
-                end = start + (latency if whole_step else transfer_s[key[1]])
+                end = start + (latency if whole_step else transfer_s[boundary])
                 link_free[link] = end
-                events.append(make(rank, names[kind], stage, action.microbatch, start, end))
-                arrival[(peer, key)] = end
-                waiter = waiting_on.pop((peer, key), None)
+                events.append(make((rank, names[kind], stage, action.microbatch, start, end)))
+                arrival[key] = end
+                waiter = waiting_on.pop(key, None)
                 if waiter is not None:
                     runnable.append(waiter)
             elif kind in receives:
                 family, offset, whole_step = channels[kind]
-                key = (family, 0 if whole_step else stage + offset, action.microbatch)
-                landed = arrival.pop((rank, key), None)
+                key = (rank, family, 0 if whole_step else stage + offset, action.microbatch)
+                landed = arrival.pop(key, None)
                 if landed is None:
-                    waiting_on[(rank, key)] = rank
+                    waiting_on[key] = rank
                     break
                 end = max(now, landed) + receive_s
-                events.append(make(rank, names[kind], stage, action.microbatch, now, end))
+                events.append(make((rank, names[kind], stage, action.microbatch, now, end)))
                 now = end
             else:  # ALLREDUCE over the stage's replicas, LOSS over every rank
                 position[rank] = index
@@ -132,10 +135,8 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
                 start = max(members.values())
                 end = start + collective_s[kind][scope]
                 for member in group:
-                    own = schedule.ranks[member][
-                        position[member]
-                    ]  # LOSS is on each rank's own stage
-                    events.append(make(member, names[kind], own.stage, None, start, end))
+                    own = schedule.ranks[member][position[member]]  # each rank's own stage
+                    events.append(make((member, names[kind], own.stage, None, start, end)))
                     clock[member] = end
                     collectives_done[member][(kind, scope)] += 1
                     position[member] += 1

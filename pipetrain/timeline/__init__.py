@@ -5,7 +5,14 @@ activations; it saves as JSON, exports a Chrome/Perfetto trace and draws a PNG G
 :func:`format_seconds` and :func:`time_unit` come from :mod:`pipetrain.units`.
 """
 
-from pipetrain.timeline.timeline import BUSY_KINDS, Event, StrPath, Timeline, plot_timelines
+from pipetrain.timeline.timeline import (
+    BUSY_KINDS,
+    Event,
+    StrPath,
+    Timeline,
+    plot_timelines,
+    trusted_event,
+)
 from pipetrain.units import format_seconds, time_unit
 
 __all__ = [
@@ -16,4 +23,5 @@ __all__ = [
     "format_seconds",
     "plot_timelines",
     "time_unit",
+    "trusted_event",
 ]

@@ -10,10 +10,11 @@ JSON, as a Chrome/Perfetto trace, and as a PNG Gantt chart (drawn by
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import cached_property
 from os import PathLike
 from typing import Any, NamedTuple
@@ -97,20 +98,6 @@ class Event(_EventFields):
             raise ValueError(f"{what} ends before it starts; swap start and end")
         return tuple.__new__(cls, values)
 
-    @classmethod
-    def trusted(
-        cls,
-        rank: int,
-        kind: str,
-        stage: int | None,
-        microbatch: int | None,
-        start: float,
-        end: float,
-    ) -> Event:
-        """An event from values known to be of the right types and order, unchecked: how the
-        simulator and the runtime's recorder make events by the hundred thousand."""
-        return tuple.__new__(cls, (rank, kind, stage, microbatch, start, end))
-
     @property
     def duration(self) -> float:
         """``end - start`` in seconds."""
@@ -125,6 +112,14 @@ class Event(_EventFields):
         if self.microbatch is not None:
             text += f".{self.microbatch}"
         return text
+
+
+trusted_event: Callable[[tuple[int, str, int | None, int | None, float, float]], Event] = (
+    functools.partial(tuple.__new__, Event)
+)
+"""An :class:`Event` from a ``(rank, kind, stage, microbatch, start, end)`` tuple whose values
+are known to be of the right types and order, unchecked: how the simulator and the runtime's
+recorder make events by the hundred thousand (the call runs in C)."""
 
 
 def _as_int(value: Any, field_name: str, event: str) -> int:
