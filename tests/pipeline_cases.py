@@ -1,12 +1,16 @@
-"""Models and worker functions for the multi-process pipeline tests (importable by spawned workers)."""
+"""Models and worker functions for the multi-process pipeline tests (importable by spawned
+workers)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import pipetrain
+from pipetrain.model.layers import StageModule, to_layers
 
 FEATURES, CLASSES, BATCH = 6, 3, 10
 
@@ -78,9 +82,41 @@ def id_batch(seed: int = 1, size: int = BATCH) -> tuple[torch.Tensor, torch.Tens
     )
 
 
+def reference(
+    make: Callable[[], nn.Module] = mlp,
+    data: Callable[..., tuple[torch.Tensor, torch.Tensor]] = batch,
+    size: int = BATCH,
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """Loss and gradients of the whole model as one stage: the same tuple-unpacking rule,
+    no pipeline."""
+    model = StageModule(to_layers(make()))
+    x, y = data(size=size)
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    return loss.item(), gradients(model.named_parameters())
+
+
+def merged(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Every rank's gradients in one dict; no parameter may be on two ranks."""
+    result: dict[str, torch.Tensor] = {}
+    for grads in per_rank:
+        assert not set(grads) & set(result), "two ranks own the same parameter"
+        result.update(grads)
+    return result
+
+
+def gradients(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The gradients of the ``named`` tensors that have one, copied to the host."""
+    found = {}
+    for name, tensor in named:
+        if tensor.grad is not None:
+            found[name] = tensor.grad.cpu().clone()
+    return found
+
+
 def grads(pipe: pipetrain.Pipeline) -> dict[str, torch.Tensor]:
     """This rank's gradients by full-model name, on the host."""
-    return {name: p.grad.cpu().clone() for name, p in pipe.named_parameters() if p.grad is not None}
+    return gradients(pipe.named_parameters())
 
 
 def run_configs(configs: list[dict]) -> list[tuple[float, dict[str, torch.Tensor]]]:
@@ -217,7 +253,12 @@ def replicated_runs(
 
 
 def asynchronous_runs(
-    schedule: str, balance: list[int], microbatches: int, windows: int, options: dict
+    schedule: str,
+    balance: list[int],
+    microbatches: int,
+    windows: int,
+    schedule_options: dict,
+    settings: dict | None = None,
 ) -> dict[str, torch.Tensor]:
     """Train ``windows`` calls of an asynchronous schedule with SGD; return this rank's weights."""
     pipe = pipetrain.Pipeline(
@@ -227,7 +268,8 @@ def asynchronous_runs(
         schedule=schedule,
         loss_fn=nn.functional.cross_entropy,
         optimizer=lambda params: torch.optim.SGD(params, lr=0.2),
-        **options,
+        schedule_options=schedule_options,
+        **(settings or {}),
     )
     for window in range(windows):
         pipe.train_step(*batch(seed=10 + window, size=pipe.microbatches * 2))
@@ -278,7 +320,8 @@ def reducer_progress(bucket_bytes: float) -> list[int]:
     (b * 3).sum().backward()
     started.append(reducer.started)
     reducer.finish([a, b])
-    return started + [int(a.grad[0]), int(b.grad[0]), reducer.started]
+    got = gradients([("a", a), ("b", b)])
+    return [*started, int(got["a"][0]), int(got["b"][0]), reducer.started]
 
 
 def one_stage_on_the_default_device() -> tuple[float, str, dict[str, torch.Tensor]]:

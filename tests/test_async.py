@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pipeline_cases as cases
 import pytest
 import torch
@@ -25,7 +27,11 @@ def stage_of(balance: list[int]) -> dict[str, int]:
 
 
 def reference(
-    balance: list[int], rule, per_update: int, updates: int, windows: int
+    balance: list[int],
+    rule: Callable[[int, int], int],
+    per_update: int,
+    updates: int,
+    windows: int,
 ) -> dict[str, torch.Tensor]:
     """Replay the rule in one process: update u of every stage uses the gradient of the
     mini-batch made of micro-batches u·per_update … (u+1)·per_update − 1, computed with
@@ -53,7 +59,7 @@ def reference(
 
 
 def run(
-    schedule: str, balance: list[int], microbatches: int, windows: int, **options
+    schedule: str, balance: list[int], microbatches: int, windows: int, **schedule_options: object
 ) -> dict[str, torch.Tensor]:
     states = pipetrain.launch(
         cases.asynchronous_runs,
@@ -62,7 +68,7 @@ def run(
         balance,
         microbatches,
         windows,
-        options,
+        schedule_options,
         timeout_s=60,
     )
     merged = {}
@@ -126,7 +132,7 @@ def test_pipedream_with_a_replicated_stage(bucket_bytes: float) -> None:
     for index in range(windows):
         base = {stage: len(history) - 1 for stage, history in versions.items()}
         x, y = cases.batch(seed=10 + index, size=window * 2)
-        pending = None
+        pending: dict[str, torch.Tensor] = {}
         for k, (inputs, targets) in enumerate(
             zip(torch.tensor_split(x, window), torch.tensor_split(y, window))
         ):
@@ -159,6 +165,7 @@ def test_pipedream_with_a_replicated_stage(bucket_bytes: float) -> None:
         balance,
         window,
         windows,
+        {},
         {"replicas": [2, 1], "bucket_bytes": bucket_bytes},
         timeout_s=60,
     )

@@ -4,34 +4,17 @@ from __future__ import annotations
 
 import itertools
 import time
+from typing import Any
 
 import pipeline_cases as cases
 import pytest
 import torch
+from pipeline_cases import merged, reference
 from torch import nn
 
 import pipetrain
-from pipetrain.model.layers import StageModule, stage_bounds, to_layers
+from pipetrain.model.layers import stage_bounds
 from pipetrain.runtime.reduce import DEFAULT_BUCKET_BYTES
-
-
-def reference(
-    make=cases.mlp, data=cases.batch, size: int = cases.BATCH
-) -> tuple[float, dict[str, torch.Tensor]]:
-    # the whole model as one stage: same tuple-unpacking rule, no pipeline
-    model = StageModule(to_layers(make()))
-    x, y = data(size=size)
-    loss = nn.functional.cross_entropy(model(x), y)
-    loss.backward()
-    return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
-
-
-def merged(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    result: dict[str, torch.Tensor] = {}
-    for grads in per_rank:
-        assert not set(grads) & set(result), "two ranks own the same parameter"
-        result.update(grads)
-    return result
 
 
 def assert_transparent(configs: list[dict], results: list[list], ranks: int) -> None:
@@ -194,7 +177,8 @@ def test_a_failing_rank_stops_every_rank_with_its_name(ranks: int) -> None:
     start = time.monotonic()
     with pytest.raises(
         pipetrain.LaunchError,
-        match=rf"rank {ranks - 1} \(stage {ranks - 1}\) failed at F{ranks - 1}.0: ValueError: bad shape on purpose",
+        match=rf"rank {ranks - 1} \(stage {ranks - 1}\) failed at F{ranks - 1}.0: "
+        "ValueError: bad shape on purpose",
     ) as error:
         pipetrain.launch(cases.failing_step, ranks, "explode", ranks, timeout_s=60)
     assert error.value.rank == ranks - 1
@@ -213,13 +197,13 @@ def test_other_ranks_name_the_rank_where_the_failure_began() -> None:
 
 
 def test_a_non_tensor_output_names_the_layer() -> None:
-    with pytest.raises(pipetrain.LaunchError, match="layer '1'.*str"):
+    with pytest.raises(pipetrain.LaunchError, match=r"layer '1'.*str"):
         pipetrain.launch(cases.failing_step, 2, "not-a-tensor", 2, timeout_s=60)
 
 
 # bucket_bytes=1 gives every parameter a bucket of its own, started during the backward;
 # with one micro-batch, replicas without work contribute zeros
-REPLICATED_CONFIGS = [
+REPLICATED_CONFIGS: list[dict[str, Any]] = [
     {
         "schedule": schedule,
         "balance": balance,
@@ -248,7 +232,7 @@ def test_replicated_stages_match_the_unpipelined_model_and_stay_identical() -> N
         }
         schedule = pipetrain.schedules.build(
             config["schedule"],
-            len(config["balance"]),
+            sum(config["replicas"]),
             config["microbatches"],
             replicas=config["replicas"],
         )
@@ -267,12 +251,7 @@ def test_replicated_stages_match_the_unpipelined_model_and_stay_identical() -> N
                 )
                 torch.testing.assert_close(weights[name], stepped[name], rtol=1e-5, atol=1e-6)
         # replicas of a stage hold bit-identical weights after the step
-        for stage_ranks in pipetrain.schedules.build(
-            config["schedule"],
-            len(config["balance"]),
-            config["microbatches"],
-            replicas=config["replicas"],
-        ).stage_ranks:
+        for stage_ranks in schedule.stage_ranks:
             first = results[stage_ranks[0]][index][2]
             for other in stage_ranks[1:]:
                 for name, value in results[other][index][2].items():

@@ -22,11 +22,10 @@ import torch.distributed as dist
 from pipetrain.app.data import BatchStream
 from pipetrain.app.models import build_model, loss_function
 from pipetrain.app.plan_job import plan_together
-from pipetrain.model.layers import check_balance, to_layers
+from pipetrain.model.layers import to_layers
 from pipetrain.planning import Plan
-from pipetrain.runtime import Pipeline, launch
-from pipetrain.runtime.recompute import check_mode
-from pipetrain.schedules import SCHEDULE_NAMES, Schedule, build
+from pipetrain.runtime import Pipeline, PipelineConfig, launch
+from pipetrain.schedules import Schedule, spec
 from pipetrain.simulation import Costs, measured_costs, simulate
 from pipetrain.timeline import Timeline, format_seconds, plot_timelines
 
@@ -111,51 +110,44 @@ class TrainConfig:
 
     def check(self) -> None:
         """Raise a ValueError naming the first setting that cannot run."""
-        if self.schedule not in SCHEDULE_NAMES:
-            raise ValueError(
-                f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULE_NAMES)}"
-            )
+        pipeline = self.pipeline_config()
         if self.replicas is not None and sum(self.replicas) != self.stages:
             raise ValueError(
-                f"replicas {list(self.replicas)} add up to {sum(self.replicas)} workers, but --stages is {self.stages}"
+                f"replicas {list(self.replicas)} add up to {sum(self.replicas)} workers, "
+                f"but --stages is {self.stages}"
             )
-        check_mode(self.recompute)
         for name in ("microbatches", "steps", "batch_size", "virtual", "threads"):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value}")
         if self.batch_size < self.microbatches:
             raise ValueError(
-                f"batch size {self.batch_size} is smaller than microbatches {self.microbatches}; use a batch of at least {self.microbatches}"
+                f"batch size {self.batch_size} is smaller than microbatches {self.microbatches}; "
+                f"use a batch of at least {self.microbatches}"
             )
-        model_stages = self.schedule_for().stages
         layers = len(to_layers(build_model(self.model, seed=self.seed)))
-        if self.balance is not None:
-            check_balance(list(self.balance), layers)
-            if len(self.balance) != model_stages:
-                raise ValueError(
-                    f"balance {list(self.balance)} has {len(self.balance)} entries; {self.schedule} on {self.stages} stages needs {model_stages}"
-                )
-        elif layers < model_stages:
-            raise ValueError(
-                f"model {self.model} has {layers} layers, fewer than the {model_stages} stages of {self.schedule} on {self.stages} ranks; use fewer stages"
-            )
+        pipeline.build(self.stages or DEFAULT_STAGES, layers)
+
+    def pipeline_config(self) -> PipelineConfig:
+        """The pipeline this run trains with; the targets travel from the input stage, so
+        only its workers load data. ``virtual`` and ``vertical_sync`` go to the families
+        that take them."""
+        taken = {option.name for option in spec(self.schedule).options}
+        flags = {"virtual": self.virtual, "vertical_sync": self.vertical_sync}
+        return PipelineConfig(
+            schedule=self.schedule,
+            microbatches=self.microbatches,
+            schedule_options={name: value for name, value in flags.items() if name in taken},
+            replicas=self.replicas,
+            balance=self.balance,
+            recompute=self.recompute,
+            targets_on_first_stage=True,
+        )
 
     def schedule_for(self) -> Schedule:
-        """The schedule this run executes (the same one the Pipeline builds)."""
-        options = {
-            "interleaved": {"virtual": self.virtual},
-            "pipedream": {"vertical_sync": self.vertical_sync},
-        }.get(self.schedule, {})
-        if self.replicas is not None:
-            return build(
-                self.schedule,
-                len(self.replicas),
-                self.microbatches,
-                replicas=list(self.replicas),
-                **options,
-            )
-        return build(self.schedule, self.stages, self.microbatches, **options)
+        """The schedule this run executes (the one the Pipeline builds, before the targets'
+        transfer is added)."""
+        return self.pipeline_config().build(self.stages or DEFAULT_STAGES)
 
 
 class Progress:
@@ -204,16 +196,9 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
     model = build_model(config.model, seed=config.seed)
     pipe = Pipeline(
         model,
-        balance=config.balance,
-        microbatches=config.microbatches,
-        schedule=config.schedule,
         loss_fn=loss_function(config.model),
-        recompute=config.recompute,
         optimizer=partial(torch.optim.Adam, lr=config.lr),
-        virtual=config.virtual,
-        replicas=config.replicas,
-        vertical_sync=config.vertical_sync,
-        targets_on_first_stage=True,
+        config=config.pipeline_config(),
     )
     # only the input stage's ranks load data; the targets travel to the last stage
     batches = (

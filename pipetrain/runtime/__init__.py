@@ -1,7 +1,24 @@
-"""Run schedules on real processes: transport, stage execution, launching, failures."""
+"""Run schedules on real processes.
 
+- :mod:`~pipetrain.runtime.config`: :class:`PipelineConfig`, what a run is;
+- :mod:`~pipetrain.runtime.pipeline`: :class:`Pipeline`, the facade that builds and wires a rank;
+- :mod:`~pipetrain.runtime.executor`: plays a rank's actions, dispatching each one;
+- :mod:`~pipetrain.runtime.stage`: one stage's passes and the tensors between them;
+- :mod:`~pipetrain.runtime.weights`: weight versions and optimizer updates;
+- :mod:`~pipetrain.runtime.batch`: a step's data split into micro-batches;
+- :mod:`~pipetrain.runtime.reduce`: replicated stages' gradient all-reduce;
+- :mod:`~pipetrain.runtime.recompute`: re-materialization;
+- :mod:`~pipetrain.runtime.transport`: the transport interface; :mod:`~pipetrain.runtime.framing`
+  its message protocol, :mod:`~pipetrain.runtime.torch_transport` over torch.distributed,
+  :mod:`~pipetrain.runtime.loopback` between threads; :mod:`~pipetrain.runtime.inbox`
+  receives ahead of need;
+- :mod:`~pipetrain.runtime.recorder`, :mod:`~pipetrain.runtime.failure`,
+  :mod:`~pipetrain.runtime.launch`: measured timelines, failures, local workers.
+"""
+
+from pipetrain.runtime.config import PipelineConfig
 from pipetrain.runtime.failure import PipelineError
 from pipetrain.runtime.launch import LaunchError, launch
 from pipetrain.runtime.pipeline import Pipeline
 
-__all__ = ["LaunchError", "Pipeline", "PipelineError", "launch"]
+__all__ = ["LaunchError", "Pipeline", "PipelineConfig", "PipelineError", "launch"]

@@ -39,10 +39,8 @@ def report_origin(rank: int, stage: int | None, message: str) -> PipelineError:
     ours = f"{rank}\n{stage}\n{message}"
     try:
         first = store.compare_set(_KEY, "", ours).decode()
-    except RuntimeError:
-        return PipelineError(
-            message, rank, stage
-        )  # the store itself is gone: the local error stands
+    except RuntimeError:  # the store itself is gone: the local error stands
+        return PipelineError(message, rank, stage)
     if first in ("", ours):
         return PipelineError(message, rank, stage)
     return _from_record(rank, stage, first)
@@ -51,7 +49,8 @@ def report_origin(rank: int, stage: int | None, message: str) -> PipelineError:
 def _from_record(rank: int, stage: int | None, record: str) -> PipelineError:
     origin_rank, origin_stage, message = record.split("\n", 2)
     return PipelineError(
-        f"rank {rank} (stage {stage}) stopped because rank {origin_rank} (stage {origin_stage}) failed first: {message}",
+        f"rank {rank} (stage {stage}) stopped because rank {origin_rank} "
+        f"(stage {origin_stage}) failed first: {message}",
         int(origin_rank),
         None if origin_stage == "None" else int(origin_stage),
     )

@@ -72,7 +72,8 @@ def launch(
     timeout_s: float = 120.0,
     threads_per_worker: int | None = None,
 ) -> list[Any]:
-    """Run ``fn(*args)`` in ``nprocs`` new processes forming one process group; return their results by rank.
+    """Run ``fn(*args)`` in ``nprocs`` new processes forming one process group; return their
+    results by rank.
 
     ``fn`` must be importable (defined at module level). If any worker raises, the others
     are given ``timeout_s`` to stop, then ended, and a :class:`LaunchError` carries the

@@ -6,12 +6,15 @@ dropout and other randomness give the same result both times.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
 
 from pipetrain.schedules import RECOMPUTE_MODES
+
+T = TypeVar("T")
 
 
 def check_mode(mode: str) -> str:
@@ -37,7 +40,7 @@ class RandomState:
         self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
     @contextmanager
-    def restored(self):
+    def restored(self) -> Iterator[None]:
         """Run the body with the captured states; the caller's states are kept outside it."""
         devices = [self.device] if self.cuda is not None else []
         with torch.random.fork_rng(devices=devices):
@@ -47,7 +50,7 @@ class RandomState:
             yield
 
 
-def recompute(run: Callable[[], object], state: RandomState) -> object:
+def recompute(run: Callable[[], T], state: RandomState) -> T:
     """Run ``run`` again with gradients on, under the random state of its first run."""
     with state.restored(), torch.enable_grad():
         return run()

@@ -10,11 +10,13 @@ goes on with the earlier layers. The all-reduce action then only starts what is 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
+
+from pipetrain.schedules import Action, Kind
 
 DEFAULT_BUCKET_BYTES = 4 << 20
 
@@ -34,19 +36,40 @@ def buckets_of(parameters: Sequence[torch.Tensor], bucket_bytes: float) -> list[
     return buckets
 
 
+def completing_passes(
+    lane: Sequence[Action], stages: Collection[int], split_backward: bool
+) -> set[tuple[int, int]]:
+    """``(stage, micro-batch)`` of the passes in ``lane`` that complete the weight gradients
+    of an update of one of ``stages``: each stage's last backward (or weight pass, when the
+    backward is split) before each of its all-reduces. The reducer is armed before them."""
+    gradient_kind = Kind.WEIGHT if split_backward else Kind.BACKWARD
+    last: dict[int, int] = {}
+    found = set()
+    for action in lane:
+        if (
+            action.kind is gradient_kind
+            and action.stage in stages
+            and action.microbatch is not None
+        ):
+            last[action.stage] = action.microbatch
+        elif action.kind is Kind.ALLREDUCE and action.stage in last:
+            found.add((action.stage, last.pop(action.stage)))
+    return found
+
+
 class GradientReducer:
     """Sums (or averages) one stage's weight gradients over its replicas' process group."""
 
     def __init__(
         self,
         parameters: Sequence[torch.Tensor],
-        group: dist.ProcessGroup,
+        group: dist.ProcessGroup | None,
         replicas: int,
         average: bool,
         bucket_bytes: float = DEFAULT_BUCKET_BYTES,
     ) -> None:
-        """Reduce ``parameters``' gradients over ``group`` (``replicas`` ranks); ``average``
-        divides the sum by ``replicas``."""
+        """Reduce ``parameters``' gradients over ``group`` (``replicas`` ranks; ``None``: the
+        default group); ``average`` divides the sum by ``replicas``."""
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes!r}")
         self.group, self.replicas, self.average = group, replicas, average

@@ -1,0 +1,102 @@
+"""A step's data on one rank, split into micro-batches.
+
+The batch is split with :func:`torch.tensor_split`, so a batch that the micro-batch count
+does not divide is fine. Each micro-batch's loss is weighted by its share of the samples
+of the update it belongs to (``size_k / update``), which makes the summed loss of an
+update the mean over its samples, as the unpipelined model computes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+Tensors = tuple[torch.Tensor, ...]
+Target = torch.Tensor | Tensors
+Data = torch.Tensor | Sequence[torch.Tensor]
+
+
+def as_tuple(value: Data) -> Tensors:
+    """A tensor, or a sequence of tensors, as a tuple of tensors."""
+    return (value,) if isinstance(value, torch.Tensor) else tuple(value)
+
+
+def batch_size(value: Data, what: str) -> int:
+    """The size of ``value``'s first dimension (of its first tensor, for a tuple)."""
+    tensor = value if isinstance(value, torch.Tensor) else value[0]
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+        raise TypeError(
+            f"{what} must be a tensor (or tuple of tensors) with a batch dimension, "
+            f"got {type(tensor).__name__}"
+        )
+    return tensor.shape[0]
+
+
+def _split(value: Data, parts: int, device: torch.device, what: str) -> list[Target]:
+    """``value`` split into ``parts`` pieces along dim 0, each moved to ``device``."""
+    size = batch_size(value, what)
+    if size < parts:
+        raise ValueError(
+            f"batch of {size} samples is smaller than microbatches={parts}; "
+            "use a larger batch or fewer micro-batches"
+        )
+    if isinstance(value, torch.Tensor):
+        return [piece.to(device) for piece in torch.tensor_split(value, parts)]
+    pieces = [torch.tensor_split(t, parts) for t in value]
+    return [tuple(p[i].to(device) for p in pieces) for i in range(parts)]
+
+
+class LossTarget(NamedTuple):
+    """What a last-stage forward computes its loss against, and the loss's weight."""
+
+    target: Target
+    weight: float
+
+
+class StepData:
+    """What one step reads on this rank.
+
+    The first stage's ranks get the micro-batch inputs (:meth:`set_inputs`); the last
+    stage's ranks get the targets (:meth:`set_targets`, or from a ``RECV_T``), split into
+    micro-batches with their loss weights; a rank that ships the targets keeps the whole
+    batch's for its ``SEND_T`` (:meth:`set_shipped`). ``per_update`` micro-batches make one
+    update (all of them for synchronous schedules).
+    """
+
+    def __init__(self, microbatches: int, per_update: int, device: torch.device) -> None:
+        """Data for ``microbatches`` micro-batches, placed on ``device``."""
+        self.microbatches, self.per_update, self.device = microbatches, per_update, device
+        self.inputs: list[Tensors] | None = None
+        self.shipped: Tensors | None = None
+        self.targets: list[LossTarget] | None = None
+
+    def set_inputs(self, inputs: Data) -> None:
+        """Split the first stage's inputs into micro-batches."""
+        self.inputs = [
+            as_tuple(p) for p in _split(inputs, self.microbatches, self.device, "inputs")
+        ]
+
+    def set_shipped(self, targets: Data) -> None:
+        """Keep the whole batch's targets for sending to the last stage."""
+        self.shipped = tuple(t.to(self.device) for t in as_tuple(targets))
+
+    def set_targets(self, targets: Data) -> None:
+        """Split the last stage's targets into micro-batches and weigh each one's loss."""
+        pieces = _split(targets, self.microbatches, self.device, "targets")
+        sizes = [batch_size(piece, "targets") for piece in pieces]
+        per = self.per_update
+        update_sizes = [sum(sizes[k - k % per : k - k % per + per]) for k in range(len(sizes))]
+        self.targets = [
+            LossTarget(piece, size / update)
+            for piece, size, update in zip(pieces, sizes, update_sizes)
+        ]
+
+    def receive_targets(self, tensors: Tensors) -> None:
+        """Targets that arrived as a message: one tensor travels as a tuple of one."""
+        self.set_targets(tensors[0] if len(tensors) == 1 else tensors)
+
+    def loss_target(self, microbatch: int) -> LossTarget | None:
+        """The target of a last-stage micro-batch; ``None`` without targets (evaluation)."""
+        return None if self.targets is None else self.targets[microbatch]

@@ -1,0 +1,206 @@
+"""What a pipeline run is, apart from the model, its loss and its optimizer.
+
+:class:`PipelineConfig` holds the schedule (a registered family's name, or a built or
+hand-written :class:`~pipetrain.schedules.Schedule`), its options and placement, the split
+of layers into stages, recomputation and the runtime's settings. Every fact about a
+schedule family comes from its spec (:func:`pipetrain.schedules.spec`); a schedule value
+speaks for itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pipetrain.checks import positive_int
+from pipetrain.model.layers import check_balance
+from pipetrain.runtime.recompute import check_mode
+from pipetrain.schedules import Kind, Schedule, ScheduleSpec, build, spec, validate
+
+if TYPE_CHECKING:
+    from pipetrain.planning import Plan
+
+_PLANNED = ("schedule", "microbatches", "schedule_options", "replicas", "balance", "recompute")
+
+
+def _counts(value: Sequence[int] | None) -> Sequence[int] | None:
+    """A list of counts as a tuple; anything else as given, for the checks to name."""
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """The settings of a pipeline run (see :class:`~pipetrain.runtime.pipeline.Pipeline`).
+
+    ``schedule`` is a registered family's name or a :class:`~pipetrain.schedules.Schedule`
+    value; ``schedule_options`` are the family's own (``{"virtual": 2}`` for
+    ``interleaved``). ``microbatches`` counts micro-batches per update for a name; a
+    schedule value runs its own. ``replicas`` gives ranks per stage (replicable families),
+    ``balance`` layers per stage (by default shared out evenly).
+    """
+
+    schedule: str | Schedule = "1f1b"
+    microbatches: int = 1
+    schedule_options: Mapping[str, int | bool] = field(default_factory=dict)
+    replicas: Sequence[int] | None = None
+    balance: Sequence[int] | None = None
+    recompute: str = "never"
+    targets_on_first_stage: bool = False
+    timeout_s: float = 300.0
+    record: bool = False
+    bucket_bytes: float | None = None
+    device: torch.device | str | None = None
+
+    def __post_init__(self) -> None:
+        """Keep copies of the mutable settings, so the value stays as it was built."""
+        object.__setattr__(self, "schedule_options", dict(self.schedule_options))
+        object.__setattr__(self, "replicas", _counts(self.replicas))
+        object.__setattr__(self, "balance", _counts(self.balance))
+
+    @classmethod
+    def from_plan(cls, plan: Plan, **overrides: Any) -> PipelineConfig:
+        """The split, replication, schedule, micro-batches and recomputation of ``plan``,
+        with ``overrides`` (any other field) on top."""
+        family = spec(plan.schedule)
+        chunked = family.chunk_option is not None and plan.virtual > 1
+        settings: dict[str, Any] = {
+            "schedule": plan.schedule,
+            "microbatches": plan.microbatches,
+            "schedule_options": {family.chunk_option: plan.virtual} if chunked else {},
+            "replicas": tuple(plan.replicas) if max(plan.replicas) > 1 else None,
+            "balance": tuple(plan.balance),
+            "recompute": plan.recompute,
+        }
+        return cls(**{**settings, **overrides})
+
+    @classmethod
+    def from_arguments(
+        cls, config: PipelineConfig | None, plan: Plan | None, **settings: Any
+    ) -> PipelineConfig:
+        """The configuration that :class:`Pipeline`'s arguments describe: ``config`` as given,
+        else ``plan``'s with the other ``settings``, else ``settings``; a setting given
+        beside a ``config`` or a plan that sets it raises ValueError."""
+        defaults = {f.name: f.default for f in fields(cls)}
+        defaults["schedule_options"] = None
+        given = sorted(name for name, value in settings.items() if value != defaults[name])
+        if config is not None:
+            if plan is not None or given:
+                also = ", ".join(given) or "plan"
+                raise ValueError(f"config= holds every setting; give {also} inside it instead")
+            return config
+        settings["schedule_options"] = settings["schedule_options"] or {}
+        if plan is None:
+            return cls(**settings)
+        planned = [name for name in given if name in _PLANNED]
+        if planned:
+            raise ValueError(
+                f"the plan sets {', '.join(planned)}; give either plan or {planned[0]}, not both"
+            )
+        return cls.from_plan(plan, **{name: settings[name] for name in given})
+
+    @property
+    def family(self) -> ScheduleSpec | None:
+        """The spec of the schedule's family; ``None`` for a schedule value."""
+        return None if isinstance(self.schedule, Schedule) else spec(self.schedule)
+
+    def build(self, world: int, layers: int | None = None, has_optimizer: bool = True) -> Schedule:
+        """Check this configuration for ``world`` ranks (and a model of ``layers`` layers)
+        and return the schedule it runs; a ValueError names the first setting that cannot
+        run and how to fix it."""
+        check_mode(self.recompute)
+        if isinstance(self.schedule, Schedule):
+            schedule = self._checked_value(self.schedule, world)
+            self._check_balance(schedule.stages, layers, f"the given schedule on {world} ranks")
+        else:
+            schedule = self._built(spec(self.schedule), world, layers)
+        if schedule.asynchronous and not has_optimizer:
+            raise ValueError(
+                f"{schedule.name} updates the weights inside the step, so it needs an "
+                "optimizer; pass optimizer=..."
+            )
+        return schedule
+
+    def _built(self, family: ScheduleSpec, world: int, layers: int | None) -> Schedule:
+        positive_int("microbatches", self.microbatches)
+        options = family.resolve(self.schedule_options)
+        replicas = None if self.replicas is None else list(self.replicas)
+        if replicas is None:
+            stages = world * family.chunks(options)
+            self._check_balance(stages, layers, f"{family.name} on {world} ranks")
+        else:
+            stages = len(self.balance) if self.balance is not None else len(replicas)
+            self._check_balance(stages, layers, f"{family.name} with replicas {replicas}")
+            if len(replicas) != stages or sum(replicas) != world:
+                raise ValueError(
+                    f"replicas {replicas} must give one count per stage ({stages}) and add up "
+                    f"to the {world} ranks of the process group"
+                )
+        return build(family.name, world, self.microbatches, replicas=replicas, **options)
+
+    def _check_balance(self, stages: int, layers: int | None, what: str) -> None:
+        if self.balance is None:
+            if layers is not None and layers < stages:
+                raise ValueError(
+                    f"the model has {layers} layers, fewer than the {stages} stages of {what}; "
+                    "use fewer ranks"
+                )
+            return
+        balance = list(self.balance)
+        if layers is not None:
+            check_balance(balance, layers)
+        if len(balance) != stages:
+            raise ValueError(
+                f"balance {balance} has {len(balance)} stages, but {what} needs {stages}; "
+                "give one entry per stage"
+            )
+
+    def _checked_value(self, schedule: Schedule, world: int) -> Schedule:
+        if self.schedule_options or self.replicas is not None:
+            raise ValueError(
+                "a Schedule value carries its own options and placement; leave "
+                "schedule_options and replicas out"
+            )
+        if self.microbatches not in (1, schedule.microbatches):
+            raise ValueError(
+                f"microbatches={self.microbatches}, but the given schedule runs "
+                f"{schedule.microbatches}; leave microbatches out"
+            )
+        if schedule.num_ranks != world:
+            raise ValueError(
+                f"the given schedule has {schedule.num_ranks} ranks, but the process group has "
+                f"{world}; write one lane per rank"
+            )
+        if any(all(a.kind is not Kind.LOSS for a in lane) for lane in schedule.ranks):
+            raise ValueError(
+                "the given schedule has no closing LOSS on every rank, so it was not lowered; "
+                "build it with pipetrain.schedules.lower (or read it with Schedule.from_text)"
+            )
+        validate(schedule)
+        return schedule
+
+    def balance_for(self, layers: int, schedule: Schedule) -> list[int]:
+        """Layers per stage: the configured balance, or ``layers`` shared out evenly."""
+        if self.balance is not None:
+            return check_balance(list(self.balance), layers)
+        stages = schedule.stages
+        return [layers // stages + (1 if i < layers % stages else 0) for i in range(stages)]
+
+    def per_update(self, schedule: Schedule) -> int:
+        """Micro-batches whose gradients make one update (all of them when synchronous)."""
+        family = self.family
+        if family is not None:
+            return family.per_update(self.microbatches, family.resolve(self.schedule_options))
+        if not schedule.asynchronous:
+            return schedule.microbatches
+        # a written schedule: the last stage's backwards before its first update
+        last = schedule.stages - 1
+        count = 0
+        for action in schedule.ranks[schedule.stage_ranks[last][0]]:
+            if action.stage == last and action.kind is Kind.BACKWARD:
+                count += 1
+            elif action.stage == last and action.kind is Kind.STEP:
+                break
+        return count

@@ -1,0 +1,225 @@
+"""The message protocol every transport speaks, over any link that moves byte buffers.
+
+A message is the tensors packed into one byte buffer followed by an 8-byte trailer.
+Shapes and dtypes travel once per channel, in a small header, and are then reused: both
+ends remember them. When the shapes change (a smaller last micro-batch, say), the sender
+sends one buffer of the old size with the trailer set, then the new header, then the
+data, so the receiver always knows how many bytes to expect. A subclass of
+:class:`FramedTransport` provides the link: buffers, asynchronous sends and receives.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+
+from pipetrain.runtime.transport import PeerError, Tensors
+
+_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
+HEADER_SLOTS = 64
+TRAILER = 8
+_ALIGN = 16
+_SHAPES_FOLLOW = 1
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape, dtype and grad requirement of one tensor in a message."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor's data."""
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count * self.dtype.itemsize
+
+
+def describe(tensors: Sequence[torch.Tensor]) -> tuple[TensorMeta, ...]:
+    """The metadata of each tensor, as both ends of a channel see it."""
+    return tuple(TensorMeta(tuple(t.shape), t.dtype, t.requires_grad) for t in tensors)
+
+
+def message_bytes(metas: Sequence[TensorMeta]) -> int:
+    """Bytes of a message of tensors ``metas``, trailer included."""
+    return _offsets(metas)[1] + TRAILER
+
+
+def _offsets(metas: Sequence[TensorMeta]) -> tuple[list[int], int]:
+    offsets, position = [], 0
+    for meta in metas:
+        offsets.append(position)
+        position += -(-meta.nbytes // _ALIGN) * _ALIGN
+    return offsets, position
+
+
+def encode_header(metas: Sequence[TensorMeta]) -> torch.Tensor:
+    """Metadata as a fixed-size int64 tensor."""
+    slots = [len(metas)]
+    for meta in metas:
+        if meta.dtype not in _DTYPES:
+            raise TypeError(
+                f"cannot send tensors of dtype {meta.dtype} between stages; use one of {_DTYPES}"
+            )
+        slots += [_DTYPES.index(meta.dtype), int(meta.requires_grad), len(meta.shape), *meta.shape]
+    if len(slots) > HEADER_SLOTS:
+        raise ValueError(
+            f"a stage output of {len(metas)} tensors with shapes {[m.shape for m in metas]} needs "
+            f"{len(slots)} header slots, more than {HEADER_SLOTS}; return fewer or flatter tensors"
+        )
+    return torch.tensor(slots + [0] * (HEADER_SLOTS - len(slots)), dtype=torch.int64)
+
+
+def decode_header(header: torch.Tensor) -> tuple[TensorMeta, ...]:
+    """The inverse of :func:`encode_header`."""
+    slots = header.tolist()
+    metas, position = [], 1
+    for _ in range(slots[0]):
+        dtype, requires_grad, ndim = slots[position : position + 3]
+        shape = tuple(slots[position + 3 : position + 3 + ndim])
+        metas.append(TensorMeta(shape, _DTYPES[dtype], bool(requires_grad)))
+        position += 3 + ndim
+    return tuple(metas)
+
+
+def _unpack(buffer: torch.Tensor, metas: Sequence[TensorMeta]) -> Tensors:
+    offsets, _ = _offsets(metas)
+    return tuple(
+        buffer[offset : offset + meta.nbytes].view(meta.dtype).view(meta.shape)
+        for meta, offset in zip(metas, offsets)
+    )
+
+
+class Work(Protocol):
+    """An asynchronous send or receive of one buffer on a link."""
+
+    def wait(self, timeout: timedelta) -> bool:
+        """Block until done; ``False`` (or an error) if not done within ``timeout``."""
+        ...
+
+
+class FramedReceive:
+    """A posted receive: call :meth:`wait` for the tensors."""
+
+    def __init__(self, transport: FramedTransport, peer: int, channel: Hashable) -> None:
+        """Post the receive of the next message on ``channel`` from ``peer``."""
+        self._transport, self._peer, self._channel = transport, peer, channel
+        metas = transport._received_shapes.get((peer, channel))
+        self._posted = None if metas is None else self._post_data(metas)
+
+    def _post_data(
+        self, metas: tuple[TensorMeta, ...]
+    ) -> tuple[tuple[TensorMeta, ...], torch.Tensor, Work]:
+        buffer = self._transport._buffer(message_bytes(metas))
+        return metas, buffer, self._transport._irecv(buffer, self._peer)
+
+    def wait(self) -> Tensors:
+        """Block until the message is here; return its tensors (views of one buffer)."""
+        transport, key = self._transport, (self._peer, self._channel)
+        while True:
+            if self._posted is None:
+                header = transport._buffer(HEADER_SLOTS * 8).view(torch.int64)
+                transport._wait(transport._irecv(header, self._peer), self._peer)
+                metas = transport._received_shapes[key] = decode_header(header.cpu())
+                self._posted = self._post_data(metas)
+            metas, buffer, work = self._posted
+            transport._wait(work, self._peer)
+            if int(buffer[-TRAILER]) != _SHAPES_FOLLOW:
+                return _unpack(buffer.to(transport.device, non_blocking=True), metas)
+            self._posted = None
+
+
+class FramedTransport(ABC):
+    """The message protocol over a link that subclasses provide.
+
+    Implements :class:`~pipetrain.runtime.transport.Transport` but for ``global_rank`` and
+    ``all_reduce``, which belong to the group behind the link.
+    """
+
+    def __init__(self, device: torch.device, wire_device: torch.device, timeout_s: float) -> None:
+        """Receive onto ``device``; buffers travel from ``wire_device``; a wait longer than
+        ``timeout_s`` raises :class:`PeerError`."""
+        self.device = device
+        self.wire_device = wire_device
+        self.timeout = timedelta(seconds=timeout_s)
+        self._sent_shapes: dict[tuple[int, Hashable], tuple[TensorMeta, ...]] = {}
+        self._received_shapes: dict[tuple[int, Hashable], tuple[TensorMeta, ...]] = {}
+        self._pending_sends: list[tuple[Work, int]] = []
+
+    @abstractmethod
+    def _isend(self, buffer: torch.Tensor, peer: int) -> Work:
+        """Start sending ``buffer`` to ``peer``."""
+
+    @abstractmethod
+    def _irecv(self, buffer: torch.Tensor, peer: int) -> Work:
+        """Start receiving the next buffer from ``peer`` into ``buffer`` (of its size)."""
+
+    def _buffer(self, size: int) -> torch.Tensor:
+        """An uninitialised byte buffer on the wire device."""
+        return torch.empty(size, dtype=torch.uint8, device=self.wire_device)
+
+    def _wait(self, work: Work, peer: int) -> None:
+        try:
+            finished = work.wait(self.timeout)
+        except RuntimeError as error:
+            raise PeerError(peer, str(error)) from error
+        if finished is False:
+            raise PeerError(peer, f"no answer within {self.timeout.total_seconds():g} s")
+
+    def _post(self, buffer: torch.Tensor, peer: int) -> None:
+        self._pending_sends.append((self._isend(buffer, peer), peer))
+
+    def send(self, tensors: Sequence[torch.Tensor], peer: int, channel: Hashable) -> None:
+        """Start sending ``tensors`` to ``peer``; returns at once."""
+        metas = describe(tensors)
+        key = (peer, channel)
+        previous = self._sent_shapes.get(key)
+        if previous != metas:
+            if previous is not None:
+                stale = self._buffer(message_bytes(previous)).zero_()
+                stale[-TRAILER] = _SHAPES_FOLLOW
+                self._post(stale, peer)
+            self._post(encode_header(metas).to(self.wire_device), peer)
+            self._sent_shapes[key] = metas
+        offsets, size = _offsets(metas)
+        buffer = self._buffer(size + TRAILER)
+        for tensor, meta, offset in zip(tensors, metas, offsets):
+            buffer[offset : offset + meta.nbytes].view(meta.dtype).view(meta.shape).copy_(
+                tensor.detach()
+            )
+        buffer[-TRAILER:] = 0
+        self._post(buffer, peer)
+
+    def post_receive(self, peer: int, channel: Hashable) -> FramedReceive:
+        """Post the receive of the next message from ``peer`` on ``channel``."""
+        return FramedReceive(self, peer, channel)
+
+    def receive(self, peer: int, channel: Hashable) -> Tensors:
+        """Receive the next message from ``peer`` on ``channel`` (blocking)."""
+        return self.post_receive(peer, channel).wait()
+
+    def flush(self) -> None:
+        """Wait until every send has completed (their buffers may then be freed)."""
+        pending, self._pending_sends = self._pending_sends, []
+        for work, peer in pending:
+            self._wait(work, peer)

@@ -1,0 +1,194 @@
+"""One model stage's compute state on this rank: forward, backward and weight passes.
+
+Tensors that enter a stage from another become fresh leaves (floating ones require grad),
+so each stage's autograd graph ends at its own inputs; the gradients of those leaves are
+what the stage hands back. Everything between a micro-batch's forward and its backward is
+kept in the stage's slot for that micro-batch; tensors waiting to be sent (or handed to a
+neighbouring stage on this rank) wait in the stage too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipetrain.runtime.batch import LossTarget, Tensors, as_tuple
+from pipetrain.runtime.recompute import RandomState, recompute, recomputes
+from pipetrain.runtime.weights import Weights
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+"""``loss_fn(output, target) -> mean loss``; output and target are tensors or tuples of them."""
+
+
+def as_leaves(tensors: Tensors) -> Tensors:
+    """Detached copies of boundary tensors; floating ones require grad so that their
+    gradient can be sent back."""
+    return tuple(
+        t.detach().requires_grad_(True) if t.is_floating_point() else t.detach() for t in tensors
+    )
+
+
+@dataclass
+class _Slot:
+    """What a stage keeps for one micro-batch between its forward and its backward."""
+
+    inputs: Tensors
+    outputs: Tensors | None  # None while recomputing (recomputed at the backward)
+    version: int | None  # the stash's weight version (asynchronous schedules)
+    target: LossTarget | None  # the last stage's, for the loss
+    random_state: RandomState | None = None
+    loss: torch.Tensor | None = None
+    # set by a split backward for the weight-gradient pass
+    differentiable: Tensors = ()
+    output_grads: Tensors = ()
+
+
+class Stage:
+    """Model stage ``index`` on this rank: its passes and the tensors between them.
+
+    ``last`` marks the model's last stage, whose forward computes the loss when given a
+    target. ``recompute`` is the recompute mode over ``microbatches`` micro-batches;
+    ``split_backward`` makes the backward compute input gradients only, leaving the weight
+    gradients to :meth:`weight`.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        weights: Weights,
+        loss_fn: LossFn,
+        *,
+        last: bool,
+        recompute: str,
+        microbatches: int,
+        split_backward: bool,
+    ) -> None:
+        """Stage ``index``, whose module and weight versions ``weights`` holds."""
+        self.index, self.weights, self.loss_fn, self.last = index, weights, loss_fn, last
+        self.recompute, self.microbatches = recompute, microbatches
+        self.split_backward = split_backward
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget every micro-batch (at the end of a step, or after a failure)."""
+        self._slots: dict[int, _Slot] = {}
+        self._inputs: dict[int, Tensors] = {}  # arrived, waiting for the forward
+        self._outputs: dict[int, Tensors] = {}  # made, waiting to be sent or handed on
+        self._output_grads: dict[int, Tensors] = {}  # arrived, waiting for the backward
+        self._input_grads: dict[int, Tensors] = {}  # made, waiting to be sent or handed on
+
+    # what arrives and what leaves -----------------------------------------------------
+    def give_inputs(self, microbatch: int, tensors: Tensors) -> None:
+        """The inputs of ``microbatch`` (the step's data, or the previous stage's outputs)."""
+        self._inputs[microbatch] = tensors
+
+    def give_output_grads(self, microbatch: int, tensors: Tensors) -> None:
+        """The gradients of ``microbatch``'s outputs, from the next stage."""
+        self._output_grads[microbatch] = tensors
+
+    def take_outputs(self, microbatch: int) -> Tensors:
+        """``microbatch``'s outputs, detached, for the next stage (or the gathering rank)."""
+        return self._outputs.pop(microbatch)
+
+    def take_input_grads(self, microbatch: int) -> Tensors:
+        """The gradients of ``microbatch``'s floating inputs, for the previous stage."""
+        return self._input_grads.pop(microbatch)
+
+    def remaining_outputs(self) -> dict[int, Tensors]:
+        """Outputs nobody took: the last stage's when it had no targets (evaluation)."""
+        outputs, self._outputs = self._outputs, {}
+        return outputs
+
+    def gradient_holders(self, microbatch: int) -> list[torch.Tensor]:
+        """The tensors ``microbatch``'s backward accumulates weight gradients in."""
+        return self.weights.holders(self.index, self._slots[microbatch].version)
+
+    # passes ---------------------------------------------------------------------------
+    def _run(
+        self, inputs: Tensors, version: int | None, target: LossTarget | None
+    ) -> tuple[Tensors, torch.Tensor | None]:
+        outputs = as_tuple(self.weights.run(self.index, version, inputs))
+        if target is None:
+            return outputs, None
+        output = outputs[0] if len(outputs) == 1 else outputs
+        return outputs, self.loss_fn(output, target.target) * target.weight
+
+    def forward(
+        self, microbatch: int, version: int | None, target: LossTarget | None
+    ) -> torch.Tensor | None:
+        """Run ``microbatch`` on weight ``version``; return its weighted loss (detached) if
+        ``target`` is given, else keep its outputs for whoever takes them."""
+        inputs = self._inputs.pop(microbatch)
+        if self.index > 0:
+            inputs = as_leaves(inputs)
+        if recomputes(self.recompute, microbatch, self.microbatches):
+            random_state = RandomState(inputs[0].device if inputs else torch.device("cpu"))
+            with torch.no_grad():
+                outputs, loss = self._run(inputs, version, target)
+            slot = _Slot(inputs, None, version, target, random_state)
+        else:
+            outputs, loss = self._run(inputs, version, target)
+            slot = _Slot(inputs, outputs, version, target, loss=loss)
+        self._slots[microbatch] = slot
+        if loss is not None:
+            return loss.detach()
+        self._outputs[microbatch] = tuple(t.detach() for t in outputs)
+        return None
+
+    def _differentiable(self, microbatch: int, slot: _Slot) -> tuple[Tensors, Tensors]:
+        """The tensors to differentiate and their incoming gradients."""
+        outputs = slot.outputs
+        if outputs is None:
+            assert slot.random_state is not None  # kept whenever the outputs were dropped
+            outputs, slot.loss = recompute(
+                lambda: self._run(slot.inputs, slot.version, slot.target), slot.random_state
+            )
+            slot.outputs = outputs
+        if self.last:
+            if slot.loss is None:
+                raise RuntimeError(f"stage {self.index} has no loss to differentiate: no targets")
+            return (slot.loss,), (torch.ones_like(slot.loss),)
+        grads = self._output_grads.pop(microbatch)
+        floating = [t for t in outputs if t.is_floating_point()]
+        pairs = [(t, g) for t, g in zip(floating, grads) if t.requires_grad]
+        return tuple(t for t, _ in pairs), tuple(g for _, g in pairs)
+
+    def backward(self, microbatch: int) -> None:
+        """Differentiate ``microbatch``: input gradients, and weight gradients too unless the
+        backward is split."""
+        slot = self._slots[microbatch]
+        tensors, grads = self._differentiable(microbatch, slot)
+        leaves = [t for t in slot.inputs if t.requires_grad]
+        input_grads: tuple[torch.Tensor | None, ...]
+        if self.split_backward:
+            # input gradients only; the weight gradients follow in W on the kept graph
+            input_grads = (
+                torch.autograd.grad(tensors, leaves, grads, retain_graph=True, allow_unused=True)
+                if leaves and tensors
+                else ()
+            )
+            slot.differentiable, slot.output_grads = tensors, grads
+        else:
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+            input_grads = tuple(t.grad for t in leaves)
+            del self._slots[microbatch]
+        if self.index > 0:
+            by_leaf = dict(zip(map(id, leaves), input_grads))
+            self._input_grads[microbatch] = tuple(
+                _or_zeros(by_leaf.get(id(t)), t) for t in slot.inputs if t.is_floating_point()
+            )
+
+    def weight(self, microbatch: int) -> None:
+        """The weight gradients of a split backward, from the graph it kept."""
+        parameters = self.gradient_holders(microbatch)
+        slot = self._slots.pop(microbatch)
+        if parameters and slot.differentiable:
+            torch.autograd.backward(slot.differentiable, slot.output_grads, inputs=parameters)
+
+
+def _or_zeros(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return grad if grad is not None else torch.zeros_like(like)

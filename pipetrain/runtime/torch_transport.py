@@ -1,0 +1,63 @@
+"""The message protocol over torch.distributed point-to-point operations.
+
+Sends are asynchronous (``isend``); receives can be posted early and waited on later.
+Gloo cannot send from GPU memory, so under gloo a GPU stage's messages travel through
+pinned host buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from pipetrain.runtime.framing import FramedTransport
+from pipetrain.runtime.transport import PeerError
+
+
+def _wire_device(device: torch.device, group: dist.ProcessGroup | None) -> torch.device:
+    """Where messages of a stage on ``device`` travel from: the device itself, or the host
+    when the backend cannot send from it (gloo with CUDA tensors)."""
+    if device.type == "cuda" and dist.get_backend(group) != "nccl":
+        return torch.device("cpu")
+    return device
+
+
+class TorchTransport(FramedTransport):
+    """Sends and receives stage tensors over a torch.distributed process group."""
+
+    def __init__(
+        self, device: torch.device, group: dist.ProcessGroup | None = None, timeout_s: float = 300.0
+    ) -> None:
+        """Use ``group`` (the default group if ``None``); a wait longer than ``timeout_s``
+        raises."""
+        super().__init__(device, _wire_device(device, group), timeout_s)
+        self.group = group
+        self._pinned = self.wire_device != device  # host buffers that stage a GPU's data
+
+    def global_rank(self, peer: int) -> int:
+        """The default group's rank of ``peer``, a rank of this transport's group."""
+        return peer if self.group is None else dist.get_global_rank(self.group, peer)
+
+    def _buffer(self, size: int) -> torch.Tensor:
+        """An uninitialised byte buffer (pinned when it stages a GPU's data)."""
+        return torch.empty(
+            size, dtype=torch.uint8, device=self.wire_device, pin_memory=self._pinned
+        )
+
+    def _irecv(self, buffer: torch.Tensor, peer: int) -> dist.Work:
+        return _started(dist.irecv(buffer, src=self.global_rank(peer), group=self.group), peer)
+
+    def _isend(self, buffer: torch.Tensor, peer: int) -> dist.Work:
+        return _started(dist.isend(buffer, dst=self.global_rank(peer), group=self.group), peer)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the group, in place."""
+        dist.all_reduce(tensor, group=self.group)
+
+
+def _started(work: dist.Work | None, peer: int) -> dist.Work:
+    """The work of a transfer torch.distributed started; it starts none for a rank outside
+    the group."""
+    if work is None:
+        raise PeerError(peer, "this rank is not a member of the transport's process group")
+    return work

@@ -1,0 +1,185 @@
+"""Weight versions and optimizer updates of the stages one rank holds.
+
+Synchronous schedules run every stage on its live parameters and step the optimizer once
+all of the rank's stages have stepped. Asynchronous ones (PipeDream, PipeDream-2BW) stash
+weight versions: each version a stage still needs is a detached snapshot of its
+parameters; a forward runs the stage module through :func:`torch.func.functional_call` on
+the snapshot its action names, so its backward differentiates exactly those weights; the
+optimizer updates the live parameters, which no graph has saved, and the result becomes
+the next snapshot. Nothing is swapped in place under autograd.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from pipetrain.schedules import COMPUTE_KINDS, Action, Kind
+
+
+class WeightStash:
+    """The weight versions of one stage; version ``v`` is the weights after ``v`` updates."""
+
+    def __init__(self, module: nn.Module) -> None:
+        """Start with the module's current weights as the newest version."""
+        self.module = module
+        self.live = dict(module.named_parameters())
+        # buffers (such as running statistics) are shared by every version and updated in place
+        self.buffers = dict(module.named_buffers())
+        self.newest = 0
+        self.versions: dict[int, dict[str, torch.Tensor]] = {0: self._snapshot()}
+
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        return {
+            name: p.detach().clone().requires_grad_(p.requires_grad)
+            for name, p in self.live.items()
+        }
+
+    def run(self, version: int, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Run the stage on weight ``version``; gradients will accumulate on that version."""
+        if version not in self.versions:
+            raise RuntimeError(
+                f"weight version {version} is no longer stashed (kept: {sorted(self.versions)})"
+            )
+        return torch.func.functional_call(
+            self.module, {**self.versions[version], **self.buffers}, inputs
+        )
+
+    def trainable(self, version: int) -> list[torch.Tensor]:
+        """Version ``version``'s tensors of the trainable parameters, in the module's order."""
+        weights = self.versions[version]
+        return [weights[name] for name, parameter in self.live.items() if parameter.requires_grad]
+
+    def load_gradients(self) -> None:
+        """Add the gradients of the backwards since the last call, whatever versions they
+        used, to the live parameters' ``.grad``, and clear them from the versions."""
+        for name, parameter in self.live.items():
+            for weights in self.versions.values():
+                grad = weights[name].grad
+                if grad is not None:
+                    parameter.grad = grad if parameter.grad is None else parameter.grad + grad
+        for weights in self.versions.values():
+            for tensor in weights.values():
+                tensor.grad = None
+
+    def advance(self) -> None:
+        """Record the live weights (just updated) as the next version."""
+        self.newest += 1
+        self.versions[self.newest] = self._snapshot()
+
+    def reset(self) -> None:
+        """Make the live weights (loaded from outside) the only version, keeping its number."""
+        self.versions = {self.newest: self._snapshot()}
+
+    def keep_only(self, needed: Iterable[int]) -> None:
+        """Drop every version that is neither needed later nor the newest."""
+        keep = set(needed) | {self.newest}
+        for version in [v for v in self.versions if v not in keep]:
+            del self.versions[version]
+
+
+class Weights:
+    """The weights of this rank's stages, their versions, and the optimizer that updates them.
+
+    ``modules`` maps each held stage to its module. Versions in a schedule count from the
+    start of its window (one call of the pipeline); :meth:`begin` maps them to the stash's
+    absolute versions and notes which versions each update must keep.
+    """
+
+    def __init__(
+        self,
+        modules: Mapping[int, nn.Module],
+        optimizer: torch.optim.Optimizer | None,
+        asynchronous: bool,
+    ) -> None:
+        """Hold ``modules``; step ``optimizer`` (if any) synchronously or, with
+        ``asynchronous``, at every stage's update on stashed versions."""
+        self.modules = dict(modules)
+        self.optimizer = optimizer
+        self.asynchronous = asynchronous
+        self.stashes = (
+            {stage: WeightStash(module) for stage, module in self.modules.items()}
+            if asynchronous
+            else {}
+        )
+        self._trainable: dict[int, list[torch.Tensor]] = {
+            stage: [p for p in module.parameters() if p.requires_grad]
+            for stage, module in self.modules.items()
+        }
+        self._steps = dict.fromkeys(self.modules, 0)
+        self._base = dict.fromkeys(self.modules, 0)
+        self._needed: dict[int, list[set[int]]] = {stage: [] for stage in self.modules}
+
+    def begin(self, lane: Sequence[Action]) -> None:
+        """Start a window of this rank's actions ``lane``: versions count from here, and
+        each update keeps only the versions later actions use."""
+        self._steps = dict.fromkeys(self.modules, 0)
+        self._base = {stage: stash.newest for stage, stash in self.stashes.items()}
+        # needed[stage][j]: absolute versions used after the stage's j-th update in the window
+        self._needed = {stage: [] for stage in self.modules}
+        for action in reversed(lane):
+            if action.stage not in self.stashes:
+                continue
+            needed = self._needed[action.stage]
+            if action.kind is Kind.STEP:
+                needed.insert(0, set(needed[0]) if needed else set())
+            elif action.kind in COMPUTE_KINDS and action.version is not None:
+                if not needed:
+                    needed.insert(0, set())
+                needed[0].add(self._base[action.stage] + action.version)
+
+    def version(self, stage: int, scheduled: int | None) -> int | None:
+        """The stash's version for a schedule's version ``scheduled`` of ``stage`` (``None``:
+        the live weights)."""
+        if scheduled is None or not self.asynchronous:
+            return None
+        return self._base[stage] + scheduled
+
+    def run(
+        self, stage: int, version: int | None, inputs: Sequence[torch.Tensor]
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The stage's output on ``inputs`` with weight ``version`` (``None``: the live weights)."""
+        if version is None:
+            return self.modules[stage](*inputs)
+        return self.stashes[stage].run(version, *inputs)
+
+    def holders(self, stage: int, version: int | None) -> list[torch.Tensor]:
+        """The tensors a backward on ``version`` accumulates the stage's gradients in; for
+        ``None``, those of the current weights (the newest version when stashing)."""
+        if not self.asynchronous:
+            return self._trainable[stage]
+        stash = self.stashes[stage]
+        return stash.trainable(stash.newest if version is None else version)
+
+    def collect(self, stage: int) -> None:
+        """Move a stage's gradients from the versions the backwards used to the live
+        parameters (after an all-reduce wrote them there)."""
+        if self.asynchronous:
+            self.stashes[stage].load_gradients()
+
+    def step(self, stage: int) -> None:
+        """Apply ``stage``'s update: synchronously, the optimizer steps once every held stage
+        has; asynchronously, at once, and the new weights become the next version."""
+        self._steps[stage] += 1
+        if not self.asynchronous:
+            if self.optimizer is not None and sum(self._steps.values()) == len(self.modules):
+                self.optimizer.step()
+            return
+        stash = self.stashes[stage]
+        stash.load_gradients()
+        if self.optimizer is not None:
+            self.optimizer.step()
+        # applied: left in place, a later update of another stage here would apply them again
+        for parameter in stash.live.values():
+            parameter.grad = None
+        stash.advance()
+        later = self._needed[stage]
+        index = self._steps[stage]
+        stash.keep_only(later[index] if index < len(later) else ())
+
+    def reset(self) -> None:
+        """Make the live weights (just loaded) the only version of every stage."""
+        for stash in self.stashes.values():
+            stash.reset()
