@@ -11,6 +11,7 @@ from torch import nn
 
 import pipetrain
 from pipetrain.model.layers import StageModule, to_layers
+from pipetrain.runtime import PipelineConfig
 
 FEATURES, CLASSES, BATCH = 6, 3, 10
 
@@ -276,18 +277,28 @@ def asynchronous_runs(
     return {k: v.clone() for k, v in pipe.state_dict().items()}
 
 
-def targets_from_first_stage() -> float:
-    """Only rank 0 is given data; the last stage gets its targets from it."""
-    pipe = pipetrain.Pipeline(
-        mlp(),
-        balance=[1, 2, 2],
-        microbatches=3,
-        schedule="1f1b",
-        loss_fn=nn.functional.cross_entropy,
-        targets_on_first_stage=True,
-    )
+def targets_from_first_stage() -> list[float]:
+    """Only rank 0 is given data; the last stage's rank gets its targets from it, then (a
+    configuration given as one value) each of the last stage's two replicas does."""
+    pipes = [
+        pipetrain.Pipeline(
+            mlp(),
+            balance=[1, 2, 2],
+            microbatches=3,
+            schedule="1f1b",
+            loss_fn=nn.functional.cross_entropy,
+            targets_on_first_stage=True,
+        ),
+        pipetrain.Pipeline(
+            mlp(),
+            loss_fn=nn.functional.cross_entropy,
+            config=PipelineConfig(
+                "gpipe", 4, balance=[2, 3], replicas=[1, 2], targets_on_first_stage=True
+            ),
+        ),
+    ]
     x, y = batch()
-    return pipe.train_step(x, y) if pipe.rank == 0 else pipe.train_step()
+    return [pipe.train_step(x, y) if pipe.rank == 0 else pipe.train_step() for pipe in pipes]
 
 
 def replicated_eval() -> torch.Tensor | None:

@@ -155,3 +155,5 @@ def test_a_plan_sets_the_split_and_the_schedule_options() -> None:
     with pytest.raises(ValueError, match="the plan sets microbatches; give either plan"):
         PipelineConfig.from_arguments(None, plan, **_settings(microbatches=8))
     assert PipelineConfig.from_arguments(None, plan, **_settings(timeout_s=5.0)).timeout_s == 5.0
+    with pytest.raises(ValueError, match="give either config or plan, not both"):
+        PipelineConfig.from_arguments(config, plan, **_settings())

@@ -87,9 +87,15 @@ class PipelineConfig:
         defaults["schedule_options"] = None
         given = sorted(name for name, value in settings.items() if value != defaults[name])
         if config is not None:
-            if plan is not None or given:
-                also = ", ".join(given) or "plan"
-                raise ValueError(f"config= holds every setting; give {also} inside it instead")
+            if plan is not None:
+                raise ValueError(
+                    "give either config or plan, not both; PipelineConfig.from_plan(plan) makes "
+                    "a configuration of a plan"
+                )
+            if given:
+                raise ValueError(
+                    f"config= holds every setting; give {', '.join(given)} inside it instead"
+                )
             return config
         settings["schedule_options"] = settings["schedule_options"] or {}
         if plan is None:

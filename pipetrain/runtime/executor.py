@@ -86,11 +86,7 @@ class Executor:
         lane = schedule.ranks[self.rank]
         self._schedule, self._data = schedule, data
         self._outcome, self._loss = Outcome(), torch.zeros((), device=self.transport.device)
-        self._arming = (
-            completing_passes(lane, self.reducers, schedule.split_backward)
-            if self.reducers
-            else set()
-        )
+        self._arming = completing_passes(lane, self.reducers, schedule.split_backward)
         self.weights.begin(lane)
         self._inbox = Inbox(self.transport, lane, self._ahead)
         recorder = self.recorder

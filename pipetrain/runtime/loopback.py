@@ -47,7 +47,7 @@ class LoopbackGroup:
         """``fn(transport)`` on every rank at once, each in a thread; the results by rank.
 
         If any rank raises, the others' waits fail soon after, and the first error raised
-        is raised here.
+        is raised here; the group then stays failed.
         """
         results: dict[int, T] = {}
 
