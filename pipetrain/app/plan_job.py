@@ -1,4 +1,5 @@
-"""Profiling and planning built-in models, as ``pipetrain profile``, ``plan`` and ``train --plan auto`` do."""
+"""Profiling and planning built-in models, as ``pipetrain profile``, ``plan`` and
+``train --plan auto`` do."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pipetrain.app.models import build_model, loss_function
 from pipetrain.planning import Plan, plan
 from pipetrain.profiler import Profile, pooled
 from pipetrain.profiler.measure import profile
-from pipetrain.runtime.transport import Transport
+from pipetrain.runtime.torch_transport import TorchTransport
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKMGT]?)(i?)B?\s*$")
 _POWERS = {"": 0, "k": 1, "K": 1, "M": 2, "G": 3, "T": 4}
@@ -98,7 +99,7 @@ def _message_s(nbytes: int, rounds: int = 24, warmup: int = 4) -> float:
     """The longer of the median times a message of ``nbytes`` keeps rank 0 sending and rank 1
     receiving it (the data already there), as the pipeline's transport does it."""
     rank = dist.get_rank()
-    transport = Transport(torch.device("cpu"))
+    transport = TorchTransport(torch.device("cpu"))
     payload = (torch.zeros(max(1, nbytes // 4)),)
     times = []
     for round_index in range(warmup + rounds):
@@ -152,6 +153,8 @@ def plan_together(model: str, batch_size: int, seed: int = 0, threads: int = 1) 
         except (ValueError, TypeError) as error:  # every rank must hear of it, not wait for a plan
             outcome = [error]
     dist.broadcast_object_list(outcome, src=0)
-    if isinstance(outcome[0], Exception):
-        raise outcome[0]
-    return outcome[0]
+    chosen = outcome[0]
+    if isinstance(chosen, Exception):
+        raise chosen
+    assert chosen is not None  # rank 0 sent its plan
+    return chosen
