@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -83,6 +84,47 @@ def test_float_costs_match_brute_force(compute: list[float], stages: int) -> Non
     value, _ = brute_force(compute, stages, [0] * len(compute), [math.inf] * (stages - 1))  # type: ignore[arg-type]
     found = partition(compute, stages)
     assert bottleneck(compute, found) == pytest.approx(value, rel=1e-12, abs=1e-15)
+
+
+def every_stop_partition(
+    compute: list[float], stages: int, sizes: list[float], links: list[float]
+) -> list[int]:
+    """The plain dynamic program over every start and stop: ``best[k][i]`` is the least
+    bottleneck of layers ``i..`` over the last ``k`` stages; each stage then ends at the last
+    stop that keeps the optimum."""
+    n = len(compute)
+    prefix = np.concatenate(([0.0], np.cumsum(compute)))
+    span = prefix[None, :] - prefix[:, None]
+    span[np.arange(n + 1)[None, :] <= np.arange(n + 1)[:, None]] = math.inf
+    cuts = [
+        np.concatenate(([math.inf], 2 * np.asarray(sizes[:-1]) / link, [math.inf]))
+        for link in links
+    ]
+    best = np.full((stages + 1, n + 1), math.inf)
+    best[1, :n] = prefix[n] - prefix[:n]
+    for k in range(2, stages + 1):
+        best[k] = np.maximum(span, np.maximum(cuts[stages - k], best[k - 1])[None, :]).min(axis=1)
+    balance, start = [], 0
+    for index in range(stages - 1):
+        following = np.maximum(cuts[index], best[stages - index - 1])
+        stop = int(np.flatnonzero(np.maximum(span[start], following) <= best[stages, 0])[-1])
+        balance.append(stop - start)
+        start = stop
+    return [*balance, n - start]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_long_models_match_the_plain_dynamic_program(seed: int) -> None:
+    """Up to 80 layers, where only stops near an even split's bottleneck are examined."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 80))
+    stages = int(rng.integers(1, n + 1))
+    compute = np.round(rng.uniform(0, 10, n), int(rng.integers(0, 3)))
+    compute[rng.random(n) < 0.2] = 0.0
+    sizes = np.round(rng.uniform(0, 10, n)) * (rng.random(n) < 0.5)
+    links = [float(b) for b in rng.choice([0.5, 4.0, 100.0, math.inf], stages - 1)]
+    expected = every_stop_partition(compute.tolist(), stages, sizes.tolist(), links)
+    assert partition(compute.tolist(), stages, sizes.tolist(), links) == expected
 
 
 def test_balance_by_time_uses_forward_plus_backward() -> None:

@@ -6,12 +6,13 @@ import itertools
 import math
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from planning_cases import VGG16_CONVOLUTIONS, resnet_like_profile, vgg16_profile
 
-from pipetrain.planning.replicate import replicate
+from pipetrain.planning.replicate import ReplicatedStage, replicate
 from pipetrain.planning.topology import Level, Topology
 from pipetrain.profiler import Profile
 
@@ -25,11 +26,12 @@ def splits(start: int, stop: int) -> Iterator[list[tuple[int, int]]]:
     for count in range(len(inner) + 1):
         for cuts in itertools.combinations(inner, count):
             bounds = (start, *cuts, stop)
-            yield list(zip(bounds, bounds[1:]))
+            yield list(itertools.pairwise(bounds))
 
 
 def every_plan(levels: list[Level], level: int, start: int, stop: int) -> Iterator[Nested]:
-    """Every pipeline of start..stop-1 at ``level`` on at most ``levels[level].count`` components."""
+    """Every pipeline of start..stop-1 at ``level`` on at most ``levels[level].count``
+    components."""
     for stages in splits(start, stop):
         yield from assignments(levels, level, stages, levels[level].count)
 
@@ -205,3 +207,141 @@ def test_errors() -> None:
         replicate([1.0, 2.0], [1.0], [1.0, 1.0], Topology.flat(2))
     with pytest.raises(ValueError, match="compute must hold"):
         replicate([1.0, -2.0], [1.0, 1.0], [1.0, 1.0], Topology.flat(2))
+
+
+class Reference:
+    """The planner's definition, computed the plain way: for a bottleneck, ``reach[b - 1][s]``
+    is the furthest stop of a pipeline from every start ``s`` on at most ``b`` components,
+    level by level; bisection on the bottleneck to a relative 1e-12 from
+    ``[0, total compute]``; then the plan built at the bisection's upper end, preferring one
+    stage (fewest replicas), then the first stage with the fewest replicas and most layers."""
+
+    def __init__(self, compute: list[float], weights: list[float], activations: list[float],
+                 topology: Topology, sync: str) -> None:  # fmt: skip
+        self.n, self.levels, self.sync = len(compute), topology.levels, sync
+        self.compute = np.concatenate(([0.0], np.cumsum(compute)))
+        self.weights = np.concatenate(([0.0], np.cumsum(weights)))
+        self.cuts = np.concatenate(([0.0], 2 * np.asarray(activations[:-1], dtype=float), [0.0]))
+        self.starts = np.arange(self.n + 1)
+
+    def stage(self, level: int, theta: float, share: float) -> np.ndarray:
+        count, bandwidth = self.levels[level].count, self.levels[level].bandwidth
+        rows = []
+        for r in range(1, count + 1):
+            if level == 0:
+                reach = np.searchsorted(self.compute, self.compute + theta * r / share, "right") - 1
+            else:
+                reach = self.pipeline(level - 1, theta, share / r)[-1]
+            per_byte = 2 * (r - 1) / (r * bandwidth) * (1.0 if self.sync == "step" else share / r)
+            if per_byte > 0:
+                limit = self.weights + theta / per_byte
+                reach = np.minimum(reach, np.searchsorted(self.weights, limit, "right") - 1)
+            rows.append(np.maximum(reach, self.starts))
+        return np.array(rows)
+
+    def last_cut(self, level: int, theta: float, share: float) -> np.ndarray:
+        inner = (self.starts > 0) & (self.starts < self.n)
+        allowed = inner & (share * self.cuts / self.levels[level].bandwidth <= theta)
+        return np.maximum.accumulate(np.where(allowed, self.starts, -1))
+
+    def pipeline(self, level: int, theta: float, share: float) -> np.ndarray:
+        single = np.maximum.accumulate(self.stage(level, theta, share), axis=0)
+        last = self.last_cut(level, theta, share)
+        reach = single.copy()
+        for b in range(2, len(single) + 1):
+            for first in range(1, b):
+                cut = last[single[first - 1]]
+                further = np.where(cut > self.starts, reach[b - first - 1][np.maximum(cut, 0)], 0)
+                reach[b - 1] = np.maximum(reach[b - 1], further)
+        return reach
+
+    def build(self, level: int, theta: float, share: float, start: int, stop: int,
+              budget: int) -> list[tuple[int, int, int, list]]:  # fmt: skip
+        stage = self.stage(level, theta, share)
+        for r in range(1, budget + 1):
+            if stage[r - 1][start] >= stop:
+                return [self.node(level, theta, share, start, stop, r)]
+        single = np.maximum.accumulate(stage, axis=0)
+        reach, last = self.pipeline(level, theta, share), self.last_cut(level, theta, share)
+        for first in range(1, budget):
+            cut = int(last[min(int(single[first - 1][start]), stop - 1)])
+            if cut > start and reach[budget - first - 1][cut] >= stop:
+                r = next(r for r in range(1, first + 1) if stage[r - 1][start] >= cut)
+                head = self.node(level, theta, share, start, cut, r)
+                return [head, *self.build(level, theta, share, cut, stop, budget - r)]
+        raise AssertionError("no pipeline")
+
+    def node(self, level: int, theta: float, share: float, start: int, stop: int,
+             r: int) -> tuple[int, int, int, list]:  # fmt: skip
+        count = self.levels[level - 1].count if level else 0
+        inner = self.build(level - 1, theta, share / r, start, stop, count) if level else []
+        return (start, stop, r, inner)
+
+    def plan(self) -> list[ReplicatedStage]:
+        top = len(self.levels) - 1
+
+        def feasible(theta: float) -> bool:
+            return bool(self.pipeline(top, theta, 1.0)[-1][0] >= self.n)
+
+        low, high = 0.0, float(self.compute[-1])
+        if feasible(low):
+            high = low
+        while high - low > 1e-12 * high:
+            middle = (low + high) / 2
+            low, high = (low, middle) if feasible(middle) else (middle, high)
+        nodes = self.build(top, high, 1.0, 0, self.n, self.levels[top].count)
+        return flatten(nodes, 1)
+
+
+def flatten(nodes: Nested, multiplier: int) -> list[ReplicatedStage]:
+    """A nested plan's stages in pipeline order, replicas multiplied down the levels."""
+    stages = []
+    for start, stop, replicas, inner in nodes:
+        if inner:
+            stages += flatten(inner, multiplier * replicas)
+        else:
+            stages.append(ReplicatedStage(start, stop, multiplier * replicas))
+    return stages
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    data=st.data(),
+    counts=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    bandwidths=st.lists(st.sampled_from([0.5, 2.0, 30.0, math.inf]), min_size=3, max_size=3),
+    sync=st.sampled_from(["step", "replica"]),
+)
+def test_the_plan_is_the_reference_plan(
+    data: st.DataObject, counts: list[int], bandwidths: list[float], sync: str
+) -> None:
+    """The same stages, replicas and bottleneck, to the last bit, as the plain computation."""
+    n = data.draw(st.integers(1, 12))
+    compute, weights, activations = (
+        data.draw(st.lists(values, min_size=n, max_size=n)) for _ in range(3)
+    )
+    topology = Topology([Level(c, b) for c, b in zip(counts, bandwidths)])
+    result = replicate(compute, weights, activations, topology, sync)
+    assert list(result.stages) == Reference(compute, weights, activations, topology, sync).plan()
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("sync", ["step", "replica"])
+def test_many_workers_on_one_level_give_the_reference_plan(seed: int, sync: str) -> None:
+    """More workers than twice the layers: the planner counts workers per suffix instead."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 8))
+    compute, weights, activations = (
+        [float(v) for v in np.round(rng.uniform(0, 10, n), int(rng.integers(0, 3)))]
+        for _ in range(3)
+    )
+    topology = Topology.flat(int(rng.integers(2 * n + 1, 40)), float(rng.choice([0.5, 4.0, 1e9])))
+    result = replicate(compute, weights, activations, topology, sync)
+    assert list(result.stages) == Reference(compute, weights, activations, topology, sync).plan()
+
+
+def test_thousands_of_workers_plan_in_a_moment() -> None:
+    """500 layers on 4096 workers joined by infinitely fast links: one data-parallel stage."""
+    compute = [1e-3 * (1 + index % 7) for index in range(500)]
+    result = replicate(compute, [1e6] * 500, [1e5] * 500, Topology.flat(4096))
+    assert [(s.start, s.stop, s.replicas) for s in result.stages] == [(0, 500, 4096)]
+    assert result.bottleneck == pytest.approx(sum(compute) / 4096, rel=1e-3)

@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -559,11 +560,27 @@ def _run_plan(args: argparse.Namespace) -> None:
         memory_limit=parse_bytes(args.memory) if args.memory else None,
         batch_size=args.batch_size,
         replication=not args.no_replication,
+        progress=_progress_after(PLAN_QUIET_S),
         **options,
     )
     if args.out:
         chosen.save(args.out)
     emit(args, chosen.to_dict(), chosen.describe(), ("plan", args.out) if args.out else None)
+
+
+PLAN_QUIET_S = 1.0
+"""Seconds a plan runs before ``pipetrain plan`` says on stderr what it is doing."""
+
+
+def _progress_after(quiet_s: float) -> Callable[[str], None]:
+    """Print each progress line on stderr once ``quiet_s`` seconds have passed."""
+    start = time.monotonic()
+
+    def report(line: str) -> None:
+        if time.monotonic() - start >= quiet_s:
+            print(line, file=sys.stderr, flush=True)
+
+    return report
 
 
 # entry point ----------------------------------------------------------------------------

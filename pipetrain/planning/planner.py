@@ -12,7 +12,7 @@ predicted step then allows for the run-to-run variation the profile measured.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -114,24 +114,28 @@ class Plan(JsonFile):
         """A readable summary and one table row per stage."""
         chunks = f", {self.virtual} chunks per worker" if self.virtual > 1 else ""
         lines = [
-            f"{self.schedule}: {_count(len(self.stages), 'stage')} on {_count(self.workers, 'worker')}{chunks}, "
-            f"{_count(self.microbatches, 'micro-batch', 'micro-batches')} of {self.microbatch_size}, "
-            f"recomputation {self.recompute}",
-            f"predicted step {self.predicted_step_s:.4g} s, {self.predicted_throughput:.4g} samples/s"
+            f"{self.schedule}: {_count(len(self.stages), 'stage')} on "
+            f"{_count(self.workers, 'worker')}{chunks}, "
+            f"{_count(self.microbatches, 'micro-batch', 'micro-batches')} of "
+            f"{self.microbatch_size}, recomputation {self.recompute}",
+            f"predicted step {self.predicted_step_s:.4g} s, "
+            f"{self.predicted_throughput:.4g} samples/s"
             + (
                 f" ({self.steady_step_s:.4g} s with every action at its median time)"
                 if self.steady_step_s is not None and self.steady_step_s != self.predicted_step_s
                 else ""
             ),
-            f"{'stage':>5}  {'layers':>11}  {'count':>5}  {'replicas':>8}  {'compute/mb':>10}  {'memory/worker':>13}",
+            f"{'stage':>5}  {'layers':>11}  {'count':>5}  {'replicas':>8}  "
+            f"{'compute/mb':>10}  {'memory/worker':>13}",
         ]
         computes = self.stage_compute_s or [math.nan] * len(self.stages)
         for index, (stage, compute, memory) in enumerate(
             zip(self.stages, computes, self.stage_memory_bytes)
         ):
             lines.append(
-                f"{index:>5}  {f'{stage.start}..{stage.stop - 1}':>11}  {stage.stop - stage.start:>5}  "
-                f"{stage.replicas:>8}  {compute:>9.4g}s  {_format_bytes(memory):>13}"
+                f"{index:>5}  {f'{stage.start}..{stage.stop - 1}':>11}  "
+                f"{stage.stop - stage.start:>5}  {stage.replicas:>8}  {compute:>9.4g}s  "
+                f"{_format_bytes(memory):>13}"
             )
         return "\n".join(lines)
 
@@ -158,6 +162,7 @@ def plan(
     microbatches: Sequence[int] = DEFAULT_MICROBATCHES,
     batch_size: int | None = None,
     replication: bool = True,
+    progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """The fastest plan whose every worker fits in ``memory_limit`` bytes (None: no limit).
 
@@ -170,7 +175,9 @@ def plan(
     stage per worker, and for ``interleaved`` a pipeline of two chunks per worker; each
     with every requested schedule that can run it, every micro-batch count, and the
     cheapest recomputation mode that fits. Recomputation adds one forward of the stage to
-    its backward (for ``except_last``, on all micro-batches but the last). The fastest by simulated throughput wins.
+    its backward (for ``except_last``, on all micro-batches but the last). The fastest by
+    simulated throughput wins. ``progress``, if given, receives a line as each part of the
+    work starts (the layouts for each micro-batch count, each simulated candidate).
     """
     if not isinstance(profile, Profile):
         raise TypeError(f"profile must be a pipetrain.Profile, got {type(profile).__name__}")
@@ -181,12 +188,17 @@ def plan(
         raise ValueError(
             f"memory_limit must be a positive number of bytes per worker, got {memory_limit!r}"
         )
+    report = progress or _silent
     fitting, smallest = _fitting_candidates(
-        profile, topology, schedules, counts, batch_size, replication, memory_limit
+        profile, topology, schedules, counts, batch_size, replication, memory_limit, report
     )
     if not fitting:
         raise ValueError(_no_fit_message(memory_limit, smallest, profile, topology, replication))
-    return _fastest(fitting, topology)
+    return _fastest(fitting, topology, report)
+
+
+def _silent(message: str) -> None:
+    """Progress nobody asked for."""
 
 
 def _checked_schedules(schedules: Sequence[str] | None) -> tuple[str, ...]:
@@ -218,8 +230,8 @@ def _microbatch_counts(microbatches: Sequence[int], batch_size: int | None) -> l
     counts = sorted(m for m in set(microbatches) if batch_size % m == 0)
     if not counts:
         raise ValueError(
-            f"none of the micro-batch counts {sorted(set(microbatches))} divides batch_size={batch_size}; "
-            "give counts that divide it"
+            f"none of the micro-batch counts {sorted(set(microbatches))} divides "
+            f"batch_size={batch_size}; give counts that divide it"
         )
     return counts
 
@@ -232,18 +244,26 @@ def _fitting_candidates(
     batch_size: int | None,
     replication: bool,
     memory_limit: float | None,
+    report: Callable[[str], None],
 ) -> tuple[list[tuple[Candidate, list[float]]], tuple[float, Candidate | None]]:
     """Candidates that fit with their memory, and the smallest peak among those that do not."""
     fitting: list[tuple[Candidate, list[float]]] = []
     smallest: tuple[float, Candidate | None] = (math.inf, None)
     layouts_by_batch: dict[int, list[Layout]] = {}
-    for count in counts:
+    for index, count in enumerate(counts):
         size = profile.microbatch_size if batch_size is None else batch_size // count
         micro = profile if size == profile.microbatch_size else profile.scaled(size)
         step_batch = size * count
         if step_batch not in layouts_by_batch:
+            report(
+                f"planning: stage layouts for {_count(count, 'micro-batch', 'micro-batches')} "
+                f"({index + 1}/{len(counts)})"
+            )
             layouts_by_batch[step_batch] = layouts(
-                step_costs(micro, count), topology, replication, any(spec(name).chunk_option for name in schedules)
+                step_costs(micro, count),
+                topology,
+                replication,
+                any(spec(name).chunk_option for name in schedules),
             )
         for layout in layouts_by_batch[step_batch]:
             for schedule in schedules:
@@ -263,12 +283,17 @@ def _fitting_candidates(
     return fitting, smallest
 
 
-def _fastest(fitting: list[tuple[Candidate, list[float]]], topology: Topology) -> Plan:
+def _fastest(
+    fitting: list[tuple[Candidate, list[float]]],
+    topology: Topology,
+    report: Callable[[str], None],
+) -> Plan:
     """Simulate candidates, most promising first, until none can beat the best so far.
 
     A candidate's promise is its throughput at its makespan lower bound. Equal throughputs
     (within a relative 1e-9) go to the smaller peak memory.
     """
+    report(f"planning: {_count(len(fitting), 'candidate')} fit; simulating the most promising")
     bounded = []
     for candidate, memory in fitting:
         costs = candidate.costs(topology)
@@ -277,19 +302,36 @@ def _fastest(fitting: list[tuple[Candidate, list[float]]], topology: Topology) -
         bounded.append((ceiling, max(memory), candidate, memory, costs))
     bounded.sort(key=lambda entry: (-entry[0], entry[1]))
     best: tuple[float, float, Candidate, list[float], Costs, int, float] | None = None
-    for ceiling, peak, candidate, memory, costs in bounded:
+    for simulated, (ceiling, peak, candidate, memory, costs) in enumerate(bounded):
         if best is not None and ceiling < best[0] * (1 - _TIE):
+            report(f"planning: the other {len(bounded) - simulated} cannot beat it")
             break
         timeline, processed = candidate.build_and_simulate(costs)
         size = candidate.profile.microbatch_size
         throughput = processed * size / timeline.makespan if timeline.makespan > 0 else math.inf
         if best is None or _better(throughput, peak, best[0], best[1]):
             best = (throughput, peak, candidate, memory, costs, processed, timeline.makespan)
+        report(
+            f"planning: {simulated + 1}/{len(bounded)} candidates simulated, best so far "
+            f"{_summary(best[2])}: {best[0]:.4g} samples/s"
+        )
     assert best is not None
     _, _, candidate, memory, costs, processed, makespan = best
     variation = candidate.variation()
+    if variation is not None:
+        report("planning: simulating the chosen plan's steps with the measured variation")
     step_s = makespan if variation is None else _varied_step_s(candidate, costs, variation)
     return _as_plan(candidate, memory, step_s, makespan, processed, costs)
+
+
+def _summary(candidate: Candidate) -> str:
+    """``"1f1b, 8 stages on 64 workers, 16 micro-batches"``."""
+    layout = candidate.layout
+    return (
+        f"{candidate.schedule}, {_count(len(layout.stages), 'stage')} on "
+        f"{_count(layout.workers, 'worker')}, "
+        f"{_count(candidate.microbatches, 'micro-batch', 'micro-batches')}"
+    )
 
 
 def _varied_step_s(candidate: Candidate, costs: Costs, variation: Variation) -> float:
@@ -359,14 +401,15 @@ def _no_fit_message(
             else "no schedule can run it"
         )
         return (
-            f"no candidate plan for {len(profile.layers)} layers on {topology.workers} workers: {reason}; "
-            "use fewer workers, replication=True, or other schedules"
+            f"no candidate plan for {len(profile.layers)} layers on {topology.workers} workers: "
+            f"{reason}; use fewer workers, replication=True, or other schedules"
         )
     return (
-        f"no candidate plan fits memory_limit={memory_limit:.4g} bytes per worker; the smallest needs "
-        f"{math.ceil(need)} bytes ({need / 1e9:.3g} GB: {candidate.schedule}, {candidate.microbatches} "
-        f"micro-batches, recomputation {candidate.recompute}). Raise memory_limit to at least that, or "
-        "make each worker hold less: allow recomputation (recompute modes are tried already), use more "
-        "micro-batches for the same batch_size (smaller micro-batches hold less activation memory), or "
-        "add workers (fewer layers and weights per worker)."
+        f"no candidate plan fits memory_limit={memory_limit:.4g} bytes per worker; the smallest "
+        f"needs {math.ceil(need)} bytes ({need / 1e9:.3g} GB: {candidate.schedule}, "
+        f"{candidate.microbatches} micro-batches, recomputation {candidate.recompute}). Raise "
+        "memory_limit to at least that, or make each worker hold less: allow recomputation "
+        "(recompute modes are tried already), use more micro-batches for the same batch_size "
+        "(smaller micro-batches hold less activation memory), or add workers (fewer layers and "
+        "weights per worker)."
     )

@@ -26,22 +26,24 @@ Two synchronisation regimes (``sync``):
   own mini-batches, so ``T(r) = max(C, S) / r``, the paper's formula.
 
 Every pipeline uses at most the workers it is given. The optimum is found by bisection on
-the bottleneck: for a candidate bottleneck ``θ`` a dynamic program computes, for every
-start layer and worker budget, the furthest layer a feasible pipeline can reach (feasibility
-is monotone in both), in O(n · m²) numpy operations per level.
+the bottleneck ``θ``, each step asking :mod:`pipetrain.planning.reach` whether some plan
+fits within ``θ``; one batched test answers the next few steps.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from pipetrain.planning.reach import Reach
 from pipetrain.planning.topology import Topology
 
 SYNC_MODES = ("step", "replica")
 _RELATIVE_TOLERANCE = 1e-12
+_BATCH_DEPTH = 4  # bisection steps whose midpoints one batched feasibility test answers
 
 
 @dataclass(frozen=True)
@@ -76,141 +78,6 @@ class _Node:
     inner: tuple[_Node, ...]
 
 
-class _Model:
-    """Prefix sums and per-level feasibility tests for one problem instance."""
-
-    def __init__(
-        self,
-        compute: np.ndarray,
-        weight_bytes: np.ndarray,
-        activation_bytes: np.ndarray,
-        topology: Topology,
-        sync: str,
-    ) -> None:
-        """Prefix sums of compute and weights; the bytes crossing a cut before each layer."""
-        self.n = len(compute)
-        self.compute = np.concatenate(([0.0], np.cumsum(compute)))
-        self.weights = np.concatenate(([0.0], np.cumsum(weight_bytes)))
-        self.cut_bytes = np.concatenate(
-            ([0.0], 2 * np.asarray(activation_bytes[:-1], dtype=float), [0.0])
-        )
-        self.inner_positions = (np.arange(self.n + 1) > 0) & (np.arange(self.n + 1) < self.n)
-        self.levels = topology.levels
-        self.sync = sync
-        self.starts = np.arange(self.n + 1)
-
-    def sync_scale(self, share: float, replicas: int) -> float:
-        """Multiplier of the all-reduce time at a stage doing ``share`` of the work."""
-        return 1.0 if self.sync == "step" else share / replicas
-
-    def stage_reach(self, level: int, theta: float, share: float) -> np.ndarray:
-        """``reach[r - 1][s]``: furthest stop of a one-stage range from ``s`` on ``r`` components."""
-        count, bandwidth = self.levels[level].count, self.levels[level].bandwidth
-        reaches = np.empty((count, self.n + 1), dtype=np.int64)
-        for replicas in range(1, count + 1):
-            if level == 0:
-                limit = self.compute + theta * replicas / share
-                reach = np.searchsorted(self.compute, limit, side="right") - 1
-            else:
-                reach = self.pipeline_reach(level - 1, theta, share / replicas)[-1]
-            if replicas > 1:
-                sync_per_byte = (
-                    2 * (replicas - 1) / (replicas * bandwidth) * self.sync_scale(share, replicas)
-                )
-                if sync_per_byte > 0:
-                    limit = self.weights + theta / sync_per_byte
-                    reach = np.minimum(
-                        reach, np.searchsorted(self.weights, limit, side="right") - 1
-                    )
-            reaches[replicas - 1] = np.maximum(reach, self.starts)
-        return reaches
-
-    def last_cut(self, level: int, theta: float, share: float) -> np.ndarray:
-        """``last[x]``: the largest allowed cut position ``c <= x`` (``-1`` if none)."""
-        allowed = self.inner_positions & (
-            share * self.cut_bytes / self.levels[level].bandwidth <= theta
-        )
-        positions = np.where(allowed, self.starts, -1)
-        return np.maximum.accumulate(positions)
-
-    def pipeline_reach(self, level: int, theta: float, share: float) -> np.ndarray:
-        """``reach[b - 1][s]``: furthest stop of a feasible pipeline from ``s`` on at most ``b`` components."""
-        single = np.maximum.accumulate(self.stage_reach(level, theta, share), axis=0)
-        # cut[f - 1][s]: where a first stage from s on at most f components ends (-1: nowhere).
-        cut = self.last_cut(level, theta, share)[single]
-        usable = cut > self.starts
-        cut = np.maximum(cut, 0)
-        reach = np.empty_like(single)
-        reach[0] = single[0]
-        for budget in range(2, len(single) + 1):
-            rest = np.arange(budget - 2, -1, -1)[:, None]  # budget left after the first stage
-            further = np.where(usable[: budget - 1], reach[rest, cut[: budget - 1]], self.starts)
-            reach[budget - 1] = np.maximum(single[budget - 1], further.max(axis=0))
-        return reach
-
-    def feasible(self, theta: float) -> bool:
-        """Whether some plan on the whole topology has bottleneck <= ``theta``."""
-        return bool(self.pipeline_reach(len(self.levels) - 1, theta, 1.0)[-1][0] >= self.n)
-
-    def build(
-        self, level: int, theta: float, share: float, start: int, stop: int, budget: int
-    ) -> tuple[_Node, ...]:
-        """A pipeline of layers ``start..stop-1`` on at most ``budget`` components within ``theta``.
-
-        Prefers one stage (fewest replicas that fit), then the first stage with the fewest
-        replicas and as many layers as possible.
-        """
-        stage = self.stage_reach(level, theta, share)
-        for replicas in range(1, budget + 1):
-            if stage[replicas - 1][start] >= stop:
-                return (self._node(level, theta, share, start, stop, replicas),)
-        single = np.maximum.accumulate(stage, axis=0)
-        reach = self.pipeline_reach(level, theta, share)
-        cuts = self.last_cut(level, theta, share)
-        for first in range(1, budget):
-            cut = int(cuts[min(int(single[first - 1][start]), stop - 1)])
-            if cut > start and reach[budget - first - 1][cut] >= stop:
-                replicas = next(r for r in range(1, first + 1) if stage[r - 1][start] >= cut)
-                head = self._node(level, theta, share, start, cut, replicas)
-                return (head,) + self.build(level, theta, share, cut, stop, budget - replicas)
-        raise AssertionError(f"no pipeline of layers {start}..{stop - 1} within {theta}")
-
-    def _node(
-        self, level: int, theta: float, share: float, start: int, stop: int, replicas: int
-    ) -> _Node:
-        """One stage and, above level 0, its pipeline inside one component."""
-        inner: tuple[_Node, ...] = ()
-        if level > 0:
-            inner = self.build(
-                level - 1, theta, share / replicas, start, stop, self.levels[level - 1].count
-            )
-        return _Node(start, stop, replicas, inner)
-
-    def time(self, level: int, nodes: Sequence[_Node], share: float) -> float:
-        """Exact bottleneck of a pipeline at ``level`` doing ``share`` of the work."""
-        bandwidth = self.levels[level].bandwidth
-        worst = 0.0
-        for index, node in enumerate(nodes):
-            part = share / node.replicas
-            if level == 0:
-                work = part * (self.compute[node.stop] - self.compute[node.start])
-            else:
-                work = self.time(level - 1, node.inner, part)
-            weights = self.weights[node.stop] - self.weights[node.start]
-            sync = (
-                2
-                * (node.replicas - 1)
-                / node.replicas
-                * weights
-                / bandwidth
-                * self.sync_scale(share, node.replicas)
-            )
-            worst = max(worst, work, sync)
-            if index < len(nodes) - 1:
-                worst = max(worst, share * self.cut_bytes[node.stop] / bandwidth)
-        return float(worst)
-
-
 def replicate(
     compute: Sequence[float],
     weight_bytes: Sequence[float],
@@ -234,21 +101,170 @@ def replicate(
     for label, values in zip(("compute", "weight_bytes", "activation_bytes"), arrays):
         if values.shape != (n,) or n == 0 or not np.all(np.isfinite(values)) or np.any(values < 0):
             raise ValueError(
-                f"{label} must hold {max(n, 1)} finite values >= 0 (one per layer), got {values.tolist()}"
+                f"{label} must hold {max(n, 1)} finite values >= 0 (one per layer), "
+                f"got {values.tolist()}"
             )
-    model = _Model(*arrays, topology, sync)
+    reach = Reach(arrays[0], arrays[1], arrays[2], topology.levels, sync)
     top = len(topology.levels) - 1
-    low, high = 0.0, float(model.compute[-1])
-    if model.feasible(low):
-        high = low
+    reach.use([_least_bottleneck(reach)])
+    nodes = _build(reach, top, 0, 0, n, topology.levels[top].count)
+    return Replication(tuple(_flatten(nodes, 1)), _time(reach, top, nodes, 1.0))
+
+
+def _least_bottleneck(reach: Reach) -> float:
+    """The least feasible bottleneck, to a relative 1e-12, by bisection from
+    ``[0, total compute]``.
+
+    Feasibility is monotone in the bottleneck, so every test answers the midpoints on its far
+    side. Each round tests together the unanswered midpoints of the next
+    :data:`_BATCH_DEPTH` steps; the first also tests two likely bounds (:func:`_guesses`)
+    and takes its midpoints from where the bisection goes if they hold.
+    """
+    depth = 1 if reach.many_workers else _BATCH_DEPTH
+    low, high = 0.0, float(reach.compute[-1])
+    guesses = _guesses(reach)
+    below, above = guesses or (-math.inf, math.inf)
+    tests = [low, *guesses, *_midpoints(low, high, above, below, depth)]
+    passes, fails = math.inf, -math.inf  # least bottleneck known to pass, greatest to fail
+    while True:
+        unknown = [theta for theta in tests if fails < theta < passes]
+        for theta, ok in zip(unknown, reach.feasible(unknown) if unknown else []):
+            if ok:
+                passes = min(passes, theta)
+            else:
+                fails = max(fails, theta)
+        if low >= passes:
+            return low
+        low, high = _walk(low, high, passes, fails)
+        if not high - low > _RELATIVE_TOLERANCE * high:
+            return high
+        tests = _midpoints(low, high, passes, fails, depth)
+
+
+def _walk(low: float, high: float, passes: float, fails: float) -> tuple[float, float]:
+    """Bisection steps from ``[low, high]`` while the answers are known: bottlenecks from
+    ``passes`` up pass, those up to ``fails`` fail."""
     while high - low > _RELATIVE_TOLERANCE * high:
         middle = (low + high) / 2
-        if model.feasible(middle):
-            high = middle
+        if fails < middle < passes:
+            break
+        low, high = (low, middle) if middle >= passes else (middle, high)
+    return low, high
+
+
+def _midpoints(low: float, high: float, passes: float, fails: float, depth: int) -> list[float]:
+    """The midpoints the ``depth`` bisection steps after the known ones may test."""
+    middles, ranges = [], [_walk(low, high, passes, fails)]
+    for _ in range(depth):
+        following = []
+        for start, stop in ranges:
+            if stop - start > _RELATIVE_TOLERANCE * stop:
+                middle = (start + stop) / 2
+                middles.append(middle)
+                following += [(start, middle), (middle, stop)]
+        ranges = following
+    return middles
+
+
+def _guesses(reach: Reach) -> list[float]:
+    """Two bottlenecks worth testing first, the first likely to fail and the second to pass.
+
+    The compute spread evenly over every worker bounds the bottleneck from below, and plans
+    that compute more than they communicate come within a quarter of it. With many workers on
+    one level, where tests cost more: the least float bottleneck that one stage on all of them
+    meets (found by bisection on the floats' bit patterns) and the float below it, which
+    answer every step where data parallelism is the best plan.
+    """
+    workers = math.prod(level.count for level in reach.levels)
+    if not reach.many_workers:
+        even = float(reach.compute[-1]) / workers
+        return [even, 1.25 * even] if even > 0 else []
+    only = np.zeros(1, dtype=np.int64)
+
+    def fits(bits: int) -> bool:
+        reach.use([float(np.int64(bits).view(np.float64))])
+        limits = reach.limits(0, only, only, np.array(workers))
+        return bool(reach.stage_reach(0, only, only, np.array(workers), 0, limits)[0] >= reach.n)
+
+    low, high = 0, int(np.float64(np.inf).view(np.int64))
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if fits(middle) else (middle, high)
+    theta = float(np.int64(high).view(np.float64))
+    below = float(np.nextafter(theta, 0.0))
+    return [below, theta] if below > 0 else []
+
+
+def _build(reach: Reach, level: int, sid: int, start: int, stop: int, budget: int) -> list[_Node]:
+    """A pipeline of layers ``start..stop-1`` on at most ``budget`` components of ``level``
+    within the bottleneck in use, for the work share ``reach.shares[level][sid]``.
+
+    Prefers one stage (fewest replicas that fit), then the first stage with the fewest
+    replicas and as many layers as possible.
+    """
+    only, sids = np.zeros(1, dtype=np.int64), np.array(sid)
+    table = None
+    if level == 0 and reach.many_workers:
+        need = reach.fewest_workers(only, sid, start, stop)[0]
+    else:
+        table = reach.stage_table(level, sid)
+        need = reach.fewest(level, sid, stop)
+    nodes: list[_Node] = []
+    while True:
+        components = np.arange(1, budget + 1)
+        if table is None:
+            limits = reach.limits(level, only, sids, components)
+            stage = reach.stage_reach(level, only, sids, components, start, limits)
         else:
-            low = middle
-    nodes = model.build(top, high, 1.0, 0, n, topology.levels[top].count)
-    return Replication(tuple(_flatten(nodes, 1)), model.time(top, nodes, 1.0))
+            stage = table[:budget, start]
+        fits = np.flatnonzero(stage >= stop)
+        if fits.size:
+            return [*nodes, _node(reach, level, sid, start, stop, int(fits[0]) + 1)]
+        # the first stage on at most f = 1..budget-1 components, to its furthest cut
+        furthest = np.minimum(np.maximum.accumulate(stage)[:-1], stop - 1)
+        cuts = reach.last_cut(level, reach.cut_base(sids, only), furthest)
+        ok = (cuts > start) & (need[np.maximum(cuts, 0)] <= budget - components[:-1])
+        if not ok.any():
+            raise AssertionError(f"no pipeline of layers {start}..{stop - 1}")
+        cut = int(cuts[np.argmax(ok)])
+        replicas = int(np.argmax(stage >= cut)) + 1
+        nodes.append(_node(reach, level, sid, start, cut, replicas))
+        start, budget = cut, budget - replicas
+
+
+def _node(reach: Reach, level: int, sid: int, start: int, stop: int, replicas: int) -> _Node:
+    """One stage and, above level 0, its pipeline inside one component."""
+    inner: tuple[_Node, ...] = ()
+    if level > 0:
+        share = int(reach.children[level][sid, replicas - 1])
+        count = reach.levels[level - 1].count
+        inner = tuple(_build(reach, level - 1, share, start, stop, count))
+    return _Node(start, stop, replicas, inner)
+
+
+def _time(reach: Reach, level: int, nodes: Sequence[_Node], share: float) -> float:
+    """Exact bottleneck of a pipeline at ``level`` doing ``share`` of the work."""
+    bandwidth = reach.levels[level].bandwidth
+    worst = 0.0
+    for index, node in enumerate(nodes):
+        part = share / node.replicas
+        if level == 0:
+            work = part * (reach.compute[node.stop] - reach.compute[node.start])
+        else:
+            work = _time(reach, level - 1, node.inner, part)
+        weights = reach.weights[node.stop] - reach.weights[node.start]
+        sync = (
+            2
+            * (node.replicas - 1)
+            / node.replicas
+            * weights
+            / bandwidth
+            * (1.0 if reach.sync == "step" else share / node.replicas)
+        )
+        worst = max(worst, work, sync)
+        if index < len(nodes) - 1:
+            worst = max(worst, share * reach.cut_bytes[node.stop] / bandwidth)
+    return float(worst)
 
 
 def _flatten(nodes: Sequence[_Node], multiplier: int) -> list[ReplicatedStage]:

@@ -1,0 +1,106 @@
+"""Pure core speed: large schedules built, validated and simulated, and plans chosen.
+
+(a) ``1f1b`` at several sizes (ranks × micro-batches): the seconds to build it (generate,
+lower, validate) and to simulate it with forward 1 s and backward 2 s, its action count, and
+the exponent ``k`` of time ∝ actions^k (a least-squares line through the log-log points).
+(b) :func:`pipetrain.plan` on a synthetic profile (``bench_planner.synthetic_profile``) over a
+two-level topology with replication, and on many workers of one fast level.
+
+Run from the repository root; prints a markdown table, each time the median of ``--rounds``:
+
+    python benchmarks/bench_core.py [--sizes 64x512,128x1024,256x2048] [--rounds 3]
+        [--layers 500] [--topology 8x100GB/s,8x10Gbit/s] [--workers 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import numpy as np
+from bench_planner import synthetic_profile
+
+import pipetrain
+from pipetrain.schedules import build
+
+T = TypeVar("T")
+
+
+def timed(rounds: int, work: Callable[[], T]) -> tuple[float, T]:
+    """The median of ``rounds`` timings of ``work()``, and its last result."""
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        result = work()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+def sizes(text: str) -> list[tuple[int, int]]:
+    """``"64x512,128x1024"`` -> ``[(64, 512), (128, 1024)]`` (an argparse ``type``)."""
+    try:
+        pairs = [tuple(int(part) for part in size.split("x")) for size in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected RANKSxMICROBATCHES,..., got {text!r}") from None
+    if any(len(pair) != 2 or min(pair) < 1 for pair in pairs):
+        raise argparse.ArgumentTypeError(f"expected RANKSxMICROBATCHES,..., got {text!r}")
+    return [(pair[0], pair[1]) for pair in pairs]
+
+
+def exponent(actions: list[int], seconds: list[float]) -> float:
+    """The slope of log(seconds) against log(actions), by least squares."""
+    return float(np.polyfit(np.log(actions), np.log(seconds), 1)[0])
+
+
+def main() -> None:
+    """Time the schedule sizes and the plans; print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=sizes, default=sizes("64x512,128x1024,256x2048"))
+    parser.add_argument("--rounds", type=int, default=3, help="timings per row (median)")
+    parser.add_argument("--layers", type=int, default=500)
+    parser.add_argument("--topology", default="8x100GB/s,8x10Gbit/s")
+    parser.add_argument("--workers", type=int, default=4096)
+    args = parser.parse_args()
+    if args.rounds < 1 or args.layers < 1 or args.workers < 1:
+        parser.error("--rounds, --layers and --workers must be at least 1")
+
+    costs = pipetrain.Costs(forward_s=1.0, backward_s=2.0)
+    print("| work | actions | build + validate s | simulate s | total s |")
+    print("|---|---:|---:|---:|---:|")
+    counts: list[int] = []
+    columns: dict[str, list[float]] = {"build": [], "simulate": [], "total": []}
+    for ranks, microbatches in args.sizes:
+        build_s, schedule = timed(
+            args.rounds, functools.partial(build, "1f1b", ranks, microbatches)
+        )
+        simulate_s, _ = timed(args.rounds, functools.partial(pipetrain.simulate, schedule, costs))
+        actions = sum(len(lane) for lane in schedule.ranks)
+        counts.append(actions)
+        for key, value in zip(columns, (build_s, simulate_s, build_s + simulate_s)):
+            columns[key].append(value)
+        print(
+            f"| 1f1b, {ranks} ranks × {microbatches} micro-batches | {actions:,} | "
+            f"{build_s:.3f} | {simulate_s:.3f} | {build_s + simulate_s:.3f} |"
+        )
+    if len(counts) > 1:
+        fitted = " | ".join(f"{exponent(counts, columns[key]):.2f}" for key in columns)
+        print(f"| exponent k, time ∝ actions^k | | {fitted} |")
+
+    profile = synthetic_profile(args.layers)
+    print()
+    print("| plan | seconds | chosen |")
+    print("|---|---:|---|")
+    for label, options in (
+        (f"{args.layers} layers on {args.topology}, replication", {"topology": args.topology}),
+        (f"{args.layers} layers on {args.workers} workers", {"workers": args.workers}),
+    ):
+        seconds, chosen = timed(args.rounds, functools.partial(pipetrain.plan, profile, **options))
+        print(f"| {label} | {seconds:.3f} | {chosen.describe().splitlines()[0]} |")
+
+
+if __name__ == "__main__":
+    main()
