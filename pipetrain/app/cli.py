@@ -309,7 +309,7 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
         choices=names(),
         metavar="NAME",
         help=f"one of {', '.join(names())} (default 1f1b); pipedream splits each batch into "
-        "--microbatches mini-batches with an update each, 2bw makes 2 updates per step",
+        "--microbatches mini-batches with an update each, 2bw makes --rounds updates per step",
     )
     parser.add_argument(
         "--microbatches",
@@ -343,23 +343,14 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--lr", type=_learning_rate, metavar="LR", help="Adam learning rate (default per model)"
     )
-    parser.add_argument(
-        "--virtual",
-        type=positive_int,
-        default=2,
-        metavar="V",
-        help="model chunks per rank for interleaved (default 2)",
-    )
+    _add_schedule_options(parser)
     parser.add_argument(
         "--replicas",
         type=_balance,
         metavar="N,N,...",
-        help="workers per stage, e.g. 2,1 (gpipe, 1f1b and pipedream; default one each)",
-    )
-    parser.add_argument(
-        "--vertical-sync",
-        action="store_true",
-        help="pipedream: every stage uses the input stage's weight version",
+        help="workers per stage, e.g. 2,1 ("
+        + ", ".join(name for name in names() if spec(name).replicable)
+        + "; default one each)",
     )
     parser.add_argument(
         "--plan",
@@ -410,11 +401,10 @@ def _run_train(args: argparse.Namespace) -> None:
         balance=args.balance,
         recompute=args.recompute,
         lr=args.lr,
-        virtual=args.virtual,
+        schedule_options=schedule_options(args),
         seed=args.seed,
         threads=args.threads,
         replicas=args.replicas,
-        vertical_sync=args.vertical_sync,
         plan=_train_plan(args),
         plan_auto=args.plan == "auto",
     )

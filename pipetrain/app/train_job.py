@@ -12,9 +12,9 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -51,17 +51,16 @@ class TrainConfig:
     balance: tuple[int, ...] | None = None
     recompute: str = "never"
     lr: float | None = None
-    virtual: int = 2
     seed: int = 0
     threads: int = 1
     replicas: tuple[int, ...] | None = None
-    vertical_sync: bool = False
+    schedule_options: dict[str, int | bool] = field(default_factory=dict)
     plan: Plan | None = None
     plan_auto: bool = False
     planned_step_s: float | None = None
 
     def resolved(self, world_size: int | None = None) -> TrainConfig:
-        """The configuration with defaults filled in and checked; raises ValueError if it cannot run."""
+        """The configuration with defaults filled in and checked; ValueError if it cannot run."""
         if self.model not in DEFAULT_LR:
             raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(DEFAULT_LR)}")
         if self.plan is not None and self.plan_auto:
@@ -77,7 +76,8 @@ class TrainConfig:
         )
         if world_size is not None and stages != world_size:
             raise ValueError(
-                f"stages {stages} differs from the torchrun world size {world_size}; give --stages {world_size} or omit it"
+                f"stages {stages} differs from the torchrun world size {world_size}; "
+                f"give --stages {world_size} or omit it"
             )
         config = replace(
             self,
@@ -88,6 +88,21 @@ class TrainConfig:
         if not self.plan_auto:  # an automatic plan is checked once the workers have made it
             config.check()
         return config
+
+    @property
+    def workers(self) -> int:
+        """The worker count of a resolved configuration."""
+        return _resolved(self.stages, "stages")
+
+    @property
+    def samples(self) -> int:
+        """The batch size of a resolved configuration."""
+        return _resolved(self.batch_size, "batch_size")
+
+    @property
+    def learning_rate(self) -> float:
+        """The learning rate of a resolved configuration."""
+        return _resolved(self.lr, "lr")
 
     def from_plan(self, plan: Plan) -> TrainConfig:
         """This configuration with the plan's split, replication, schedule and micro-batches."""
@@ -101,7 +116,7 @@ class TrainConfig:
             balance=tuple(plan.balance),
             replicas=replicas,
             recompute=plan.recompute,
-            virtual=max(plan.virtual, 2),
+            schedule_options=plan_options(plan),
             batch_size=self.batch_size or plan.batch_size,
             planned_step_s=plan.predicted_step_s
             if self.batch_size in (None, plan.batch_size)
@@ -116,11 +131,11 @@ class TrainConfig:
                 f"replicas {list(self.replicas)} add up to {sum(self.replicas)} workers, "
                 f"but --stages is {self.stages}"
             )
-        for name in ("microbatches", "steps", "batch_size", "virtual", "threads"):
+        for name in ("microbatches", "steps", "batch_size", "threads"):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value}")
-        if self.batch_size < self.microbatches:
+        if self.samples < self.microbatches:
             raise ValueError(
                 f"batch size {self.batch_size} is smaller than microbatches {self.microbatches}; "
                 f"use a batch of at least {self.microbatches}"
@@ -130,14 +145,11 @@ class TrainConfig:
 
     def pipeline_config(self) -> PipelineConfig:
         """The pipeline this run trains with; the targets travel from the input stage, so
-        only its workers load data. ``virtual`` and ``vertical_sync`` go to the families
-        that take them."""
-        taken = {option.name for option in spec(self.schedule).options}
-        flags = {"virtual": self.virtual, "vertical_sync": self.vertical_sync}
+        only its workers load data."""
         return PipelineConfig(
             schedule=self.schedule,
             microbatches=self.microbatches,
-            schedule_options={name: value for name, value in flags.items() if name in taken},
+            schedule_options=dict(self.schedule_options),
             replicas=self.replicas,
             balance=self.balance,
             recompute=self.recompute,
@@ -148,6 +160,22 @@ class TrainConfig:
         """The schedule this run executes (the one the Pipeline builds, before the targets'
         transfer is added)."""
         return self.pipeline_config().build(self.stages or DEFAULT_STAGES)
+
+
+T = TypeVar("T")
+
+
+def _resolved(value: T | None, name: str) -> T:
+    if value is None:
+        raise RuntimeError(f"TrainConfig.{name} is set by resolved(); call it first")
+    return value
+
+
+def plan_options(plan: Plan) -> dict[str, int | bool]:
+    """The schedule options a plan implies: its chunks per worker, for a family that has
+    several model chunks per rank."""
+    chunk_option = spec(plan.schedule).chunk_option
+    return {chunk_option: plan.virtual} if chunk_option is not None and plan.virtual > 1 else {}
 
 
 class Progress:
@@ -187,9 +215,7 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
                 flush=True,
             )
         # profile with the threads this worker trains with (torchrun's setting, under torchrun)
-        chosen = plan_together(
-            config.model, config.batch_size, config.seed, torch.get_num_threads()
-        )
+        chosen = plan_together(config.model, config.samples, config.seed, torch.get_num_threads())
         if dist.get_rank() == 0:
             print(chosen.describe() + "\n", file=sys.stderr, flush=True)
         config = replace(config, plan_auto=False, plan=chosen).resolved(dist.get_world_size())
@@ -197,14 +223,14 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
     pipe = Pipeline(
         model,
         loss_fn=loss_function(config.model),
-        optimizer=partial(torch.optim.Adam, lr=config.lr),
+        optimizer=partial(torch.optim.Adam, lr=config.learning_rate),
         config=config.pipeline_config(),
     )
     # only the input stage's ranks load data; the targets travel to the last stage
     batches = (
-        BatchStream(config.model, config.batch_size, seed=config.seed) if 0 in pipe.stages else None
+        BatchStream(config.model, config.samples, seed=config.seed) if 0 in pipe.stages else None
     )
-    progress = Progress(config.steps, config.batch_size) if pipe.rank == 0 else None
+    progress = Progress(config.steps, config.samples) if pipe.rank == 0 else None
     losses: list[float] = []
     step_times: list[float] = []
     for step in range(config.steps):
@@ -246,7 +272,7 @@ def run_training(config: TrainConfig) -> TrainReport | None:
                 dist.destroy_process_group()
     else:
         config = config.resolved()
-        result = launch(train_worker, config.stages, config, threads_per_worker=config.threads)[0]
+        result = launch(train_worker, config.workers, config, threads_per_worker=config.threads)[0]
     return None if result is None else TrainReport.build(result["config"], result)
 
 
@@ -254,7 +280,8 @@ def _placement(config: TrainConfig) -> str:
     """``"2 stages"``, or ``"2 stages on 3 workers"`` when stages are replicated."""
     if config.replicas is None:
         return f"{config.stages} stages"
-    return f"{len(config.replicas)} stages on {config.stages} workers (replicas {', '.join(map(str, config.replicas))})"
+    replicas = ", ".join(map(str, config.replicas))
+    return f"{len(config.replicas)} stages on {config.stages} workers (replicas {replicas})"
 
 
 @dataclass(frozen=True)
@@ -286,7 +313,7 @@ class TrainReport:
     @property
     def samples_per_s(self) -> float:
         """Training samples per second at the median step time."""
-        return self.config.batch_size / self.step_s
+        return self.config.samples / self.step_s
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object printed by ``pipetrain train --json``."""
@@ -319,7 +346,7 @@ class TrainReport:
             if config.steps > WARMUP_STEPS
             else "all steps"
         )
-        per_micro = config.batch_size / config.microbatches
+        per_micro = config.samples / config.microbatches
         stage_costs = " | ".join(
             f"{name} " + ", ".join(format_seconds(v) for v in getattr(self.costs, field))
             for name, field in (("F", "forward_s"), ("B", "backward_s"), ("W", "weight_s"))
@@ -331,19 +358,23 @@ class TrainReport:
             else [
                 (
                     f"  planned           {format_seconds(config.planned_step_s)} a step, "
-                    f"{config.planned_step_s / self.step_s:.2f} × the median step (the plan's prediction from the profile)"
+                    f"{config.planned_step_s / self.step_s:.2f} × the median step "
+                    "(the plan's prediction from the profile)"
                 )
             ]
         )
         return "\n".join(
             [
-                f"{config.model} on {_placement(config)}, {config.schedule}, {config.microbatches} micro-batches "
+                f"{config.model} on {_placement(config)}, {config.schedule}, "
+                f"{config.microbatches} micro-batches "
                 f"of {per_micro:g} samples, {config.steps} steps (Adam, lr {config.lr:g})",
                 f"  loss              {self.losses[0]:.4f} -> {self.losses[-1]:.4f}",
                 f"  step time         {format_seconds(self.step_s)} (median of {steady})",
                 f"  throughput        {self.samples_per_s:,.0f} samples/s",
-                f"  last step         measured {format_seconds(measured.makespan)}, bubble {measured.bubble_fraction:.1%}",
-                f"  predicted         {format_seconds(predicted.makespan)}, bubble {predicted.bubble_fraction:.1%} "
+                f"  last step         measured {format_seconds(measured.makespan)}, "
+                f"bubble {measured.bubble_fraction:.1%}",
+                f"  predicted         {format_seconds(predicted.makespan)}, "
+                f"bubble {predicted.bubble_fraction:.1%} "
                 f"({config.schedule} simulated on the measured stage costs)",
                 f"  stage costs       {stage_costs} (median per micro-batch, by stage)",
                 *planned,
