@@ -39,7 +39,8 @@ _RUNTIME = ("Pipeline", "PipelineError", "LaunchError", "launch")
 
 
 def __getattr__(name: str) -> Any:
-    """Import the torch-backed parts (runtime, profiler) on first use, so the pure parts stay cheap."""
+    """Import the torch-backed parts (runtime, profiler) on first use, so the pure parts
+    stay cheap to import."""
     if name in _RUNTIME:
         from pipetrain import runtime
 

@@ -49,7 +49,7 @@ class Layout:
     @cached_property
     def offsets(self) -> list[int]:
         """First rank of each stage (consecutive placement)."""
-        return [0] + list(itertools.accumulate(self.replicas))[:-1]
+        return [0, *itertools.accumulate(self.replicas)][:-1]
 
     def runs(self, schedule: str, microbatches: int) -> bool:
         """Whether ``schedule`` can run this layout with ``microbatches`` micro-batches.
@@ -121,12 +121,13 @@ def layouts(
 
 
 def _with_idle_workers(stages: list[tuple[int, int, int]], workers: int) -> list[Layout]:
-    """A replicated layout, and if it leaves workers idle, the variants that give them to one stage."""
+    """A replicated layout and, if it leaves workers idle, the variants that give them to
+    one stage."""
     idle = workers - sum(replicas for _, _, replicas in stages)
     variants = [Layout(tuple(stages))]
     for index, (start, stop, replicas) in enumerate(stages if idle else []):
         variants.append(
-            Layout(tuple(stages[:index] + [(start, stop, replicas + idle)] + stages[index + 1 :]))
+            Layout((*stages[:index], (start, stop, replicas + idle), *stages[index + 1 :]))
         )
     return variants
 
