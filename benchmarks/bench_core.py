@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -56,28 +57,16 @@ def exponent(actions: list[int], seconds: list[float]) -> float:
     return float(np.polyfit(np.log(actions), np.log(seconds), 1)[0])
 
 
-def main() -> None:
-    """Time the schedule sizes and the plans; print the table."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=sizes, default=sizes("64x512,128x1024,256x2048"))
-    parser.add_argument("--rounds", type=int, default=3, help="timings per row (median)")
-    parser.add_argument("--layers", type=int, default=500)
-    parser.add_argument("--topology", default="8x100GB/s,8x10Gbit/s")
-    parser.add_argument("--workers", type=int, default=4096)
-    args = parser.parse_args()
-    if args.rounds < 1 or args.layers < 1 or args.workers < 1:
-        parser.error("--rounds, --layers and --workers must be at least 1")
-
+def schedules(sizes: list[tuple[int, int]], rounds: int) -> None:
+    """Time ``1f1b`` at each size; print its rows and the fitted exponents."""
     costs = pipetrain.Costs(forward_s=1.0, backward_s=2.0)
     print("| work | actions | build + validate s | simulate s | total s |")
     print("|---|---:|---:|---:|---:|")
     counts: list[int] = []
     columns: dict[str, list[float]] = {"build": [], "simulate": [], "total": []}
-    for ranks, microbatches in args.sizes:
-        build_s, schedule = timed(
-            args.rounds, functools.partial(build, "1f1b", ranks, microbatches)
-        )
-        simulate_s, _ = timed(args.rounds, functools.partial(pipetrain.simulate, schedule, costs))
+    for ranks, microbatches in sizes:
+        build_s, schedule = timed(rounds, functools.partial(build, "1f1b", ranks, microbatches))
+        simulate_s, _ = timed(rounds, functools.partial(pipetrain.simulate, schedule, costs))
         actions = sum(len(lane) for lane in schedule.ranks)
         counts.append(actions)
         for key, value in zip(columns, (build_s, simulate_s, build_s + simulate_s)):
@@ -90,16 +79,35 @@ def main() -> None:
         fitted = " | ".join(f"{exponent(counts, columns[key]):.2f}" for key in columns)
         print(f"| exponent k, time ∝ actions^k | | {fitted} |")
 
-    profile = synthetic_profile(args.layers)
-    print()
+
+def plans(layers: int, topology: str, workers: int, rounds: int) -> None:
+    """Time the two plans; print their rows."""
+    profile = synthetic_profile(layers)
     print("| plan | seconds | chosen |")
     print("|---|---:|---|")
     for label, options in (
-        (f"{args.layers} layers on {args.topology}, replication", {"topology": args.topology}),
-        (f"{args.layers} layers on {args.workers} workers", {"workers": args.workers}),
+        (f"{layers} layers on {topology}, replication", {"topology": topology}),
+        (f"{layers} layers on {workers} workers", {"workers": workers}),
     ):
-        seconds, chosen = timed(args.rounds, functools.partial(pipetrain.plan, profile, **options))
+        seconds, chosen = timed(rounds, functools.partial(pipetrain.plan, profile, **options))
         print(f"| {label} | {seconds:.3f} | {chosen.describe().splitlines()[0]} |")
+
+
+def main() -> None:
+    """Time the schedule sizes and the plans; print the tables."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=sizes, default=sizes("64x512,128x1024,256x2048"))
+    parser.add_argument("--rounds", type=int, default=3, help="timings per row (median)")
+    parser.add_argument("--layers", type=int, default=500)
+    parser.add_argument("--topology", default="8x100GB/s,8x10Gbit/s")
+    parser.add_argument("--workers", type=int, default=4096)
+    args = parser.parse_args()
+    if args.rounds < 1 or args.layers < 1 or args.workers < 1:
+        parser.error("--rounds, --layers and --workers must be at least 1")
+    schedules(args.sizes, args.rounds)
+    gc.collect()  # the large schedules are gone: the planner's collections should not walk them
+    print()
+    plans(args.layers, args.topology, args.workers, args.rounds)
 
 
 if __name__ == "__main__":
