@@ -5,14 +5,16 @@ through the layers under the planner's cost model. A stage's feasibility is mono
 start (a later start leaves less to hold), in its stop and in ``θ``, so a pipeline's first
 stages may as well end at the furthest allowed cut they reach:
 
-- :meth:`Reach.furthest`: from a start, the furthest stop on at most ``b`` components is a
-  maximum over the components ``f`` of the last stage, run from the furthest cut that
+- :meth:`Reach.furthest`: from given starts, the furthest stop on at most ``b`` components
+  is a maximum over the components ``f`` of the last stage, run from the furthest cut that
   ``b - f`` components reach: ``O(m²)`` stage tests per start and level, a stage above
-  level 0 asking the level below from its own start;
-- :meth:`Reach.fewest`: the fewest components covering every suffix up to a stop, from each
-  position's stage reach on ``1..m`` components: ``O(n · m)`` stage tests;
-- :meth:`Reach.fewest_workers`: the same at level 0 from each stage's fewest workers, for
-  levels with many more workers than layers: ``O(n²)`` stage tests.
+  level 0 asking the level below from its own start. The bisection asks it from the first
+  layer only.
+- :meth:`Reach.pipeline_table`: the same from every start at once, the first stage ending at
+  the furthest cut it reaches, for building the plan: ``O(n · m²)`` table look-ups.
+- :meth:`Reach.fewest_workers`: the fewest workers that cover every suffix of the layers,
+  for one level with many more workers than layers: ``O(n²)`` stage tests, each stage on
+  the fewest workers that fit it.
 
 Every test runs for a batch of bottlenecks at once and reproduces the planner's
 floating-point comparisons exactly.
@@ -203,10 +205,12 @@ class Reach:
         return np.where(covers.any(axis=0), covers.argmax(axis=0) + 1, NOWHERE)
 
     def fewest_workers(self, ti: np.ndarray, sid: int, start: int, stop: int) -> np.ndarray:
-        """``[t, x]``: as :meth:`fewest` at level 0 for each of the bottlenecks ``ti``.
+        """``[t, x]``: as :meth:`fewest` at level 0, for each of the bottlenecks ``ti``.
 
         Stage ``x..e-1`` gets the fewest workers its compute needs (estimated, then settled
-        by the exact test) if its all-reduce allows them, or else as many as it needs then.
+        by the exact test). Where its all-reduce then takes too long, more workers cannot
+        help under ``"step"`` (they lengthen it) and may under ``"replica"`` (from two
+        workers up they shorten it): the fewest that do, if any.
         """
         count, share, sids = self.levels[0].count, self.shares[0][sid], np.array(sid)
         theta = self.thetas[ti][:, None]
@@ -229,12 +233,12 @@ class Reach:
         below, above = np.maximum(guess - 1, 1), np.minimum(guess + 1, count + 1)
         below = np.where((below > 1) & fits(np.maximum(below - 1, 1)), 1, below)
         above = np.where((above <= count) & ~fits(np.minimum(above, count)), count + 1, above)
-        workers = least(fits, below, above)
+        workers = _least(fits, below, above)
         ok = synced(workers)
         if self.sync == "step":  # more workers only lengthen the all-reduce
             workers = np.where(ok, workers, count + 1)
         else:  # ... or, from two workers up, shorten it
-            later = least(
+            later = _least(
                 synced, np.minimum(workers + 1, count + 1), np.full_like(workers, count + 1)
             )
             workers = np.where(ok, workers, later)
@@ -263,7 +267,7 @@ class Reach:
         return len(self.levels) == 1 and self.levels[0].count > 2 * self.n
 
 
-def least(
+def _least(
     test: Callable[[np.ndarray], np.ndarray], low: np.ndarray, high: np.ndarray
 ) -> np.ndarray:
     """Per element, the least ``r`` in ``[low, high)`` that passes ``test`` (monotone: false,

@@ -137,12 +137,13 @@ def resolve(topology: Topology | str | None, workers: int | None) -> Topology:
         return Topology.flat(workers)
     if not isinstance(topology, Topology):
         raise TypeError(
-            f'topology must be a Topology or a string such as "4x16GB/s,4x10Gbit/s", got {topology!r}'
+            'topology must be a Topology or a string such as "4x16GB/s,4x10Gbit/s", '
+            f"got {topology!r}"
         )
     if workers is not None and workers != topology.workers:
         raise ValueError(
-            f"workers={workers} does not match topology {topology} with {topology.workers} workers; "
-            "leave workers out or make the level counts multiply to it"
+            f"workers={workers} does not match topology {topology} with {topology.workers} "
+            "workers; leave workers out or make the level counts multiply to it"
         )
     return topology
 
