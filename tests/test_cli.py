@@ -271,7 +271,7 @@ def unpipelined_losses(model_name: str, steps: int, batch_size: int) -> list[flo
 
     from pipetrain.app.data import BatchStream
     from pipetrain.app.models import build_model, loss_function
-    from pipetrain.app.train_job import DEFAULT_LR
+    from pipetrain.app.train_config import DEFAULT_LR
 
     model = build_model(model_name, seed=0)
     optimizer = torch.optim.Adam(model.parameters(), lr=DEFAULT_LR[model_name])
@@ -406,7 +406,8 @@ def test_progress_prints_about_every_tenth_step_when_not_on_a_terminal() -> None
 
 
 def test_train_report_writes_measured_chrome_trace(tmp_path: Path) -> None:
-    from pipetrain.app.train_job import TrainConfig, TrainReport
+    from pipetrain.app.train_config import TrainConfig
+    from pipetrain.app.train_report import TrainReport
 
     config = TrainConfig(model="mlp", stages=2, microbatches=2, steps=4, batch_size=8, lr=1e-3)
     measured = simulate(build("1f1b", 2, 2), Costs(forward_s=[1.0, 1.5], backward_s=2.0))
@@ -427,7 +428,8 @@ def test_train_report_writes_measured_chrome_trace(tmp_path: Path) -> None:
 
 
 def test_train_report_compares_a_plan_with_the_measured_step() -> None:
-    from pipetrain.app.train_job import TrainConfig, TrainReport
+    from pipetrain.app.train_config import TrainConfig
+    from pipetrain.app.train_report import TrainReport
     from pipetrain.planning import Plan, PlanStage
 
     plan = Plan(

@@ -222,7 +222,7 @@ def test_workers_profile_together_and_share_one_plan() -> None:
 
 
 def test_a_plan_and_plan_auto_together_are_refused(mlp_profile: Path) -> None:
-    from pipetrain.app.train_job import TrainConfig
+    from pipetrain.app.train_config import TrainConfig
 
     chosen = pipetrain.plan(Profile.load(mlp_profile), workers=2)
     with pytest.raises(ValueError, match="a plan or plan_auto=True, not both"):

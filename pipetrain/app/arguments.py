@@ -1,0 +1,111 @@
+"""What the ``pipetrain`` commands share: the parser whose errors are one line, argument
+types, the schedule options as flags, and printing text or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any, NoReturn
+
+from pipetrain.schedules import Option, names, spec
+from pipetrain.timeline import Timeline
+
+USAGE_ERROR = 2
+"""Exit status of a bad argument."""
+
+# a copy of pipetrain.app.models.MODEL_NAMES (a test keeps them equal): importing the models
+# loads torch, which `pipetrain simulate` does not need
+MODEL_NAMES = ("mlp", "cnn", "gpt", "uneven-mlp")
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr, without the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``message`` on one line and exit with status 2."""
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    """Parse an integer >= 1 (an argparse ``type``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (1 or more), got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """Parse a finite float >= 0 (an argparse ``type``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def output_path(text: str) -> str:
+    """Accept a path ending in ``.png`` (Gantt chart) or ``.json`` (Chrome trace)."""
+    if not text.lower().endswith((".png", ".json")):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} must end in .png (Gantt chart) or .json (Chrome/Perfetto trace)"
+        )
+    return text
+
+
+def emit(
+    args: argparse.Namespace,
+    as_json: dict[str, Any],
+    text: str,
+    written: tuple[str, str] | None = None,
+) -> None:
+    """Print one JSON object with ``--json``, else ``text`` and which file was written."""
+    if args.json:
+        print(json.dumps(as_json))
+        return
+    print(text)
+    if written is not None:
+        print(f"  {written[0]} written  {written[1]}")
+
+
+def write_timeline(timeline: Timeline, path: str, title: str | None = None) -> None:
+    """Write ``timeline`` as a PNG chart or a Chrome trace, chosen by the extension of ``path``."""
+    if path.lower().endswith(".png"):
+        timeline.plot(path, title)
+    else:
+        timeline.to_chrome_trace(path)
+
+
+def add_schedule_options(parser: argparse.ArgumentParser) -> None:
+    """One flag per option of the registered schedules (``--virtual``, ``--vertical-sync``...)."""
+    seen: dict[str, list[str]] = {}
+    options: dict[str, Option] = {}
+    for name in names():
+        for option in spec(name).options:
+            seen.setdefault(option.name, []).append(name)
+            options.setdefault(option.name, option)
+    for key, option in options.items():
+        flag = "--" + key.replace("_", "-")
+        owners = ", ".join(seen[key])
+        if isinstance(option.default, bool):
+            parser.add_argument(
+                flag, action="store_true", default=None, help=f"{owners}: {option.help}"
+            )
+        else:
+            parser.add_argument(
+                flag,
+                type=positive_int,
+                metavar="N",
+                help=f"{owners}: {option.help} (default {option.default})",
+            )
+
+
+def schedule_options(args: argparse.Namespace) -> dict[str, int | bool]:
+    """The schedule options given on the command line."""
+    keys = {option.name for name in names() for option in spec(name).options}
+    return {key: getattr(args, key) for key in keys if getattr(args, key, None) is not None}

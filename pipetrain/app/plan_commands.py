@@ -1,0 +1,158 @@
+"""``pipetrain profile`` and ``pipetrain plan``: their arguments, and the profile or plan
+printed as a table or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+
+from pipetrain.app.arguments import MODEL_NAMES, emit, positive_int
+from pipetrain.units import format_bytes, format_seconds
+
+
+def add_profile(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "profile",
+        help="measure each layer of a built-in model",
+        description="Measure forward and backward time, activation, parameter and optimizer "
+        "bytes per layer "
+        "on one micro-batch of the model's data, and save the profile as JSON.",
+    )
+    parser.add_argument(
+        "--model",
+        required=True,
+        choices=MODEL_NAMES,
+        metavar="NAME",
+        help=f"one of {', '.join(MODEL_NAMES)}",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=64,
+        metavar="B",
+        help="samples per step (default 64)",
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=positive_int,
+        default=4,
+        metavar="M",
+        help="micro-batches per step: the profile is taken at B/M samples (default 4)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the weights and the data (default 0)"
+    )
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="torch threads while measuring (default 1)",
+    )
+    parser.add_argument("-o", "--out", metavar="FILE.json", help="write the profile here")
+    parser.add_argument("--json", action="store_true", help="print the profile as one JSON object")
+
+
+def run_profile(args: argparse.Namespace) -> None:
+    from pipetrain.app.plan_job import profile_builtin
+
+    measured = profile_builtin(
+        args.model, args.batch_size, args.microbatches, args.seed, args.threads
+    )
+    if args.out:
+        measured.save(args.out)
+    lines = [
+        f"{args.model}: {len(measured.layers)} layers, micro-batch of {measured.microbatch_size}",
+        f"{'layer':>5}  {'name':16} {'forward':>10} {'backward':>10} "
+        f"{'activation':>11} {'parameters':>11}",
+    ]
+    for index, layer in enumerate(measured.layers):
+        lines.append(
+            f"{index:>5}  {layer.name[:16]:16} {format_seconds(layer.forward_s):>10} "
+            f"{format_seconds(layer.backward_s):>10} {format_bytes(layer.activation_bytes):>11} "
+            f"{format_bytes(layer.parameter_bytes):>11}"
+        )
+    emit(args, measured.to_dict(), "\n".join(lines), ("profile", args.out) if args.out else None)
+
+
+def add_plan(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "plan",
+        help="choose stages, replication, schedule and micro-batches from a profile",
+        description="Plan a profiled model for a number of workers over a network: the split, "
+        "the replicas of each stage, the schedule, the micro-batch count and recomputation, by "
+        "simulating candidates.",
+    )
+    parser.add_argument(
+        "--profile", required=True, metavar="FILE.json", help="a profile from pipetrain profile"
+    )
+    parser.add_argument(
+        "--workers", type=positive_int, metavar="N", help="workers (default: all of the topology)"
+    )
+    parser.add_argument(
+        "--topology",
+        metavar="LEVELS",
+        help="count x bandwidth per level, lowest first, e.g. 4x16GB/s,4x10Gbit/s "
+        "(default: N workers, fast links)",
+    )
+    parser.add_argument(
+        "--memory", metavar="SIZE", help="memory per worker, e.g. 16GiB (default: no limit)"
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=positive_int,
+        metavar="B",
+        help="samples per step (default: grows with micro-batches)",
+    )
+    parser.add_argument(
+        "--schedules",
+        metavar="A,B",
+        help="schedules to consider (default gpipe,1f1b,zb-h1,interleaved)",
+    )
+    parser.add_argument(
+        "--no-replication", action="store_true", help="a straight pipeline, one worker per stage"
+    )
+    parser.add_argument(
+        "-o", "--out", metavar="FILE.json", help="write the plan here (for train --plan)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+
+
+def run_plan(args: argparse.Namespace) -> None:
+    from pipetrain.app.plan_job import parse_bytes
+    from pipetrain.planning import plan
+    from pipetrain.profiler import Profile
+
+    if args.workers is None and args.topology is None:
+        raise ValueError("give --workers N or --topology LEVELS")
+    options = {"schedules": tuple(args.schedules.split(","))} if args.schedules else {}
+    chosen = plan(
+        Profile.load(args.profile),
+        workers=args.workers,
+        topology=args.topology,
+        memory_limit=parse_bytes(args.memory) if args.memory else None,
+        batch_size=args.batch_size,
+        replication=not args.no_replication,
+        progress=_progress_after(PLAN_QUIET_S),
+        **options,
+    )
+    if args.out:
+        chosen.save(args.out)
+    emit(args, chosen.to_dict(), chosen.describe(), ("plan", args.out) if args.out else None)
+
+
+PLAN_QUIET_S = 1.0
+"""Seconds a plan runs before ``pipetrain plan`` says on stderr what it is doing."""
+
+
+def _progress_after(quiet_s: float) -> Callable[[str], None]:
+    """Print each progress line on stderr once ``quiet_s`` seconds have passed."""
+    start = time.monotonic()
+
+    def report(line: str) -> None:
+        if time.monotonic() - start >= quiet_s:
+            print(line, file=sys.stderr, flush=True)
+
+    return report

@@ -1,0 +1,166 @@
+"""``pipetrain train``: its arguments, and the run's report printed as text or JSON."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from pipetrain.app.arguments import (
+    MODEL_NAMES,
+    add_schedule_options,
+    emit,
+    non_negative_float,
+    output_path,
+    positive_int,
+    schedule_options,
+)
+from pipetrain.schedules import RECOMPUTE_MODES, names, spec
+
+if TYPE_CHECKING:
+    from pipetrain.planning import Plan
+
+
+def add_train(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "train",
+        help="train a built-in model with a pipeline schedule and compare with the simulator",
+        description=(
+            "Train a built-in model on local worker processes (one per stage, gloo), or on the "
+            "existing process group when started by torchrun. Prints loss, step time, "
+            "throughput and the measured bubble beside the simulator's prediction."
+        ),
+    )
+    parser.add_argument(
+        "--model",
+        required=True,
+        choices=MODEL_NAMES,
+        metavar="NAME",
+        help=f"one of {', '.join(MODEL_NAMES)}",
+    )
+    parser.add_argument(
+        "--stages",
+        type=positive_int,
+        metavar="P",
+        help="pipeline ranks (default 2; under torchrun, the world size)",
+    )
+    parser.add_argument(
+        "--schedule",
+        default="1f1b",
+        choices=names(),
+        metavar="NAME",
+        help=f"one of {', '.join(names())} (default 1f1b); pipedream splits each batch into "
+        "--microbatches mini-batches with an update each, 2bw makes --rounds updates per step",
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=positive_int,
+        default=4,
+        metavar="M",
+        help="micro-batches per step (default 4)",
+    )
+    parser.add_argument(
+        "--steps", type=positive_int, default=20, metavar="N", help="optimizer steps (default 20)"
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=positive_int,
+        metavar="B",
+        help="samples per step (default: 64, gpt 16)",
+    )
+    parser.add_argument(
+        "--balance",
+        type=_balance,
+        metavar="N,N,...",
+        help="layers per stage, e.g. 2,3 (default: even)",
+    )
+    parser.add_argument(
+        "--recompute",
+        default="never",
+        choices=RECOMPUTE_MODES,
+        metavar="MODE",
+        help=f"re-materialization: {', '.join(RECOMPUTE_MODES)} (default never)",
+    )
+    parser.add_argument(
+        "--lr", type=_learning_rate, metavar="LR", help="Adam learning rate (default per model)"
+    )
+    add_schedule_options(parser)
+    parser.add_argument(
+        "--replicas",
+        type=_balance,
+        metavar="N,N,...",
+        help="workers per stage, e.g. 2,1 ("
+        + ", ".join(name for name in names() if spec(name).replicable)
+        + "; default one each)",
+    )
+    parser.add_argument(
+        "--plan",
+        metavar="auto|PLAN.json",
+        help="take split, replication, schedule and micro-batches from a plan; "
+        "auto profiles and plans first",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the weights and the data (default 0)"
+    )
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="torch threads per local worker (default 1)",
+    )
+    parser.add_argument(
+        "--trace",
+        type=output_path,
+        metavar="PATH",
+        help="write the last step's timeline: .png (predicted and measured) or .json Chrome trace",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def _balance(text: str) -> tuple[int, ...]:
+    return tuple(positive_int(part) for part in text.split(","))
+
+
+def _learning_rate(text: str) -> float:
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be greater than 0")
+    return value
+
+
+def run_train(args: argparse.Namespace) -> None:
+    from pipetrain.app.train_config import TrainConfig
+    from pipetrain.app.train_job import run_training
+
+    config = TrainConfig(
+        model=args.model,
+        stages=args.stages,
+        schedule=args.schedule,
+        microbatches=args.microbatches,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        balance=args.balance,
+        recompute=args.recompute,
+        lr=args.lr,
+        schedule_options=schedule_options(args),
+        seed=args.seed,
+        threads=args.threads,
+        replicas=args.replicas,
+        plan=_train_plan(args),
+        plan_auto=args.plan == "auto",
+    )
+    report = run_training(config)
+    if report is None:  # a torchrun rank other than 0: rank 0 reports
+        return
+    if args.trace:
+        report.write_trace(args.trace)
+    emit(args, report.to_json(), report.summary(), ("timeline", args.trace) if args.trace else None)
+
+
+def _train_plan(args: argparse.Namespace) -> Plan | None:
+    """The saved plan that ``--plan`` names; ``None`` without one or for ``auto``."""
+    if args.plan in (None, "auto"):
+        return None
+    from pipetrain.planning import Plan
+
+    return Plan.load(args.plan)

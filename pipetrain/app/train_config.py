@@ -1,0 +1,161 @@
+"""What ``pipetrain train`` runs: :class:`TrainConfig`, its defaults per built-in model, and
+the :class:`~pipetrain.runtime.PipelineConfig` it trains with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import TypeVar
+
+from pipetrain.app.models import build_model
+from pipetrain.model.layers import to_layers
+from pipetrain.planning import Plan
+from pipetrain.runtime import PipelineConfig
+from pipetrain.schedules import Schedule, spec
+
+DEFAULT_LR = {"mlp": 3e-3, "uneven-mlp": 3e-3, "cnn": 3e-3, "gpt": 3e-3}
+DEFAULT_BATCH_SIZE = {"mlp": 64, "uneven-mlp": 64, "cnn": 64, "gpt": 16}
+DEFAULT_STAGES = 2
+WARMUP_STEPS = 2  # left out of the median step time: first steps pay for allocation and set-up
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What to train and how. ``None`` means the default (per model for ``batch_size`` and
+    ``lr``; for ``stages``, 2 local workers or the torchrun world size). A ``plan`` sets the
+    split, schedule and micro-batches, and its prediction is kept as ``planned_step_s``;
+    ``plan_auto`` has the workers profile the model and plan it for ``stages`` workers first."""
+
+    model: str
+    stages: int | None = None
+    schedule: str = "1f1b"
+    microbatches: int = 4
+    steps: int = 20
+    batch_size: int | None = None
+    balance: tuple[int, ...] | None = None
+    recompute: str = "never"
+    lr: float | None = None
+    seed: int = 0
+    threads: int = 1
+    replicas: tuple[int, ...] | None = None
+    schedule_options: dict[str, int | bool] = field(default_factory=dict)
+    plan: Plan | None = None
+    plan_auto: bool = False
+    planned_step_s: float | None = None
+
+    def resolved(self, world_size: int | None = None) -> TrainConfig:
+        """The configuration with defaults filled in and checked; ValueError if it cannot run."""
+        if self.model not in DEFAULT_LR:
+            raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(DEFAULT_LR)}")
+        if self.plan is not None and self.plan_auto:
+            raise ValueError("give a plan or plan_auto=True, not both")
+        if self.plan is not None:
+            return replace(
+                self.from_plan(self.plan), lr=self.lr or DEFAULT_LR[self.model]
+            ).resolved(world_size)
+        stages = (
+            self.stages
+            or (sum(self.replicas) if self.replicas and not self.plan_auto else world_size)
+            or DEFAULT_STAGES
+        )
+        if world_size is not None and stages != world_size:
+            raise ValueError(
+                f"stages {stages} differs from the torchrun world size {world_size}; "
+                f"give --stages {world_size} or omit it"
+            )
+        config = replace(
+            self,
+            stages=stages,
+            batch_size=self.batch_size or DEFAULT_BATCH_SIZE[self.model],
+            lr=self.lr or DEFAULT_LR[self.model],
+        )
+        if not self.plan_auto:  # an automatic plan is checked once the workers have made it
+            config.check()
+        return config
+
+    @property
+    def workers(self) -> int:
+        """The worker count of a resolved configuration."""
+        return _resolved(self.stages, "stages")
+
+    @property
+    def samples(self) -> int:
+        """The batch size of a resolved configuration."""
+        return _resolved(self.batch_size, "batch_size")
+
+    @property
+    def learning_rate(self) -> float:
+        """The learning rate of a resolved configuration."""
+        return _resolved(self.lr, "lr")
+
+    def from_plan(self, plan: Plan) -> TrainConfig:
+        """This configuration with the plan's split, replication, schedule and micro-batches."""
+        replicas = tuple(plan.replicas) if max(plan.replicas) > 1 else None
+        return replace(
+            self,
+            plan=None,
+            stages=plan.workers,
+            schedule=plan.schedule,
+            microbatches=plan.microbatches,
+            balance=tuple(plan.balance),
+            replicas=replicas,
+            recompute=plan.recompute,
+            schedule_options=plan_options(plan),
+            batch_size=self.batch_size or plan.batch_size,
+            planned_step_s=plan.predicted_step_s
+            if self.batch_size in (None, plan.batch_size)
+            else None,
+        )
+
+    def check(self) -> None:
+        """Raise a ValueError naming the first setting that cannot run."""
+        pipeline = self.pipeline_config()
+        if self.replicas is not None and sum(self.replicas) != self.stages:
+            raise ValueError(
+                f"replicas {list(self.replicas)} add up to {sum(self.replicas)} workers, "
+                f"but --stages is {self.stages}"
+            )
+        for name in ("microbatches", "steps", "batch_size", "threads"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value}")
+        if self.samples < self.microbatches:
+            raise ValueError(
+                f"batch size {self.batch_size} is smaller than microbatches {self.microbatches}; "
+                f"use a batch of at least {self.microbatches}"
+            )
+        layers = len(to_layers(build_model(self.model, seed=self.seed)))
+        pipeline.build(self.stages or DEFAULT_STAGES, layers)
+
+    def pipeline_config(self) -> PipelineConfig:
+        """The pipeline this run trains with; the targets travel from the input stage, so
+        only its workers load data."""
+        return PipelineConfig(
+            schedule=self.schedule,
+            microbatches=self.microbatches,
+            schedule_options=dict(self.schedule_options),
+            replicas=self.replicas,
+            balance=self.balance,
+            recompute=self.recompute,
+            targets_on_first_stage=True,
+        )
+
+    def schedule_for(self) -> Schedule:
+        """The schedule this run executes (the one the Pipeline builds, before the targets'
+        transfer is added)."""
+        return self.pipeline_config().build(self.stages or DEFAULT_STAGES)
+
+
+T = TypeVar("T")
+
+
+def _resolved(value: T | None, name: str) -> T:
+    if value is None:
+        raise RuntimeError(f"TrainConfig.{name} is set by resolved(); call it first")
+    return value
+
+
+def plan_options(plan: Plan) -> dict[str, int | bool]:
+    """The schedule options a plan implies: its chunks per worker, for a family that has
+    several model chunks per rank."""
+    chunk_option = spec(plan.schedule).chunk_option
+    return {chunk_option: plan.virtual} if chunk_option is not None and plan.virtual > 1 else {}

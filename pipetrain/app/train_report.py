@@ -1,0 +1,127 @@
+"""The outcome of a ``pipetrain train`` run: losses, step times, and the last step measured
+beside the simulator's prediction on the costs measured in it."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from pipetrain.app.train_config import WARMUP_STEPS, TrainConfig
+from pipetrain.simulation import Costs, measured_costs, simulate
+from pipetrain.timeline import Timeline, format_seconds, plot_timelines
+
+
+def _placement(config: TrainConfig) -> str:
+    """``"2 stages"``, or ``"2 stages on 3 workers"`` when stages are replicated."""
+    if config.replicas is None:
+        return f"{config.stages} stages"
+    replicas = ", ".join(map(str, config.replicas))
+    return f"{len(config.replicas)} stages on {config.stages} workers (replicas {replicas})"
+
+
+@dataclass(frozen=True)
+class TrainReport:
+    """The outcome of a run: losses and step times, and the last step measured and predicted."""
+
+    config: TrainConfig
+    losses: list[float]
+    step_times_s: list[float]
+    measured: Timeline
+    predicted: Timeline
+    costs: Costs
+
+    @classmethod
+    def build(cls, config: TrainConfig, result: dict[str, Any]) -> TrainReport:
+        """Combine rank 0's result with the simulator's prediction on the measured costs."""
+        measured = Timeline.from_dict(result["timeline"])
+        schedule = config.schedule_for()
+        costs = measured_costs(measured, schedule.stages)
+        predicted = simulate(schedule, costs)
+        return cls(config, result["losses"], result["step_times_s"], measured, predicted, costs)
+
+    @property
+    def step_s(self) -> float:
+        """Median step time in seconds, leaving out the warm-up steps when there are more."""
+        steady = self.step_times_s[WARMUP_STEPS:] or self.step_times_s
+        return statistics.median(steady)
+
+    @property
+    def samples_per_s(self) -> float:
+        """Training samples per second at the median step time."""
+        return self.config.samples / self.step_s
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object printed by ``pipetrain train --json``."""
+        config = self.config
+        return {
+            "model": config.model,
+            "schedule": config.schedule,
+            "stages": config.stages,
+            "microbatches": config.microbatches,
+            "batch_size": config.batch_size,
+            "steps": config.steps,
+            "lr": config.lr,
+            "losses": self.losses,
+            "final_loss": self.losses[-1],
+            "step_times_s": self.step_times_s,
+            "step_s": self.step_s,
+            "samples_per_s": self.samples_per_s,
+            "bubble_fraction": self.measured.bubble_fraction,
+            "recorded_step_s": self.measured.makespan,
+            "predicted_step_s": self.predicted.makespan,
+            "predicted_bubble_fraction": self.predicted.bubble_fraction,
+            "planned_step_s": config.planned_step_s,
+        }
+
+    def summary(self) -> str:
+        """A few readable lines: loss, step time, throughput, measured against predicted."""
+        config, measured, predicted = self.config, self.measured, self.predicted
+        steady = (
+            f"steps {WARMUP_STEPS + 1}-{config.steps}"
+            if config.steps > WARMUP_STEPS
+            else "all steps"
+        )
+        per_micro = config.samples / config.microbatches
+        stage_costs = " | ".join(
+            f"{name} " + ", ".join(format_seconds(v) for v in getattr(self.costs, field))
+            for name, field in (("F", "forward_s"), ("B", "backward_s"), ("W", "weight_s"))
+            if any(getattr(self.costs, field))
+        )
+        planned = (
+            []
+            if config.planned_step_s is None
+            else [
+                (
+                    f"  planned           {format_seconds(config.planned_step_s)} a step, "
+                    f"{config.planned_step_s / self.step_s:.2f} × the median step "
+                    "(the plan's prediction from the profile)"
+                )
+            ]
+        )
+        return "\n".join(
+            [
+                f"{config.model} on {_placement(config)}, {config.schedule}, "
+                f"{config.microbatches} micro-batches "
+                f"of {per_micro:g} samples, {config.steps} steps (Adam, lr {config.lr:g})",
+                f"  loss              {self.losses[0]:.4f} -> {self.losses[-1]:.4f}",
+                f"  step time         {format_seconds(self.step_s)} (median of {steady})",
+                f"  throughput        {self.samples_per_s:,.0f} samples/s",
+                f"  last step         measured {format_seconds(measured.makespan)}, "
+                f"bubble {measured.bubble_fraction:.1%}",
+                f"  predicted         {format_seconds(predicted.makespan)}, "
+                f"bubble {predicted.bubble_fraction:.1%} "
+                f"({config.schedule} simulated on the measured stage costs)",
+                f"  stage costs       {stage_costs} (median per micro-batch, by stage)",
+                *planned,
+            ]
+        )
+
+    def write_trace(self, path: str) -> None:
+        """Write the last step: a PNG of predicted above measured, or the measured Chrome trace."""
+        name = self.config.schedule
+        if path.lower().endswith(".png"):
+            titles = [f"{name} predicted (measured costs)", f"{name} measured"]
+            plot_timelines([self.predicted, self.measured], path, titles)
+        else:
+            self.measured.shifted().to_chrome_trace(path)
