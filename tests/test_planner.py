@@ -37,12 +37,14 @@ SECOND = StageFootprint.of(TWO_LAYERS, 1, 2)
 
 
 def test_footprint_holds_the_stage_input_and_every_output() -> None:
-    assert StageFootprint(
-        parameter_bytes=100, optimizer_bytes=200, activation_bytes=15, input_bytes=5
-    ) == FIRST
-    assert StageFootprint(
-        parameter_bytes=50, optimizer_bytes=100, activation_bytes=30, input_bytes=10
-    ) == SECOND
+    assert (
+        StageFootprint(parameter_bytes=100, optimizer_bytes=200, activation_bytes=15, input_bytes=5)
+        == FIRST
+    )
+    assert (
+        StageFootprint(parameter_bytes=50, optimizer_bytes=100, activation_bytes=30, input_bytes=10)
+        == SECOND
+    )
 
 
 @pytest.mark.parametrize(
@@ -76,7 +78,8 @@ def test_worker_memory_by_hand(
 
 
 def test_interleaved_memory_by_hand() -> None:
-    # Rank 0 of 2 holds two chunks; Megatron's warm-up keeps (2-0-1)*2 + (2-1)*2 + 1 = 5 chunk micro-batches.
+    # Rank 0 of 2 holds two chunks; Megatron's warm-up keeps (2-0-1)*2 + (2-1)*2 + 1 = 5
+    # chunk micro-batches.
     both = [FIRST, SECOND]
     assert (
         worker_memory(both, [False, False], "interleaved", 0, 4, [1, 1]) == 600 + 5 * (15 + 30) / 2
@@ -330,3 +333,12 @@ def test_plan_stage_accessors() -> None:
         microbatch_size=1,
     )
     assert manual.balance == [3, 1] and manual.replicas == [2, 1] and manual.batch_size == 4
+
+
+def test_progress_reports_layouts_and_candidates_and_changes_nothing() -> None:
+    profile = Profile([LayerCost(forward_s=1.0 + i % 3, backward_s=2.0) for i in range(12)])
+    lines: list[str] = []
+    reported = plan(profile, workers=4, progress=lines.append)
+    assert reported == plan(profile, workers=4)
+    assert any("layout" in line for line in lines)
+    assert any("simulated" in line for line in lines)
