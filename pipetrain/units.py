@@ -74,3 +74,8 @@ def parse_bandwidth(text: str) -> float:
         )
     per_byte = 1 if match["unit"] == "B/s" else 8  # every other unit counts bits
     return float(match["number"]) * 1000 ** _POWERS[match["prefix"]] / per_byte
+
+
+def counted(number: int, singular: str, plural: str | None = None) -> str:
+    """``"1 stage"``, ``"2 stages"``; ``plural`` where adding an s is wrong."""
+    return f"{number} {singular if number == 1 else plural or singular + 's'}"

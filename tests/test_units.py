@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from pipetrain.checks import is_int, non_negative_int, non_negative_number, positive_int
 from pipetrain.jsonfile import unversioned, versioned
 from pipetrain.units import (
+    counted,
     format_bandwidth,
     format_bytes,
     format_seconds,
@@ -175,3 +176,9 @@ def test_unversioned_default_stands_in_for_a_missing_version() -> None:
     assert unversioned({"a": 1}, "timeline", 1, default=1) == {"a": 1}
     with pytest.raises(ValueError, match="format_version 2"):
         unversioned({"format_version": 2}, "timeline", 1, default=1)
+
+
+def test_counted_words() -> None:
+    assert counted(1, "stage") == "1 stage"
+    assert counted(3, "stage") == "3 stages"
+    assert counted(2, "micro-batch", "micro-batches") == "2 micro-batches"

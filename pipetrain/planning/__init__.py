@@ -2,15 +2,19 @@
 
 - :mod:`~pipetrain.planning.topology`: the network (levels of workers and link bandwidths);
 - :mod:`~pipetrain.planning.partition`: exact minimum-bottleneck straight pipelines;
-- :mod:`~pipetrain.planning.replicate`: PipeDream's replicated, hierarchical planner;
+- :mod:`~pipetrain.planning.replicate` and :mod:`~pipetrain.planning.reach`: PipeDream's
+  replicated, hierarchical planner and its feasibility tests;
 - :mod:`~pipetrain.planning.memory`: per-worker peak memory for each schedule;
-- :mod:`~pipetrain.planning.planner`: :func:`plan`, which simulates candidates and picks one.
+- :mod:`~pipetrain.planning.candidates`: layouts and candidates, asked of the schedule specs;
+- :mod:`~pipetrain.planning.planner`: :func:`plan`, which simulates candidates and picks one;
+- :mod:`~pipetrain.planning.result`: the :class:`Plan` it returns.
 """
 
 from pipetrain.planning.memory import StageFootprint, worker_memory
 from pipetrain.planning.partition import balance_by_time, bottleneck, partition
-from pipetrain.planning.planner import RECOMPUTE_MODES, Plan, PlanStage, plan
+from pipetrain.planning.planner import RECOMPUTE_MODES, plan
 from pipetrain.planning.replicate import ReplicatedStage, Replication, replicate
+from pipetrain.planning.result import Plan, PlanStage
 from pipetrain.planning.topology import Level, Topology
 
 __all__ = [

@@ -13,20 +13,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
 
-from pipetrain.jsonfile import JsonFile
 from pipetrain.planning.candidates import Candidate, Layout, layouts, step_costs
+from pipetrain.planning.result import Plan, PlanStage
 from pipetrain.planning.topology import Topology, resolve
 from pipetrain.profiler.costs import Profile
 from pipetrain.schedules import RECOMPUTE_MODES, names, spec
 from pipetrain.simulation import Costs, Variation, median_makespan
+from pipetrain.units import counted
 
 DEFAULT_MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)
-
-FORMAT_VERSION = 2
-"""Version of the JSON layout written by :meth:`Plan.save`."""
 
 VARIED_RUNS = (5, 64)
 """The fewest and most simulated steps whose median is a measured profile's predicted step."""
@@ -36,121 +32,6 @@ _VARIED_ACTIONS = (
 )
 
 _TIE = 1e-9  # relative difference below which two predicted throughputs count as equal
-
-
-@dataclass
-class PlanStage:
-    """Layers ``start..stop-1`` on ``replicas`` workers."""
-
-    start: int
-    stop: int
-    replicas: int = 1
-
-
-@dataclass
-class Plan(JsonFile):
-    """A chosen pipeline configuration and its predicted speed and memory.
-
-    ``stages`` are in pipeline order (for ``interleaved``, the ``virtual · workers`` model
-    chunks; chunk ``c`` runs on rank ``c mod workers``; ``virtual`` is the chunks per worker).
-    ``stage_memory_bytes[i]`` is the predicted peak on a worker holding stage ``i`` and
-    ``stage_compute_s[i]`` its forward and backward time for one micro-batch (recomputation
-    included). ``predicted_step_s`` covers one optimizer step of ``microbatches``
-    micro-batches of ``microbatch_size`` samples: with a measured profile, the median of
-    :data:`VARIED_RUNS` (up to 64) simulated steps whose actions vary as the profile's runs did;
-    ``steady_step_s`` is the step with every action at its median time (the two are equal
-    for a profile without runs). Stages sit on consecutive ranks in order.
-    """
-
-    stages: list[PlanStage]
-    schedule: str
-    microbatches: int
-    recompute: str
-    predicted_step_s: float
-    predicted_throughput: float
-    stage_memory_bytes: list[float]
-    workers: int
-    microbatch_size: int
-    virtual: int = 1
-    stage_compute_s: list[float] = field(default_factory=list)
-    steady_step_s: float | None = None
-
-    @property
-    def balance(self) -> list[int]:
-        """Layers per stage."""
-        return [stage.stop - stage.start for stage in self.stages]
-
-    @property
-    def replicas(self) -> list[int]:
-        """Workers per stage."""
-        return [stage.replicas for stage in self.stages]
-
-    @property
-    def batch_size(self) -> int:
-        """Samples per optimizer step."""
-        return self.microbatches * self.microbatch_size
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dictionary with a ``format_version``."""
-        return {"format_version": FORMAT_VERSION, **asdict(self)}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Plan:
-        """Rebuild a plan from :meth:`to_dict` output; raise ValueError on another format."""
-        if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
-            version = data.get("format_version") if isinstance(data, dict) else None
-            raise ValueError(
-                f"plan format_version {version!r} is not supported; this pipetrain reads "
-                f"format_version {FORMAT_VERSION}. Run pipetrain.plan() again."
-            )
-        fields = {key: value for key, value in data.items() if key != "format_version"}
-        try:
-            fields["stages"] = [PlanStage(**stage) for stage in fields["stages"]]
-            return cls(**fields)
-        except (KeyError, TypeError) as error:
-            raise ValueError(f"the plan is incomplete or has unknown fields: {error}") from None
-
-    def describe(self) -> str:
-        """A readable summary and one table row per stage."""
-        chunks = f", {self.virtual} chunks per worker" if self.virtual > 1 else ""
-        lines = [
-            f"{self.schedule}: {_count(len(self.stages), 'stage')} on "
-            f"{_count(self.workers, 'worker')}{chunks}, "
-            f"{_count(self.microbatches, 'micro-batch', 'micro-batches')} of "
-            f"{self.microbatch_size}, recomputation {self.recompute}",
-            f"predicted step {self.predicted_step_s:.4g} s, "
-            f"{self.predicted_throughput:.4g} samples/s"
-            + (
-                f" ({self.steady_step_s:.4g} s with every action at its median time)"
-                if self.steady_step_s is not None and self.steady_step_s != self.predicted_step_s
-                else ""
-            ),
-            f"{'stage':>5}  {'layers':>11}  {'count':>5}  {'replicas':>8}  "
-            f"{'compute/mb':>10}  {'memory/worker':>13}",
-        ]
-        computes = self.stage_compute_s or [math.nan] * len(self.stages)
-        for index, (stage, compute, memory) in enumerate(
-            zip(self.stages, computes, self.stage_memory_bytes)
-        ):
-            lines.append(
-                f"{index:>5}  {f'{stage.start}..{stage.stop - 1}':>11}  "
-                f"{stage.stop - stage.start:>5}  {stage.replicas:>8}  {compute:>9.4g}s  "
-                f"{_format_bytes(memory):>13}"
-            )
-        return "\n".join(lines)
-
-
-def _count(number: int, singular: str, plural: str | None = None) -> str:
-    """``"1 stage"``, ``"2 stages"``."""
-    return f"{number} {singular if number == 1 else plural or singular + 's'}"
-
-
-def _format_bytes(size: float) -> str:
-    """Bytes with a decimal unit: ``"1.5 GB"``."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if size >= scale:
-            return f"{size / scale:.4g} {unit}"
-    return f"{size:.4g} B"
 
 
 def plan(
@@ -256,7 +137,7 @@ def _fitting_candidates(
         step_batch = size * count
         if step_batch not in layouts_by_batch:
             report(
-                f"planning: stage layouts for {_count(count, 'micro-batch', 'micro-batches')} "
+                f"planning: stage layouts for {counted(count, 'micro-batch', 'micro-batches')} "
                 f"({index + 1}/{len(counts)})"
             )
             layouts_by_batch[step_batch] = layouts(
@@ -293,7 +174,7 @@ def _fastest(
     A candidate's promise is its throughput at its makespan lower bound. Equal throughputs
     (within a relative 1e-9) go to the smaller peak memory.
     """
-    report(f"planning: {_count(len(fitting), 'candidate')} fit; simulating the most promising")
+    report(f"planning: {counted(len(fitting), 'candidate')} fit; simulating the most promising")
     bounded = []
     for candidate, memory in fitting:
         costs = candidate.costs(topology)
@@ -328,9 +209,9 @@ def _summary(candidate: Candidate) -> str:
     """``"1f1b, 8 stages on 64 workers, 16 micro-batches"``."""
     layout = candidate.layout
     return (
-        f"{candidate.schedule}, {_count(len(layout.stages), 'stage')} on "
-        f"{_count(layout.workers, 'worker')}, "
-        f"{_count(candidate.microbatches, 'micro-batch', 'micro-batches')}"
+        f"{candidate.schedule}, {counted(len(layout.stages), 'stage')} on "
+        f"{counted(layout.workers, 'worker')}, "
+        f"{counted(candidate.microbatches, 'micro-batch', 'micro-batches')}"
     )
 
 

@@ -1,0 +1,110 @@
+"""The planner's answer: :class:`Plan` (stages, replicas, schedule, micro-batches,
+recomputation, predicted speed and memory) and its JSON form."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pipetrain.jsonfile import JsonFile, unversioned, versioned
+from pipetrain.units import counted, format_bytes
+
+FORMAT_VERSION = 2
+"""Version of the JSON layout written by :meth:`Plan.save`."""
+
+
+@dataclass
+class PlanStage:
+    """Layers ``start..stop-1`` on ``replicas`` workers."""
+
+    start: int
+    stop: int
+    replicas: int = 1
+
+
+@dataclass
+class Plan(JsonFile):
+    """A chosen pipeline configuration and its predicted speed and memory.
+
+    ``stages`` are in pipeline order (for ``interleaved``, the ``virtual · workers`` model
+    chunks; chunk ``c`` runs on rank ``c mod workers``; ``virtual`` is the chunks per worker).
+    ``stage_memory_bytes[i]`` is the predicted peak on a worker holding stage ``i`` and
+    ``stage_compute_s[i]`` its forward and backward time for one micro-batch (recomputation
+    included). ``predicted_step_s`` covers one optimizer step of ``microbatches``
+    micro-batches of ``microbatch_size`` samples: with a measured profile, the median of
+    :data:`VARIED_RUNS` (up to 64) simulated steps whose actions vary as the profile's runs did;
+    ``steady_step_s`` is the step with every action at its median time (the two are equal
+    for a profile without runs). Stages sit on consecutive ranks in order.
+    """
+
+    stages: list[PlanStage]
+    schedule: str
+    microbatches: int
+    recompute: str
+    predicted_step_s: float
+    predicted_throughput: float
+    stage_memory_bytes: list[float]
+    workers: int
+    microbatch_size: int
+    virtual: int = 1
+    stage_compute_s: list[float] = field(default_factory=list)
+    steady_step_s: float | None = None
+
+    @property
+    def balance(self) -> list[int]:
+        """Layers per stage."""
+        return [stage.stop - stage.start for stage in self.stages]
+
+    @property
+    def replicas(self) -> list[int]:
+        """Workers per stage."""
+        return [stage.replicas for stage in self.stages]
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per optimizer step."""
+        return self.microbatches * self.microbatch_size
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dictionary with a ``format_version``."""
+        return versioned(FORMAT_VERSION, asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        """Rebuild a plan from :meth:`to_dict` output; raise ValueError on another format."""
+        fields = unversioned(data, "plan", FORMAT_VERSION, "Run pipetrain.plan() again.")
+        try:
+            fields["stages"] = [PlanStage(**stage) for stage in fields["stages"]]
+            return cls(**fields)
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"the plan is incomplete or has unknown fields: {error}") from None
+
+    def describe(self) -> str:
+        """A readable summary and one table row per stage."""
+        chunks = f", {self.virtual} chunks per worker" if self.virtual > 1 else ""
+        lines = [
+            f"{self.schedule}: {counted(len(self.stages), 'stage')} on "
+            f"{counted(self.workers, 'worker')}{chunks}, "
+            f"{counted(self.microbatches, 'micro-batch', 'micro-batches')} of "
+            f"{self.microbatch_size}, recomputation {self.recompute}",
+            f"predicted step {self.predicted_step_s:.4g} s, "
+            f"{self.predicted_throughput:.4g} samples/s"
+            + (
+                f" ({self.steady_step_s:.4g} s with every action at its median time)"
+                if self.steady_step_s is not None and self.steady_step_s != self.predicted_step_s
+                else ""
+            ),
+            f"{'stage':>5}  {'layers':>11}  {'count':>5}  {'replicas':>8}  "
+            f"{'compute/mb':>10}  {'memory/worker':>13}",
+        ]
+        computes = self.stage_compute_s or [math.nan] * len(self.stages)
+        for index, (stage, compute, memory) in enumerate(
+            zip(self.stages, computes, self.stage_memory_bytes)
+        ):
+            lines.append(
+                f"{index:>5}  {f'{stage.start}..{stage.stop - 1}':>11}  "
+                f"{stage.stop - stage.start:>5}  {stage.replicas:>8}  {compute:>9.4g}s  "
+                f"{format_bytes(memory):>13}"
+            )
+        return "\n".join(lines)
