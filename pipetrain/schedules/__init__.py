@@ -24,6 +24,7 @@ from pipetrain.schedules.actions import (
     Action,
     Kind,
 )
+from pipetrain.schedules.errors import ScheduleError
 from pipetrain.schedules.lower import forward_only, lower, with_targets_shipped
 from pipetrain.schedules.registry import (
     Generated,
@@ -36,7 +37,7 @@ from pipetrain.schedules.registry import (
     unregister,
 )
 from pipetrain.schedules.schedule import Schedule
-from pipetrain.schedules.validate import ScheduleError, validate
+from pipetrain.schedules.validate import validate
 
 RECOMPUTE_MODES = ("never", "except_last", "always")
 """Recomputation modes, cheapest first: none, every micro-batch but the last, every

@@ -11,8 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pipetrain.schedules.actions import COMPUTE_KINDS, WRITTEN_KINDS, Action, Kind
+from pipetrain.schedules.errors import ScheduleError
 from pipetrain.schedules.lower import lower
-from pipetrain.schedules.validate import ScheduleError, validate
+from pipetrain.schedules.validate import validate
 
 
 @dataclass(frozen=True)
