@@ -21,7 +21,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from pipetrain.schedules.actions import Action, Kind
-from pipetrain.schedules.messages import HANDS_ON, NEEDS, RECEIVES
+from pipetrain.schedules.messages import HANDS_ON, NEEDS, RECEIVES, rank_of
 
 Lanes = tuple[tuple[Action, ...], ...]
 
@@ -52,15 +52,12 @@ def lower(
             if need is None or mb is None:
                 continue
             source = stage + need[2]
-            if 0 <= source <= last:
-                holders = stage_ranks[source]
-                if holders[mb % len(holders)] != rank:
-                    uses[(need[0], stage, mb)] = index
+            if 0 <= source <= last and rank_of(stage_ranks, source, mb) != rank:
+                uses[(need[0], stage, mb)] = index
             send, offset = hands_on(kind)  # type: ignore[misc]  # NEEDS and HANDS_ON share keys
             target_stage = stage + offset
             if 0 <= target_stage <= last:
-                holders = stage_ranks[target_stage]
-                target = holders[mb % len(holders)]
+                target = rank_of(stage_ranks, target_stage, mb)
                 if target != rank:
                     actions.append(Action(send, stage, mb, target))
                     sent[(rank, target)].append((RECEIVES[send][0], target_stage, mb))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pipetrain.schedules.actions import COMPUTE_KINDS, WRITTEN_KINDS, Action, Kind
 from pipetrain.schedules.errors import ScheduleError
 from pipetrain.schedules.lower import lower
+from pipetrain.schedules.messages import rank_of
 from pipetrain.schedules.validate import validate
 
 
@@ -44,8 +45,7 @@ class Schedule:
 
     def rank_of(self, stage: int, microbatch: int) -> int:
         """The rank that runs ``microbatch`` of ``stage`` (round-robin over replicas)."""
-        replicas = self.stage_ranks[stage]
-        return replicas[microbatch % len(replicas)]
+        return rank_of(self.stage_ranks, stage, microbatch)
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The stages a rank holds, in increasing order."""

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from pipetrain.schedules.actions import COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, Action, Kind
 from pipetrain.schedules.errors import ScheduleError
-from pipetrain.schedules.messages import NEEDS, RECEIVES, produced_by
+from pipetrain.schedules.messages import NEEDS, RECEIVES, produced_by, rank_of
 
 if TYPE_CHECKING:
     from pipetrain.schedules.schedule import Schedule
@@ -53,11 +53,10 @@ def _check_placement_and_coverage(schedule: Schedule) -> None:
                 raise _misplaced(schedule, rank, index)
             if kind in COMPUTE_KINDS:
                 key = (kind, stage, mb)
-                holders = stage_ranks[stage]
                 if (
                     mb is None
                     or kind not in expected
-                    or holders[mb % len(holders)] != rank
+                    or rank_of(stage_ranks, stage, mb) != rank
                     or key in seen
                     or (kind is backward and (forward, stage, mb) not in seen)
                     or (kind is weight and (backward, stage, mb) not in seen)
@@ -229,8 +228,7 @@ def _execute(schedule: Schedule) -> None:
                 need = needs(kind)
                 source = -1 if need is None else stage + need[2]
                 if 0 <= source <= last and mb is not None:
-                    holders = stage_ranks[source]
-                    local = holders[mb % len(holders)] == rank
+                    local = rank_of(stage_ranks, source, mb) == rank
                     wanted = (need[1], source, mb) if local else (need[0], stage, mb)  # type: ignore[index]
                     if wanted not in mine:
                         raise _used_too_early(lane, rank, index, local)
