@@ -23,7 +23,11 @@ demo: $(INSTALLED)
 	$(VENV)/bin/pipetrain train --model gpt --stages $(STAGES) --threads $(THREADS) \
 		--schedule 1f1b --microbatches 4 --steps 200 --batch-size 128
 
+# lint, format and type checks first: they take seconds, the suite minutes
 test: $(INSTALLED)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 	$(PYTHON) -m pytest
 
 timelines: $(INSTALLED)
