@@ -47,7 +47,7 @@ def lower(
         uses = consumer[rank]
         for index, action in enumerate(order):
             actions.append(action)
-            kind, stage, mb = action.kind, action.stage, action.microbatch
+            kind, stage, mb, _, _ = action
             need = needs(kind)
             if need is None or mb is None:
                 continue

@@ -13,9 +13,11 @@ action                carries             channel                    matched rec
 ====================  ==================  =========================  ==================
 
 A channel names a boundary between stages (``("F", b)`` and ``("B", b)`` cross boundary
-``b``, between stage ``b`` and ``b + 1``), so one pair of ranks may carry several. A send
-and the receive it matches have the same :func:`message` key. Micro-batch ``k`` of stage
-``s`` runs on :func:`rank_of`: round-robin over the stage's replicas.
+``b``, between stage ``b`` and ``b + 1``), so one pair of ranks may carry several; a send
+and the receive it matches are on the same channel with the same micro-batch. The tables
+below state it (the hot loops read them directly), :func:`channel` gives an action's channel
+and :func:`rank_of` is the one routing rule: micro-batch ``k`` of stage ``s`` runs on the
+stage's replicas round-robin.
 """
 
 from __future__ import annotations
@@ -26,9 +28,6 @@ from pipetrain.schedules.actions import Action, Kind
 
 Channel = tuple[str, int]
 """A transport channel: a message family and the boundary it crosses."""
-
-MessageKey = tuple[str, int, int | None]
-"""``(family, boundary, micro-batch)``: the same value for a send and its receive."""
 
 CHANNELS: dict[Kind, tuple[str, int, bool]] = {
     Kind.SEND_F: ("F", 0, False),
@@ -50,6 +49,14 @@ RECEIVES: dict[Kind, tuple[Kind, int]] = {
 }
 """Send kind -> (matching receive kind, offset from the sending to the receiving stage);
 the targets (``SEND_T``) go to the last stage."""
+
+CARRIES: dict[Kind, Kind] = {
+    Kind.SEND_F: Kind.FORWARD,
+    Kind.SEND_O: Kind.FORWARD,
+    Kind.SEND_B: Kind.BACKWARD,
+}
+"""Send kind -> the compute kind, of the same stage and micro-batch, whose result it carries
+(the targets, ``SEND_T``, come with the step's data)."""
 
 NEEDS: dict[Kind, tuple[Kind, Kind, int]] = {
     Kind.FORWARD: (Kind.RECV_F, Kind.FORWARD, -1),
@@ -76,54 +83,3 @@ def channel(action: Action) -> Channel:
     """The channel a send or receive uses."""
     family, offset, whole_step = CHANNELS[action.kind]
     return (family, 0 if whole_step else action.stage + offset)
-
-
-def message(action: Action) -> MessageKey:
-    """The key of the message a send or receive carries, equal on both sides."""
-    family, offset, whole_step = CHANNELS[action.kind]
-    return (family, 0 if whole_step else action.stage + offset, action.microbatch)
-
-
-def received_by(send: Action, last_stage: int, sender: int | None = None) -> Action:
-    """The receive, on ``send.peer``, that takes the message of ``send``; its peer is
-    ``sender`` (unset by default)."""
-    kind, stage, microbatch = receive_key(send, last_stage)
-    return Action(kind, stage, microbatch, sender)
-
-
-def receive_key(send: Action, last_stage: int) -> tuple[Kind, int, int | None]:
-    """``(kind, stage, micro-batch)`` of the receive that takes the message of ``send``."""
-    found = RECEIVES.get(send.kind)
-    if found is None:  # the targets go to the last stage
-        return (Kind.RECV_T, last_stage, send.microbatch)
-    return (found[0], send.stage + found[1], send.microbatch)
-
-
-def produced_by(send: Action) -> tuple[Kind, int, int | None] | None:
-    """``(kind, stage, micro-batch)`` of the compute whose result a send carries; ``None``
-    for the targets, which come with the step's data."""
-    kind = send.kind
-    if kind is Kind.SEND_F or kind is Kind.SEND_O:
-        return (Kind.FORWARD, send.stage, send.microbatch)
-    if kind is Kind.SEND_B:
-        return (Kind.BACKWARD, send.stage, send.microbatch)
-    return None
-
-
-def needed_by(action: Action, last_stage: int) -> tuple[Kind, Kind, int] | None:
-    """What a forward or backward consumes from a neighbouring stage: ``(receive kind,
-    producing kind, producing stage)``, or ``None`` (see :data:`NEEDS`)."""
-    need = NEEDS.get(action.kind)
-    if need is None:
-        return None
-    source = action.stage + need[2]
-    return (need[0], need[1], source) if 0 <= source <= last_stage else None
-
-
-def sent_after(action: Action, last_stage: int) -> tuple[Kind, int] | None:
-    """What a forward or backward hands on: ``(send kind, consuming stage)``, or ``None``."""
-    out = HANDS_ON.get(action.kind)
-    if out is None:
-        return None
-    target = action.stage + out[1]
-    return (out[0], target) if 0 <= target <= last_stage else None

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from pipetrain.schedules.actions import COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, Action, Kind
 from pipetrain.schedules.errors import ScheduleError
-from pipetrain.schedules.messages import NEEDS, RECEIVES, produced_by, rank_of
+from pipetrain.schedules.messages import CARRIES, NEEDS, RECEIVES, rank_of
 
 if TYPE_CHECKING:
     from pipetrain.schedules.schedule import Schedule
@@ -215,16 +215,16 @@ def _execute(schedule: Schedule) -> None:
     collectives: list[Counter[tuple[Kind, int]]] = [Counter() for _ in range(num_ranks)]
     runnable = deque(range(num_ranks))
     compute, sends, receives = COMPUTE_KINDS, SEND_KINDS, RECV_KINDS
-    needs, receives_of = NEEDS.get, RECEIVES.get
+    needs, receives_of, carries = NEEDS.get, RECEIVES.get, CARRIES.get
+    targets_key = (Kind.RECV_T, last, None)  # the targets go to the last stage
     while runnable:
         rank = runnable.popleft()
         lane, mine = lanes[rank], done[rank]
         index, end = position[rank], len(lane)
         while index < end:
             action = lane[index]
-            kind = action.kind
+            kind, stage, mb, peer, _ = action
             if kind in compute:
-                stage, mb = action.stage, action.microbatch
                 need = needs(kind)
                 source = -1 if need is None else stage + need[2]
                 if 0 <= source <= last and mb is not None:
@@ -234,30 +234,28 @@ def _execute(schedule: Schedule) -> None:
                         raise _used_too_early(lane, rank, index, local)
                 mine.add((kind, stage, mb))
             elif kind in sends:
-                produced = produced_by(action)
-                if produced is not None and produced not in mine:
-                    text = f"{produced[0].value}{produced[1]}.{produced[2]}"
+                carried = carries(kind)
+                if carried is not None and (carried, stage, mb) not in mine:
+                    text = f"{carried.value}{stage}.{mb}"
                     raise ScheduleError(
                         f"rank {rank}: {action} sends before computing {text}", lane, rank, index
                     )
-                pair = (rank, action.peer if action.peer is not None else -1)
+                pair = (rank, peer if peer is not None else -1)
                 found = receives_of(kind)
                 channels[pair].append(
-                    (Kind.RECV_T, last, None)  # the targets go to the last stage
-                    if found is None
-                    else (found[0], action.stage + found[1], action.microbatch)
+                    targets_key if found is None else (found[0], stage + found[1], mb)
                 )
                 waiter = blocked_on.pop(pair, None)
                 if waiter is not None:
                     runnable.append(waiter)
             elif kind in receives:
-                pair = (action.peer if action.peer is not None else -1, rank)
+                pair = (peer if peer is not None else -1, rank)
                 queue = channels[pair]
                 if not queue:
                     blocked_on[pair] = rank
                     break
                 head = queue.popleft()
-                if head != (kind, action.stage, action.microbatch):
+                if head != (kind, stage, mb):
                     raise ScheduleError(
                         f"rank {rank}: {action} would be matched with {Action(*head)}, "
                         f"the next message rank {action.peer} sends on that channel",

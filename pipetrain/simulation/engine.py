@@ -91,37 +91,37 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
         stop = len(actions)
         while index < stop:
             action = actions[index]
-            kind, stage = action.kind, action.stage
+            kind, stage, mb, peer, _ = action
             spans = duration.get(kind)
             if spans is not None:
                 cost = spans[stage]
                 if kind in factors:
                     cost *= draw(factors[kind][stage])
-                events.append(make((rank, names[kind], stage, action.microbatch, now, now + cost)))
+                events.append(make((rank, names[kind], stage, mb, now, now + cost)))
                 now += cost
             elif kind in sends:
-                peer = action.peer if action.peer is not None else -1
+                peer = peer if peer is not None else -1
                 family, offset, whole_step = channels[kind]
                 boundary = 0 if whole_step else stage + offset
-                key = (peer, family, boundary, action.microbatch)
+                key = (peer, family, boundary, mb)
                 link = (rank, peer)
                 start = max(now, link_free[link])
                 end = start + (latency if whole_step else transfer_s[boundary])
                 link_free[link] = end
-                events.append(make((rank, names[kind], stage, action.microbatch, start, end)))
+                events.append(make((rank, names[kind], stage, mb, start, end)))
                 arrival[key] = end
                 waiter = waiting_on.pop(key, None)
                 if waiter is not None:
                     runnable.append(waiter)
             elif kind in receives:
                 family, offset, whole_step = channels[kind]
-                key = (rank, family, 0 if whole_step else stage + offset, action.microbatch)
+                key = (rank, family, 0 if whole_step else stage + offset, mb)
                 landed = arrival.pop(key, None)
                 if landed is None:
                     waiting_on[key] = rank
                     break
                 end = max(now, landed) + receive_s
-                events.append(make((rank, names[kind], stage, action.microbatch, now, end)))
+                events.append(make((rank, names[kind], stage, mb, now, end)))
                 now = end
             else:  # ALLREDUCE over the stage's replicas, LOSS over every rank
                 position[rank] = index

@@ -31,7 +31,7 @@ BUSY_KINDS = frozenset({"F", "B", "W", "STEP"})
 
 _EVENT_FIELDS = ("rank", "kind", "stage", "microbatch", "start", "end")
 _START_RANK = operator.itemgetter(4, 0)  # an event's (start, rank), the timeline's order
-_RANK = operator.itemgetter(0)
+_RANK, _START, _END = operator.itemgetter(0), operator.itemgetter(4), operator.itemgetter(5)
 
 StrPath = str | PathLike[str]
 
@@ -169,7 +169,7 @@ class Timeline(JsonFile):
                 f"event {event!r} has rank {event.rank} outside [0, {num_ranks}); "
                 f"pass num_ranks > {event.rank} or fix the event's rank"
             )
-        self.events: tuple[Event, ...] = tuple(sorted(collected, key=_START_RANK))
+        self._collected = collected  # in any order; `events` sorts them when first asked
         self.num_ranks: int = num_ranks
         self.label: str = label
 
@@ -177,7 +177,7 @@ class Timeline(JsonFile):
         """A one-line description (not the events)."""
         return (
             f"Timeline(label={self.label!r}, num_ranks={self.num_ranks}, "
-            f"events={len(self.events)}, makespan={self.makespan:.6g})"
+            f"events={len(self._collected)}, makespan={self.makespan:.6g})"
         )
 
     def __eq__(self, other: object) -> bool:
@@ -191,6 +191,11 @@ class Timeline(JsonFile):
         )
 
     @cached_property
+    def events(self) -> tuple[Event, ...]:
+        """Every event, sorted by ``(start, rank)``."""
+        return tuple(sorted(self._collected, key=_START_RANK))
+
+    @cached_property
     def _by_rank(self) -> tuple[tuple[Event, ...], ...]:
         """Each rank's events in timeline order."""
         lanes: list[list[Event]] = [[] for _ in range(self.num_ranks)]
@@ -201,21 +206,21 @@ class Timeline(JsonFile):
     @cached_property
     def start(self) -> float:
         """The earliest start over all events; 0.0 if there are none."""
-        return min((e.start for e in self.events), default=0.0)
+        return min(map(_START, self._collected), default=0.0)
 
     @cached_property
     def makespan(self) -> float:
         """Latest end minus earliest start over all events; 0.0 if there are none."""
-        if not self.events:
+        if not self._collected:
             return 0.0
-        return max(e.end for e in self.events) - self.start
+        return max(map(_END, self._collected)) - self.start
 
     @cached_property
     def bubble_fraction(self) -> float:
         """Share of rank-time not spent in :data:`BUSY_KINDS` events; 0.0 if makespan is 0."""
         if self.makespan == 0.0:
             return 0.0
-        busy = sum(self.busy_time(rank) for rank in range(self.num_ranks))
+        busy = sum(e.end - e.start for e in self._collected if e.kind in BUSY_KINDS)
         return 1.0 - busy / (self.num_ranks * self.makespan)
 
     @cached_property
