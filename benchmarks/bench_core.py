@@ -6,9 +6,12 @@ the exponent ``k`` of time ∝ actions^k (a least-squares line through the log-l
 (b) :func:`pipetrain.plan` on a synthetic profile (``bench_planner.synthetic_profile``) over a
 two-level topology with replication, and on many workers of one fast level.
 
-Run from the repository root; prints a markdown table, each time the median of ``--rounds``:
+Each row gives the fastest of ``--rounds`` timings and, in brackets, their median, beside a
+reference loop timed just before it (``sum(range(10**6))``): the machine's speed changes
+from minute to minute, and the last column, time in reference loops, does not. Run from
+the repository root; prints markdown tables:
 
-    python benchmarks/bench_core.py [--sizes 64x512,128x1024,256x2048] [--rounds 3]
+    python benchmarks/bench_core.py [--sizes 64x512,128x1024,256x2048] [--rounds 5]
         [--layers 500] [--topology 8x100GB/s,8x10Gbit/s] [--workers 4096]
 """
 
@@ -31,14 +34,20 @@ from pipetrain.schedules import build
 T = TypeVar("T")
 
 
-def timed(rounds: int, work: Callable[[], T]) -> tuple[float, T]:
-    """The median of ``rounds`` timings of ``work()``, and its last result."""
+def timed(rounds: int, work: Callable[[], T]) -> tuple[float, float, T]:
+    """The fastest and the median of ``rounds`` timings of ``work()``, and its last result."""
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
         result = work()
         times.append(time.perf_counter() - start)
-    return statistics.median(times), result
+    return min(times), statistics.median(times), result
+
+
+def reference_s() -> float:
+    """The fastest of 5 timings of ``sum(range(10**6))``: how fast this machine runs Python
+    right now (a shared virtual machine's speed can change by half within minutes)."""
+    return timed(5, lambda: sum(range(10**6)))[0]
 
 
 def sizes(text: str) -> list[tuple[int, int]]:
@@ -60,44 +69,65 @@ def exponent(actions: list[int], seconds: list[float]) -> float:
 def schedules(sizes: list[tuple[int, int]], rounds: int) -> None:
     """Time ``1f1b`` at each size; print its rows and the fitted exponents."""
     costs = pipetrain.Costs(forward_s=1.0, backward_s=2.0)
-    print("| work | actions | build + validate s | simulate s | total s |")
-    print("|---|---:|---:|---:|---:|")
+    print(
+        "| work | actions | build + validate s | simulate s | total s (median) "
+        "| reference loop ms | total in reference loops |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
     counts: list[int] = []
     columns: dict[str, list[float]] = {"build": [], "simulate": [], "total": []}
     for ranks, microbatches in sizes:
-        build_s, schedule = timed(rounds, functools.partial(build, "1f1b", ranks, microbatches))
-        simulate_s, _ = timed(rounds, functools.partial(pipetrain.simulate, schedule, costs))
+        reference = reference_s()
+        build_s, build_median, schedule = timed(
+            rounds, functools.partial(build, "1f1b", ranks, microbatches)
+        )
+        simulate_s, simulate_median, _ = timed(
+            rounds, functools.partial(pipetrain.simulate, schedule, costs)
+        )
         actions = sum(len(lane) for lane in schedule.ranks)
         counts.append(actions)
-        for key, value in zip(columns, (build_s, simulate_s, build_s + simulate_s)):
+        total = build_s + simulate_s
+        for key, value in zip(columns, (build_s, simulate_s, total)):
             columns[key].append(value)
         print(
             f"| 1f1b, {ranks} ranks × {microbatches} micro-batches | {actions:,} | "
-            f"{build_s:.3f} | {simulate_s:.3f} | {build_s + simulate_s:.3f} |"
+            f"{build_s:.3f} | {simulate_s:.3f} | "
+            f"{total:.3f} ({build_median + simulate_median:.3f}) "
+            f"| {reference * 1e3:.1f} | {total / reference:.0f} |"
         )
+        del schedule
+        gc.collect()
     if len(counts) > 1:
         fitted = " | ".join(f"{exponent(counts, columns[key]):.2f}" for key in columns)
-        print(f"| exponent k, time ∝ actions^k | | {fitted} |")
+        print(f"| exponent k, time ∝ actions^k | | {fitted} | | |")
 
 
 def plans(layers: int, topology: str, workers: int, rounds: int) -> None:
     """Time the two plans; print their rows."""
     profile = synthetic_profile(layers)
-    print("| plan | seconds | chosen |")
-    print("|---|---:|---|")
+    print("| plan | seconds (median) | reference loop ms | chosen |")
+    print("|---|---:|---:|---|")
     for label, options in (
         (f"{layers} layers on {topology}, replication", {"topology": topology}),
         (f"{layers} layers on {workers} workers", {"workers": workers}),
     ):
-        seconds, chosen = timed(rounds, functools.partial(pipetrain.plan, profile, **options))
-        print(f"| {label} | {seconds:.3f} | {chosen.describe().splitlines()[0]} |")
+        reference = reference_s()
+        seconds, median, chosen = timed(
+            rounds, functools.partial(pipetrain.plan, profile, **options)
+        )
+        print(
+            f"| {label} | {seconds:.3f} ({median:.3f}) | {reference * 1e3:.1f} | "
+            f"{chosen.describe().splitlines()[0]} |"
+        )
 
 
 def main() -> None:
     """Time the schedule sizes and the plans; print the tables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=sizes, default=sizes("64x512,128x1024,256x2048"))
-    parser.add_argument("--rounds", type=int, default=3, help="timings per row (median)")
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="timings per row (the fastest, and the median)"
+    )
     parser.add_argument("--layers", type=int, default=500)
     parser.add_argument("--topology", default="8x100GB/s,8x10Gbit/s")
     parser.add_argument("--workers", type=int, default=4096)

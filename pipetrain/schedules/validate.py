@@ -148,47 +148,53 @@ def _report_missing(schedule: Schedule, expected: set[Kind]) -> None:
 
 
 def _check_versions(schedule: Schedule) -> None:
+    """Each forward on a version already made, its backward and weight pass on the same one,
+    each step producing the next, and no more live versions than ``max_versions``."""
     limit = schedule.options.get("max_versions")
     max_versions = limit if isinstance(limit, int) else None
     forward_version: dict[tuple[int, int | None], int] = {}
     for rank, lane in enumerate(schedule.ranks):
         steps: dict[int, int] = defaultdict(int)
+        # in_use[stage][version]: forwards on that version whose backward is still to come
         in_use: dict[int, Counter[int]] = defaultdict(Counter)
         for index, action in enumerate(lane):
-
-            def fail(
-                message: str, index: int = index, rank: int = rank, lane: Sequence[Action] = lane
-            ) -> ScheduleError:
-                return ScheduleError(f"rank {rank}: {message}", lane, rank, index)
-
-            stage, key = action.stage, (action.stage, action.microbatch)
-            if action.kind is Kind.STEP:
+            kind, stage, mb, _, version = action
+            problem = None
+            if kind is Kind.STEP:
                 steps[stage] += 1
-                if action.version != steps[stage]:
-                    raise fail(f"{action} should produce version {steps[stage]}")
-            elif action.kind is Kind.FORWARD:
-                if action.version is None or action.version > steps[stage]:
-                    raise fail(
-                        f"{action} uses weight version {action.version}, but only "
+                if version != steps[stage]:
+                    problem = f"{action} should produce version {steps[stage]}"
+            elif kind is Kind.FORWARD:
+                if version is None or version > steps[stage]:
+                    problem = (
+                        f"{action} uses weight version {version}, but only "
                         f"{steps[stage]} updates have been applied"
                     )
-                forward_version[key] = action.version
-                in_use[stage][action.version] += 1
-            elif action.kind in (Kind.BACKWARD, Kind.WEIGHT):
-                if action.version != forward_version.get(key):
-                    raise fail(
-                        f"{action} uses version {action.version} but its forward used "
-                        f"{forward_version.get(key)}"
-                    )
-                if action.kind is Kind.BACKWARD and action.version is not None:
-                    in_use[stage][action.version] -= 1
-            if max_versions is not None and action.kind in (Kind.FORWARD, Kind.STEP):
-                live = {v for v, n in in_use[stage].items() if n > 0} | {steps[stage]}
-                if len(live) > max_versions:
-                    raise fail(
-                        f"stage {stage} needs {len(live)} weight versions at {action}, at most "
+                else:
+                    forward_version[(stage, mb)] = version
+                    in_use[stage][version] += 1
+            elif kind is Kind.BACKWARD or kind is Kind.WEIGHT:
+                used = forward_version.get((stage, mb))
+                if version != used:
+                    problem = f"{action} uses version {version} but its forward used {used}"
+                elif kind is Kind.BACKWARD and version is not None:
+                    held = in_use[stage]
+                    held[version] -= 1
+                    if not held[version]:
+                        del held[version]
+            if (
+                problem is None
+                and max_versions is not None
+                and (kind is Kind.FORWARD or kind is Kind.STEP)
+            ):
+                live = len(in_use[stage]) + (steps[stage] not in in_use[stage])
+                if live > max_versions:
+                    problem = (
+                        f"stage {stage} needs {live} weight versions at {action}, at most "
                         f"{max_versions} allowed"
                     )
+            if problem is not None:
+                raise ScheduleError(f"rank {rank}: {problem}", lane, rank, index)
     if schedule.options.get("vertical_sync"):
         for (stage, mb), version in forward_version.items():
             if version != forward_version[(0, mb)]:

@@ -97,12 +97,17 @@ def stamp_versions(orders: Orders, rule: VersionRule, vertical_sync: bool) -> Or
                 version = None
             else:
                 version = forward_version[(action.stage, mb)]
-            stamped.append(action._replace(version=version))
+            stamped.append(Action(action.kind, action.stage, mb, action.peer, version))
         stamped_orders.append(stamped)
     if not vertical_sync:
         return stamped_orders
     first = {mb: v for (stage, mb), v in forward_version.items() if stage == 0}
     return [
-        [a if a.microbatch is None else a._replace(version=first[a.microbatch]) for a in order]
+        [
+            a
+            if a.microbatch is None
+            else Action(a.kind, a.stage, a.microbatch, a.peer, first[a.microbatch])
+            for a in order
+        ]
         for order in stamped_orders
     ]
