@@ -35,7 +35,7 @@ def train(schedule: str, per_call: int, microbatch_size: int, steps: int) -> dic
     options = {
         "1f1b": {"microbatches": 4},
         "pipedream": {"microbatches": per_call},
-        "2bw": {"microbatches": 4, "rounds": per_call // 4},
+        "2bw": {"microbatches": 4, "schedule_options": {"rounds": per_call // 4}},
     }[schedule]
     pipe = pipetrain.Pipeline(
         build_model(MODEL),

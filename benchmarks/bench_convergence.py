@@ -169,7 +169,7 @@ def run_pipelined(setup: Setup, schedule: str) -> list[Metrics] | None:
     options = {
         "1f1b": {"microbatches": setup.microbatches},
         "pipedream": {"microbatches": setup.window},  # one mini-batch, one update
-        "2bw": {"microbatches": setup.microbatches, "rounds": setup.window},
+        "2bw": {"microbatches": setup.microbatches, "schedule_options": {"rounds": setup.window}},
     }[schedule]
     model = build_model(setup.model, seed=0)
     pipe = pipetrain.Pipeline(

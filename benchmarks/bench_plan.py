@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import pipetrain
-from pipetrain.app.cli import positive_int
+from pipetrain.app.arguments import positive_int
 from pipetrain.app.data import BatchStream
 from pipetrain.app.models import build_model, loss_function
 from pipetrain.app.plan_job import profile_together
