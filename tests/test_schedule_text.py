@@ -85,6 +85,8 @@ def test_text_errors_name_the_line() -> None:
         Schedule.from_text("rank 0: F0.0 B0.0 STEP0\nrank 1: F1.0 SEND_F1.0@0")
     with pytest.raises(ScheduleError, match=re.escape("line 1: 'stage 0: F0.0'")):
         Schedule.from_text("stage 0: F0.0")
+    with pytest.raises(ScheduleError, match="stage 0 is held by no rank"):
+        Schedule.from_text("rank 0: F1.0 B1.0 STEP1")
     with pytest.raises(ScheduleError, match="got ranks \\[0, 2\\]"):
         Schedule.from_text("rank 0: F0.0 B0.0 STEP0\nrank 2: F1.0 B1.0 STEP1")
 

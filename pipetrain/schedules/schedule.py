@@ -101,6 +101,11 @@ class Schedule:
             raise ScheduleError(
                 f"placement lists {len(placement)} stages, but the schedule has {stages}"
             )
+        unheld = [stage for stage, ranks in enumerate(placement) if not ranks]
+        if unheld:
+            raise ScheduleError(
+                f"stage {unheld[0]} is held by no rank: give it actions or a 'placement:' line"
+            )
         flags, options = facts
         if flags is None:
             flags = {"split_backward"} if any(a.kind is Kind.WEIGHT for a in written) else set()
