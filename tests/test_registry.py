@@ -104,3 +104,19 @@ def test_the_planner_and_the_command_line_accept_it(
     result = json.loads(capsys.readouterr().out)
     assert result["makespan"] == pytest.approx((3 + 2 - 1) * 3.0)
     assert result["textbook_bubble_fraction"] is None  # the spec states no formula
+
+
+def test_a_generator_writing_the_wrong_number_of_ranks_is_named() -> None:
+    broken = ScheduleSpec(
+        name="one-rank-short",
+        summary="forgets the last rank",
+        generate=lambda ranks, microbatches, replicas, options: reverse_gpipe(
+            ranks - 1, microbatches, replicas, options
+        ),
+    )
+    register(broken)
+    try:
+        with pytest.raises(ValueError, match="one-rank-short generator wrote actions for 2 ranks"):
+            build("one-rank-short", 3, 2)
+    finally:
+        unregister("one-rank-short")

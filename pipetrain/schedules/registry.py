@@ -16,6 +16,7 @@ from pipetrain.allocation import collector_paused
 from pipetrain.checks import positive_int
 from pipetrain.schedules.actions import Action
 from pipetrain.schedules.lower import lower
+from pipetrain.schedules.errors import ScheduleError
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.schedules.validate import validate
 
@@ -249,6 +250,10 @@ def build(
         orders, stage_ranks, facts = family.generate(
             ranks, microbatches, None if replicas is None else list(replicas), resolved
         )
+        if len(orders) != ranks:
+            raise ScheduleError(
+                f"the {name} generator wrote actions for {len(orders)} ranks; ranks={ranks}"
+            )
         schedule = Schedule(
             name=name,
             stages=len(stage_ranks),
