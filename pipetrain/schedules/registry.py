@@ -15,8 +15,8 @@ from typing import NamedTuple
 from pipetrain.allocation import collector_paused
 from pipetrain.checks import positive_int
 from pipetrain.schedules.actions import Action
-from pipetrain.schedules.lower import lower
 from pipetrain.schedules.errors import ScheduleError
+from pipetrain.schedules.lower import lower
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.schedules.validate import validate
 
