@@ -5,6 +5,8 @@
 - :mod:`~pipetrain.runtime.executor`: plays a rank's actions, dispatching each one;
 - :mod:`~pipetrain.runtime.stage`: one stage's passes and the tensors between them;
 - :mod:`~pipetrain.runtime.weights`: weight versions and optimizer updates;
+- :mod:`~pipetrain.runtime.update`: what an update does: global norm, clipping, the
+  finiteness check, the learning-rate scheduler;
 - :mod:`~pipetrain.runtime.batch`: a step's data split into micro-batches;
 - :mod:`~pipetrain.runtime.reduce`: replicated stages' gradient all-reduce;
 - :mod:`~pipetrain.runtime.recompute`: re-materialization;
@@ -20,5 +22,6 @@ from pipetrain.runtime.config import PipelineConfig
 from pipetrain.runtime.failure import PipelineError
 from pipetrain.runtime.launch import LaunchError, launch
 from pipetrain.runtime.pipeline import Pipeline
+from pipetrain.runtime.update import NonFiniteError
 
-__all__ = ["LaunchError", "Pipeline", "PipelineConfig", "PipelineError", "launch"]
+__all__ = ["LaunchError", "NonFiniteError", "Pipeline", "PipelineConfig", "PipelineError", "launch"]

@@ -19,6 +19,7 @@ from pipetrain.runtime.recorder import Recorder
 from pipetrain.runtime.reduce import GradientReducer, completing_passes
 from pipetrain.runtime.stage import Stage
 from pipetrain.runtime.transport import PeerError, Tensors, Transport
+from pipetrain.runtime.update import NonFiniteError
 from pipetrain.runtime.weights import Weights
 from pipetrain.schedules import Action, Kind, Schedule
 from pipetrain.schedules.messages import channel, rank_of
@@ -80,14 +81,17 @@ class Executor:
             Kind.LOSS: self._all_reduce_loss,
         }
 
-    def run(self, schedule: Schedule, data: StepData) -> Outcome:
+    def run(self, schedule: Schedule, data: StepData, update: bool = True) -> Outcome:
         """Play this rank's actions of ``schedule`` on ``data``; the stages are left empty
-        whether it ends or raises."""
+        whether it ends or raises. Without ``update`` (synchronous schedules only) the
+        gradients accumulate: ``STEP`` applies nothing and replicas do not all-reduce (they
+        will, once, at the update)."""
         lane = schedule.ranks[self.rank]
         self._schedule, self._data = schedule, data
         self._outcome, self._loss = Outcome(), torch.zeros((), device=self.transport.device)
-        self._arming = completing_passes(lane, self.reducers, schedule.split_backward)
-        self.weights.begin(lane)
+        self.weights.begin(lane, update)
+        reduced = self.reducers if update else {}
+        self._arming = completing_passes(lane, reduced, schedule.split_backward)
         self._inbox = Inbox(self.transport, lane, self._ahead)
         recorder = self.recorder
         try:
@@ -95,7 +99,7 @@ class Executor:
                 start = recorder.now() if recorder.enabled else 0.0
                 try:
                     self._handlers[action.kind](action)
-                except (ActionFailed, PeerError):
+                except (ActionFailed, PeerError, NonFiniteError):
                     raise
                 except Exception as error:
                     raise ActionFailed(self.rank, action, error) from error
@@ -166,11 +170,13 @@ class Executor:
 
     # updates --------------------------------------------------------------------------
     def _allreduce(self, action: Action) -> None:
+        if not self.weights.updating:
+            return
         self.reducers[action.stage].finish(self.weights.holders(action.stage, None))
         self.weights.collect(action.stage)
 
     def _step(self, action: Action) -> None:
-        self.weights.step(action.stage)
+        self.weights.step(action.stage, self._loss)
 
     def _all_reduce_loss(self, action: Action) -> None:
         self.transport.all_reduce(self._loss)

@@ -30,6 +30,7 @@ from pipetrain.runtime.reduce import DEFAULT_BUCKET_BYTES, GradientReducer
 from pipetrain.runtime.stage import LossFn, Stage
 from pipetrain.runtime.torch_transport import TorchTransport
 from pipetrain.runtime.transport import PeerError
+from pipetrain.runtime.update import LRSchedulerFactory, NonFiniteError, Updater, check_policy
 from pipetrain.runtime.weights import Weights
 from pipetrain.schedules import Schedule, forward_only, with_targets_shipped
 from pipetrain.timeline import Event, Timeline
@@ -68,7 +69,8 @@ class Pipeline:
         loss_fn: ``(output, target) -> mean loss``.
         recompute: ``"never"``, ``"except_last"`` or ``"always"``.
         optimizer: an optimizer, or a function from this rank's parameters to one; stepped
-            once per :meth:`train_step`, or at every update of an asynchronous family.
+            once per updating :meth:`train_step` (or :meth:`update`), or at every update of
+            an asynchronous family.
         plan: a :class:`pipetrain.Plan` giving balance, replicas, schedule, options,
             micro-batches and recomputation.
         replicas: ranks per stage, for replicable families.
@@ -85,6 +87,18 @@ class Pipeline:
             all-reduce's thread takes cores from the computation it would overlap.
         config: a :class:`~pipetrain.runtime.config.PipelineConfig` holding every setting
             above but the model, loss and optimizer, instead of them.
+        max_grad_norm: clip the gradients to this global norm before every update, as
+            :func:`torch.nn.utils.clip_grad_norm_` on the whole model (synchronous
+            families; see :meth:`clip_grad_norm_`).
+        lr_scheduler: a function from the optimizer to a learning-rate scheduler, stepped
+            after every applied update; ``None`` on a rank whose stages have no parameters
+            (see :attr:`lr_scheduler`).
+        on_nonfinite: what an update whose loss or global gradient norm is not finite does:
+            ``"raise"`` a :class:`~pipetrain.runtime.update.NonFiniteError` on every rank,
+            ``"skip"`` it on every rank (gradients cleared, counted in
+            :attr:`skipped_updates`), or ``"warn"`` and skip. The weights are never changed
+            by such an update. Asynchronous families check each stage's update on its own
+            rank and only ``"raise"``.
 
     Raises:
         ValueError: a setting that cannot run, named with its fix.
@@ -110,6 +124,9 @@ class Pipeline:
         record: bool = False,
         bucket_bytes: float | None = None,
         config: PipelineConfig | None = None,
+        max_grad_norm: float | None = None,
+        lr_scheduler: LRSchedulerFactory | None = None,
+        on_nonfinite: str = "raise",
     ) -> None:
         """Build this rank's stage(s), the schedule and the transport."""
         if not dist.is_initialized():
@@ -145,6 +162,7 @@ class Pipeline:
         if config.targets_on_first_stage:
             built = replace(built, ranks=with_targets_shipped(built.ranks, built.stage_ranks))
         self.schedule: Schedule = built
+        self._check_training(optimizer, max_grad_norm, lr_scheduler, on_nonfinite)
         # evaluation runs the forwards alone on the newest weights, as a schedule of its own
         self._evaluation = replace(
             built, ranks=forward_only(built.ranks, built.stage_ranks), asynchronous=False
@@ -158,6 +176,7 @@ class Pipeline:
             stage: StageModule(layers[slice(*bounds[stage])]).to(self.device)
             for stage in built.stages_of(self.rank)
         }
+        updates = optimizer is not None  # the same on every rank, unlike the optimizer built
         if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
             # a stage of parameter-free layers (activations, pooling) has nothing to optimize
             optimizer = (
@@ -166,7 +185,28 @@ class Pipeline:
         self.optimizer = optimizer
         self.transport = TorchTransport(self.device, group, config.timeout_s)
         self.recorder = Recorder(self.rank, self.device, enabled=config.record)
-        self.weights = Weights(self.stages, optimizer, built.asynchronous)
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        # a replicated stage's gradients enter the global norm once, from its first replica
+        counted = [
+            p
+            for stage, module in self.stages.items()
+            if built.stage_ranks[stage][0] == self.rank
+            for p in module.parameters()
+            if p.requires_grad
+        ]
+        self._updater = Updater(
+            optimizer,
+            active=updates,
+            parameters=trainable,
+            counted=counted,
+            all_reduce=self.transport.all_reduce,
+            device=self.device,
+            max_grad_norm=max_grad_norm,
+            on_nonfinite=on_nonfinite,
+            lr_scheduler=lr_scheduler,
+        )
+        self.weights = Weights(self.stages, optimizer, built.asynchronous, self._updater)
+        self._accumulated = False  # gradients of non-updating steps wait for an update
         runners = {
             index: Stage(
                 index,
@@ -179,11 +219,40 @@ class Pipeline:
             )
             for index in self.stages
         }
+        self._reducers = self._replica_reducers()
         self._executor = Executor(
-            self.rank, runners, self.transport, self.weights, self.recorder, self._reducers()
+            self.rank, runners, self.transport, self.weights, self.recorder, self._reducers
         )
 
-    def _reducers(self) -> dict[int, GradientReducer]:
+    def _check_training(
+        self,
+        optimizer: OptimizerArg,
+        max_grad_norm: float | None,
+        lr_scheduler: LRSchedulerFactory | None,
+        on_nonfinite: str,
+    ) -> None:
+        check_policy(max_grad_norm, on_nonfinite)
+        if optimizer is None:
+            settings = (("max_grad_norm", max_grad_norm), ("lr_scheduler", lr_scheduler))
+            given = [name for name, value in settings if value is not None]
+            if given:
+                raise ValueError(
+                    f"{given[0]} acts at the pipeline's updates, which need an optimizer; pass "
+                    "optimizer=... (or clip with pipe.clip_grad_norm_ before your own step)"
+                )
+        if self.schedule.asynchronous and max_grad_norm is not None:
+            raise ValueError(
+                f"{self.schedule.name} updates each stage at its own time, so no global norm "
+                "exists at an update; max_grad_norm needs a synchronous schedule"
+            )
+        if self.schedule.asynchronous and on_nonfinite != "raise":
+            raise ValueError(
+                f"{self.schedule.name} updates each stage at its own time, so the ranks cannot "
+                f"skip an update together; on_nonfinite={on_nonfinite!r} needs a synchronous "
+                "schedule (asynchronous ones raise)"
+            )
+
+    def _replica_reducers(self) -> dict[int, GradientReducer]:
         """A gradient reducer for each replicated stage this rank holds."""
         # every rank creates every replica group, in the same order, as torch.distributed requires
         replica_groups = {
@@ -263,14 +332,20 @@ class Pipeline:
             data.set_targets(targets)
         return data
 
-    def _run(self, schedule: Schedule, data: StepData) -> Outcome:
+    def _run(self, schedule: Schedule, data: StepData, update: bool = True) -> Outcome:
         if self.recorder.enabled:
             dist.barrier(group=self.group)
             self.recorder.reset()
         stage = min(self.stages)
         try:
-            outcome = self._executor.run(schedule, data)
+            outcome = self._executor.run(schedule, data, update)
             self.transport.flush()
+        except NonFiniteError as error:
+            if not schedule.asynchronous:
+                raise  # every rank refused the same update: nothing failed
+            raise report_origin(
+                self.rank, stage, f"rank {self.rank} (stage {stage}) failed: {error}"
+            ) from error
         except ActionFailed as error:
             raise report_origin(self.rank, error.stage, str(error)) from error
         except PeerError as error:
@@ -283,25 +358,82 @@ class Pipeline:
             ) from error
         return outcome
 
-    def train_step(self, inputs: Data | None = None, targets: Data | None = None) -> float:
+    def train_step(
+        self, inputs: Data | None = None, targets: Data | None = None, *, update: bool = True
+    ) -> float:
         """Run one mini-batch through the schedule and return its mean loss (the same float
         on every rank).
 
         Synchronous schedules leave each parameter's accumulated gradient in ``.grad`` as the
-        unpipelined model would get from ``loss_fn(model(inputs), targets)``, and step the
-        optimizer once if one was given. Asynchronous ones update inside the step, at every
+        unpipelined model would get from ``loss_fn(model(inputs), targets).backward()``, and
+        update once if an optimizer was given: the global gradient norm and the loss are
+        checked (``on_nonfinite``), the gradients clipped (``max_grad_norm``), the optimizer
+        and the learning-rate scheduler stepped.
+
+        With ``update=False`` (synchronous schedules only) nothing is updated and the
+        gradients are kept: the next calls add theirs, exactly as ``loss.backward()`` on the
+        unpipelined model for each mini-batch without zeroing (each call's loss is its own
+        mini-batch's mean, so the sum of the calls' gradients is what accumulates), and a
+        later updating call, or :meth:`update`, applies them all. A call that follows an
+        update starts from cleared gradients. Asynchronous ones update inside the step, at every
         update the schedule makes (``pipedream``: one per mini-batch of the ``microbatches``
         the batch is split into; ``2bw``: ``rounds`` updates of ``microbatches``
         micro-batches); the loss returned is then the mean over updates. The pipeline drains
         at the end of the call. Only the first stage's ranks read ``inputs``, only the last
         stage's ``targets`` (the first stage's, with ``targets_on_first_stage``).
         """
+        if not update and self.schedule.asynchronous:
+            raise ValueError(
+                f"{self.schedule.name} updates the weights inside every step, so it cannot "
+                "accumulate gradients over steps; use update=True (or a synchronous schedule)"
+            )
         data = self._data(inputs, targets, training=True)
-        for parameter in self.parameters():
-            parameter.grad = None
-        outcome = self._run(self.schedule, data)
+        if not self._accumulated:
+            for parameter in self.parameters():
+                parameter.grad = None
+        self._accumulated = not update
+        outcome = self._run(self.schedule, data, update)
         assert outcome.loss is not None  # every training schedule ends with LOSS
         return float(outcome.loss) * self._per_update / self.microbatches
+
+    def update(self) -> None:
+        """Apply the gradients accumulated by ``train_step(..., update=False)`` calls, as an
+        updating ``train_step`` would (replicas all-reduced, the norm and finiteness checked,
+        clipping, the optimizer and scheduler stepped). Every rank must call it."""
+        if self.schedule.asynchronous:
+            raise ValueError(f"{self.schedule.name} updates the weights inside every step")
+        if not self._accumulated:
+            raise RuntimeError(
+                "no gradients wait for an update: call train_step(..., update=False) first"
+            )
+        self._accumulated = False
+        for stage in sorted(self._reducers):
+            self._reducers[stage].finish(self.weights.holders(stage, None))
+        self._updater.apply(None)
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scale every rank's gradients so that their global 2-norm is at most ``max_norm``
+        and return the norm before clipping (the same float on every rank), as
+        :func:`torch.nn.utils.clip_grad_norm_` on the unpipelined model would. A replicated
+        stage's gradients count once; every rank must call it, after a step that reduced
+        the replicas (an updating one)."""
+        return self._updater.clip_grad_norm_(max_norm)
+
+    @property
+    def lr_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None:
+        """This rank's learning-rate scheduler (``None`` where no optimizer is: a rank whose
+        stages have no parameters still counts the updates in :attr:`updates`)."""
+        return self._updater.lr_scheduler
+
+    @property
+    def updates(self) -> int:
+        """Updates applied so far (on an asynchronous schedule, each stage's count)."""
+        return self._updater.updates
+
+    @property
+    def skipped_updates(self) -> int:
+        """Updates skipped because of non-finite values (``on_nonfinite="skip"`` or ``"warn"``)."""
+        return self._updater.skipped_updates
 
     def eval_step(
         self, inputs: Data | None = None

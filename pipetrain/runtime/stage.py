@@ -114,7 +114,15 @@ class Stage:
         if target is None:
             return outputs, None
         output = outputs[0] if len(outputs) == 1 else outputs
-        return outputs, self.loss_fn(output, target.target) * target.weight
+        loss = self.loss_fn(output, target.target)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(
+                f"the loss function {_name(self.loss_fn)} returned {shape} on stage "
+                f"{self.index}, not a scalar: it must reduce over the batch (e.g. "
+                "reduction='mean')"
+            )
+        return outputs, loss * target.weight
 
     def forward(
         self, microbatch: int, version: int | None, target: LossTarget | None
@@ -188,6 +196,11 @@ class Stage:
         slot = self._slots.pop(microbatch)
         if parameters and slot.differentiable:
             torch.autograd.backward(slot.differentiable, slot.output_grads, inputs=parameters)
+
+
+def _name(fn: LossFn) -> str:
+    name = getattr(fn, "__name__", None)
+    return repr(name) if isinstance(name, str) else repr(fn)
 
 
 def _or_zeros(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

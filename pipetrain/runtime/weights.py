@@ -1,12 +1,14 @@
 """Weight versions and optimizer updates of the stages one rank holds.
 
-Synchronous schedules run every stage on its live parameters and step the optimizer once
-all of the rank's stages have stepped. Asynchronous ones (PipeDream, PipeDream-2BW) stash
-weight versions: each version a stage still needs is a detached snapshot of its
-parameters; a forward runs the stage module through :func:`torch.func.functional_call` on
-the snapshot its action names, so its backward differentiates exactly those weights; the
-optimizer updates the live parameters, which no graph has saved, and the result becomes
-the next snapshot. Nothing is swapped in place under autograd.
+Synchronous schedules run every stage on its live parameters and update once all of the
+rank's stages have stepped (unless the run only accumulates gradients); the
+:class:`~pipetrain.runtime.update.Updater` decides what an update does around the
+optimizer. Asynchronous ones (PipeDream, PipeDream-2BW) stash weight versions: each
+version a stage still needs is a detached snapshot of its parameters; a forward runs the
+stage module through :func:`torch.func.functional_call` on the snapshot its action names,
+so its backward differentiates exactly those weights; the optimizer updates the live
+parameters, which no graph has saved, and the result becomes the next snapshot.
+Nothing is swapped in place under autograd.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from pipetrain.runtime.update import Updater
 from pipetrain.schedules import COMPUTE_KINDS, Action, Kind
 
 
@@ -93,12 +96,15 @@ class Weights:
         modules: Mapping[int, nn.Module],
         optimizer: torch.optim.Optimizer | None,
         asynchronous: bool,
+        updater: Updater | None = None,
     ) -> None:
         """Hold ``modules``; step ``optimizer`` (if any) synchronously or, with
-        ``asynchronous``, at every stage's update on stashed versions."""
+        ``asynchronous``, at every stage's update on stashed versions. ``updater`` applies
+        the updates (by default: the optimizer's step alone)."""
         self.modules = dict(modules)
-        self.optimizer = optimizer
+        self.updater = updater if updater is not None else Updater(optimizer)
         self.asynchronous = asynchronous
+        self.updating = True
         self.stashes = (
             {stage: WeightStash(module) for stage, module in self.modules.items()}
             if asynchronous
@@ -112,9 +118,19 @@ class Weights:
         self._base = dict.fromkeys(self.modules, 0)
         self._needed: dict[int, list[set[int]]] = {stage: [] for stage in self.modules}
 
-    def begin(self, lane: Sequence[Action]) -> None:
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer of this rank's parameters (``None`` without one)."""
+        return self.updater.optimizer
+
+    def begin(self, lane: Sequence[Action], update: bool = True) -> None:
         """Start a window of this rank's actions ``lane``: versions count from here, and
-        each update keeps only the versions later actions use."""
+        each update keeps only the versions later actions use. Without ``update`` (only
+        synchronously) the window's ``STEP``s and all-reduces leave the gradients to
+        accumulate over windows."""
+        if not update and self.asynchronous:
+            raise ValueError("an asynchronous schedule updates inside every window")
+        self.updating = update
         self._steps = dict.fromkeys(self.modules, 0)
         self._base = {stage: stash.newest for stage, stash in self.stashes.items()}
         # needed[stage][j]: absolute versions used after the stage's j-th update in the window
@@ -159,18 +175,21 @@ class Weights:
         if self.asynchronous:
             self.stashes[stage].load_gradients()
 
-    def step(self, stage: int) -> None:
-        """Apply ``stage``'s update: synchronously, the optimizer steps once every held stage
-        has; asynchronously, at once, and the new weights become the next version."""
+    def step(self, stage: int, loss: torch.Tensor | None = None) -> None:
+        """Apply ``stage``'s update: synchronously, the rank's update happens once every
+        held stage has stepped (``loss``, this rank's share of the step's loss, is checked
+        with the gradients); asynchronously, at once, and the new weights become the next
+        version."""
         self._steps[stage] += 1
         if not self.asynchronous:
-            if self.optimizer is not None and sum(self._steps.values()) == len(self.modules):
-                self.optimizer.step()
+            if self.updating and sum(self._steps.values()) == len(self.modules):
+                self.updater.apply(loss)
             return
         stash = self.stashes[stage]
         stash.load_gradients()
-        if self.optimizer is not None:
-            self.optimizer.step()
+        self.updater.step_local(list(stash.live.values()), stage)
+        if min(self._steps.values()) == self._steps[stage]:
+            self.updater.finish()  # every held stage has made this update
         # applied: left in place, a later update of another stage here would apply them again
         for parameter in stash.live.values():
             parameter.grad = None

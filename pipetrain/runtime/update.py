@@ -1,0 +1,155 @@
+"""What an update does around the optimizer's step on one rank: the global gradient norm,
+clipping, the finiteness check with its policy, and the learning-rate schedule.
+
+A synchronous update happens on every rank at its last ``STEP``: one all-reduce of two
+floats (this rank's squared gradient norm and its share of the step's loss) gives every
+rank the same global norm and loss, so every rank takes the same decision: clip, step, or
+refuse the update. A replicated stage's gradients count once, on its first replica (the
+replicas hold equal gradients after their all-reduce); a stage without parameters
+contributes nothing. Asynchronous schedules update each stage on its own, so their check
+is local: a non-finite gradient raises before that stage's update.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.nn.utils import clip_grads_with_norm_
+
+NONFINITE_POLICIES = ("raise", "skip", "warn")
+
+LRSchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+"""``lr_scheduler(optimizer) -> scheduler``, stepped once per applied update."""
+
+
+class NonFiniteError(RuntimeError):
+    """An update met a non-finite loss or gradient norm and was not applied."""
+
+
+def check_policy(max_grad_norm: float | None, on_nonfinite: str) -> None:
+    """Raise ValueError for a clipping norm or a non-finite policy that cannot be used."""
+    if on_nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(
+            f"on_nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {on_nonfinite!r}"
+        )
+    if max_grad_norm is not None and not (
+        isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0
+    ):
+        raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
+
+
+def _square_norm(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The squared 2-norm of ``tensors`` taken together, in float32 (0 for none)."""
+    if not tensors:
+        return torch.zeros((), device=device)
+    norms = torch._foreach_norm(list(tensors))
+    return torch.stack([n.float() for n in norms]).square().sum().to(device)
+
+
+class Updater:
+    """Applies this rank's updates.
+
+    ``active`` says whether the pipeline updates at all (the same on every rank; a rank
+    whose stages have no parameters is active with ``optimizer=None``: it takes part in
+    every update's all-reduce and counts the updates). ``parameters`` are this rank's
+    trainable parameters; ``counted`` those whose gradients enter the global norm here.
+    ``all_reduce`` sums a tensor over every rank (``None``: this rank is the whole group).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        active: bool | None = None,
+        parameters: Sequence[torch.Tensor] | None = None,
+        counted: Sequence[torch.Tensor] | None = None,
+        all_reduce: Callable[[torch.Tensor], None] | None = None,
+        device: torch.device | str = "cpu",
+        max_grad_norm: float | None = None,
+        on_nonfinite: str = "raise",
+        lr_scheduler: LRSchedulerFactory | None = None,
+    ) -> None:
+        """Step ``optimizer`` at each update, under the given policies."""
+        check_policy(max_grad_norm, on_nonfinite)
+        self.optimizer = optimizer
+        self.active = optimizer is not None if active is None else active
+        if parameters is None:
+            groups = optimizer.param_groups if optimizer is not None else []
+            parameters = [p for group in groups for p in group["params"]]
+        self.parameters = list(parameters)
+        self.counted = list(self.parameters if counted is None else counted)
+        self.all_reduce = all_reduce
+        self.device = torch.device(device)
+        self.max_grad_norm, self.on_nonfinite = max_grad_norm, on_nonfinite
+        self.lr_scheduler = (
+            lr_scheduler(optimizer) if lr_scheduler is not None and optimizer is not None else None
+        )
+        self.updates = 0  # applied
+        self.skipped_updates = 0
+
+    def _grads(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [t.grad for t in tensors if t.grad is not None]
+
+    def _reduced(self, loss: torch.Tensor | None) -> tuple[torch.Tensor, float]:
+        """The global gradient norm (a tensor) and the step's loss, over every rank."""
+        local_loss = torch.zeros((), device=self.device) if loss is None else loss.float()
+        stats = torch.stack([_square_norm(self._grads(self.counted), self.device), local_loss])
+        if self.all_reduce is not None:
+            self.all_reduce(stats)
+        return stats[0].sqrt(), float(stats[1])
+
+    def global_norm(self) -> torch.Tensor:
+        """The 2-norm of every rank's gradients taken together (every rank must call it)."""
+        return self._reduced(None)[0]
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scale this rank's gradients so that the global norm is at most ``max_norm``, as
+        :func:`torch.nn.utils.clip_grad_norm_` on the whole model; return the norm before."""
+        norm = self.global_norm()
+        clip_grads_with_norm_(self.parameters, max_norm, norm)
+        return float(norm)
+
+    def apply(self, loss: torch.Tensor | None) -> None:
+        """A synchronous update on every rank: check that ``loss`` (this rank's share of the
+        step's loss) and the global gradient norm are finite, clip, and step."""
+        if not self.active:
+            return
+        norm, total_loss = self._reduced(loss)
+        if not (math.isfinite(float(norm)) and math.isfinite(total_loss)):
+            self._refuse(f"loss {total_loss}, gradient norm {float(norm)}")
+            return
+        if self.max_grad_norm is not None:
+            clip_grads_with_norm_(self.parameters, self.max_grad_norm, norm)
+        if self.optimizer is not None:
+            self.optimizer.step()
+        self.finish()
+
+    def step_local(self, tensors: Sequence[torch.Tensor], stage: int) -> None:
+        """An asynchronous stage's update: refuse it if its gradients are not finite, else
+        step the optimizer (the scheduler steps in :meth:`finish`)."""
+        norm = _square_norm(self._grads(tensors), self.device)
+        if not math.isfinite(float(norm)):
+            raise NonFiniteError(
+                f"stage {stage}'s gradients are not finite; its update was not applied"
+            )
+        if self.optimizer is not None:
+            self.optimizer.step()
+
+    def finish(self) -> None:
+        """Count an applied update and step the learning-rate schedule."""
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.updates += 1
+
+    def _refuse(self, found: str) -> None:
+        message = f"non-finite values at update {self.updates + self.skipped_updates + 1}: {found}"
+        if self.on_nonfinite == "raise":
+            raise NonFiniteError(f"{message}; the update was not applied")
+        if self.on_nonfinite == "warn":
+            warnings.warn(f"{message}; update skipped", RuntimeWarning, stacklevel=2)
+        for parameter in self.parameters:
+            parameter.grad = None
+        self.skipped_updates += 1
