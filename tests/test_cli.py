@@ -265,8 +265,15 @@ def test_model_choices_match_the_library() -> None:
 
 
 # train ----------------------------------------------------------------------------------
-def unpipelined_losses(model_name: str, steps: int, batch_size: int) -> list[float]:
-    """Losses of the same model, data and optimizer trained without a pipeline."""
+def unpipelined_losses(
+    model_name: str,
+    steps: int,
+    batch_size: int,
+    accumulate: int = 1,
+    max_grad_norm: float | None = None,
+) -> list[float]:
+    """Losses of the same model, data and optimizer trained without a pipeline: an update
+    every ``accumulate`` steps (and at the last), clipped to ``max_grad_norm``."""
     import torch
 
     from pipetrain.app.data import BatchStream
@@ -277,12 +284,15 @@ def unpipelined_losses(model_name: str, steps: int, batch_size: int) -> list[flo
     optimizer = torch.optim.Adam(model.parameters(), lr=DEFAULT_LR[model_name])
     batches = BatchStream(model_name, batch_size, seed=0)
     losses = []
-    for _ in range(steps):
+    for step in range(steps):
         inputs, targets = next(batches)
         loss = loss_function(model_name)(model(inputs), targets)
-        optimizer.zero_grad()
         loss.backward()
-        optimizer.step()
+        if (step + 1) % accumulate == 0 or step == steps - 1:
+            if max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad()
         losses.append(loss.item())
     return losses
 
@@ -331,6 +341,45 @@ def test_train_json_reports_every_key_and_the_unpipelined_losses(tmp_path: Path)
     )
     assert trace.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "step 3/3" in result.stderr  # progress, on stderr only
+
+
+def test_train_accumulates_and_clips_as_the_unpipelined_loop() -> None:
+    result = run_cli(
+        "train",
+        "--model",
+        "mlp",
+        "--stages",
+        "2",
+        "--steps",
+        "5",
+        "--accumulate",
+        "2",
+        "--max-grad-norm",
+        "0.05",
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert (report["accumulate"], report["max_grad_norm"]) == (2, 0.05)
+    assert report["losses"] == pytest.approx(
+        unpipelined_losses("mlp", 5, report["batch_size"], accumulate=2, max_grad_norm=0.05),
+        rel=1e-4,
+    )
+
+
+def test_a_diverged_run_ends_with_status_1_naming_the_non_finite_update() -> None:
+    result = run_cli("train", "--model", "mlp", "--stages", "2", "--steps", "5", "--lr", "1e30")
+    assert result.returncode == 1
+    assert "NonFiniteError: non-finite values at update" in result.stderr
+    assert "the update was not applied" in result.stderr
+
+
+@pytest.mark.parametrize("flag", [("--accumulate", "2"), ("--max-grad-norm", "1.0")])
+def test_train_refuses_accumulation_and_clipping_on_asynchronous_schedules(
+    capsys: pytest.CaptureFixture[str], flag: tuple[str, str]
+) -> None:
+    assert cli.main(["train", "--model", "mlp", "--schedule", "pipedream", *flag]) == 2
+    assert f"so {flag[0]} needs a synchronous schedule" in capsys.readouterr().err
 
 
 def test_train_rejects_a_schedule_that_cannot_split_the_batch_before_starting_workers() -> None:

@@ -59,7 +59,24 @@ def add_train(commands: argparse._SubParsersAction) -> None:
         help="micro-batches per step (default 4)",
     )
     parser.add_argument(
-        "--steps", type=positive_int, default=20, metavar="N", help="optimizer steps (default 20)"
+        "--steps",
+        type=positive_int,
+        default=20,
+        metavar="N",
+        help="training steps, one batch each (default 20)",
+    )
+    parser.add_argument(
+        "--accumulate",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="steps whose gradients make one update (default 1; the last step always updates)",
+    )
+    parser.add_argument(
+        "--max-grad-norm",
+        type=_positive_float,
+        metavar="X",
+        help="clip the gradients to this global norm before every update (default: no clipping)",
     )
     parser.add_argument(
         "--batch-size",
@@ -121,11 +138,14 @@ def _balance(text: str) -> tuple[int, ...]:
     return tuple(positive_int(part) for part in text.split(","))
 
 
-def _learning_rate(text: str) -> float:
+def _positive_float(text: str) -> float:
     value = non_negative_float(text)
     if value == 0:
         raise argparse.ArgumentTypeError("must be greater than 0")
     return value
+
+
+_learning_rate = _positive_float
 
 
 def run_train(args: argparse.Namespace) -> None:
@@ -142,6 +162,8 @@ def run_train(args: argparse.Namespace) -> None:
         balance=args.balance,
         recompute=args.recompute,
         lr=args.lr,
+        accumulate=args.accumulate,
+        max_grad_norm=args.max_grad_norm,
         schedule_options=schedule_options(args),
         seed=args.seed,
         threads=args.threads,

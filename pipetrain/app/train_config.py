@@ -23,7 +23,9 @@ class TrainConfig:
     """What to train and how. ``None`` means the default (per model for ``batch_size`` and
     ``lr``; for ``stages``, 2 local workers or the torchrun world size). A ``plan`` sets the
     split, schedule and micro-batches, and its prediction is kept as ``planned_step_s``;
-    ``plan_auto`` has the workers profile the model and plan it for ``stages`` workers first."""
+    ``plan_auto`` has the workers profile the model and plan it for ``stages`` workers first.
+    Every ``accumulate`` steps (and the last) make one update, whose gradients are clipped
+    to the global norm ``max_grad_norm`` if one is given."""
 
     model: str
     stages: int | None = None
@@ -41,6 +43,8 @@ class TrainConfig:
     plan: Plan | None = None
     plan_auto: bool = False
     planned_step_s: float | None = None
+    accumulate: int = 1
+    max_grad_norm: float | None = None
 
     def resolved(self, world_size: int | None = None) -> TrainConfig:
         """The configuration with defaults filled in and checked; ValueError if it cannot run."""
@@ -114,7 +118,7 @@ class TrainConfig:
                 f"replicas {list(self.replicas)} add up to {sum(self.replicas)} workers, "
                 f"but --stages is {self.stages}"
             )
-        for name in ("microbatches", "steps", "batch_size", "threads"):
+        for name in ("microbatches", "steps", "batch_size", "threads", "accumulate"):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value}")
@@ -124,7 +128,13 @@ class TrainConfig:
                 f"use a batch of at least {self.microbatches}"
             )
         layers = len(to_layers(build_model(self.model, seed=self.seed)))
-        pipeline.build(self.stages or DEFAULT_STAGES, layers)
+        schedule = pipeline.build(self.stages or DEFAULT_STAGES, layers)
+        if schedule.asynchronous and (self.accumulate > 1 or self.max_grad_norm is not None):
+            option = "--accumulate" if self.accumulate > 1 else "--max-grad-norm"
+            raise ValueError(
+                f"{schedule.name} updates each stage inside every step, so {option} needs a "
+                "synchronous schedule"
+            )
 
     def pipeline_config(self) -> PipelineConfig:
         """The pipeline this run trains with; the targets travel from the input stage, so

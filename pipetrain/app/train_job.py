@@ -73,6 +73,7 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
         loss_fn=loss_function(config.model),
         optimizer=partial(torch.optim.Adam, lr=config.learning_rate),
         config=config.pipeline_config(),
+        max_grad_norm=config.max_grad_norm,
     )
     # only the input stage's ranks load data; the targets travel to the last stage
     batches = (
@@ -86,7 +87,8 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
         # recording costs a barrier per step, so only the last step is recorded
         pipe.recorder.enabled = step == config.steps - 1
         start = time.perf_counter()
-        losses.append(pipe.train_step(inputs, targets))
+        update = (step + 1) % config.accumulate == 0 or step == config.steps - 1
+        losses.append(pipe.train_step(inputs, targets, update=update))
         step_times.append(time.perf_counter() - start)
         if progress is not None:
             progress.update(step + 1, losses[-1])

@@ -62,6 +62,8 @@ class TrainReport:
             "batch_size": config.batch_size,
             "steps": config.steps,
             "lr": config.lr,
+            "accumulate": config.accumulate,
+            "max_grad_norm": config.max_grad_norm,
             "losses": self.losses,
             "final_loss": self.losses[-1],
             "step_times_s": self.step_times_s,
