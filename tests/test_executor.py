@@ -4,6 +4,7 @@ against the unpipelined model: the same loss on every rank and the same gradient
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import pytest
@@ -18,6 +19,7 @@ from pipetrain.runtime.loopback import LoopbackGroup, LoopbackTransport
 from pipetrain.runtime.recorder import Recorder
 from pipetrain.runtime.stage import Stage
 from pipetrain.runtime.transport import PeerError
+from pipetrain.runtime.update import Updater
 from pipetrain.runtime.weights import Weights
 from pipetrain.schedules import Schedule, forward_only, with_targets_shipped
 from pipetrain.timeline import Event
@@ -58,8 +60,10 @@ def play(
     data: tuple[torch.Tensor, torch.Tensor] | None = None,
     broken_stage: int | None = None,
     group: LoopbackGroup | None = None,
+    updater: Callable[[torch.optim.Optimizer | None, LoopbackTransport], Updater] | None = None,
 ) -> list[RankResult]:
-    """Run ``schedule`` once with every rank a thread, each holding its own copy of the model."""
+    """Run ``schedule`` once with every rank a thread, each holding its own copy of the model;
+    ``updater`` makes a rank's updater from its optimizer and transport."""
     x, y = data if data is not None else batch()
     last = schedule.stages - 1
     base = model()  # seeded here: the threads share the random generator
@@ -74,7 +78,8 @@ def play(
             modules[broken_stage].register_forward_hook(_explode)
         parameters = [p for m in modules.values() for p in m.parameters()]
         step = torch.optim.SGD(parameters, lr=LR) if optimizer else None
-        weights = Weights(modules, step, schedule.asynchronous)
+        made = updater(step, transport) if updater is not None else None
+        weights = Weights(modules, step, schedule.asynchronous, made)
         stages = {
             s: Stage(
                 s,

@@ -10,9 +10,15 @@ import pytest
 import torch
 import training_cases as cases
 from pipeline_cases import batch, gradients, mlp
+from test_executor import V_SHAPE, play
 from torch import nn
 
 import pipetrain
+from pipetrain.runtime.executor import ActionFailed
+from pipetrain.runtime.loopback import LoopbackGroup, LoopbackTransport
+from pipetrain.runtime.transport import PeerError
+from pipetrain.runtime.update import NonFiniteError, Updater
+from pipetrain.schedules import Schedule
 
 
 def assert_same_state(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
@@ -144,3 +150,63 @@ def test_a_non_scalar_loss_names_the_loss_and_stage_before_any_update() -> None:
         "F1.0: ValueError: the loss function 'per_sample_loss' returned [5] on stage 1" in message
     )
     assert "the weights changed" not in message
+
+
+# in one process: ranks as threads over the loopback transport ---------------------------
+PIPEDREAM = """
+rank 0: F0.0v0 F0.1v0 B0.0v0 STEP0v1 F0.2v1 B0.1v0 STEP0v2 F0.3v2 B0.2v1 STEP0v3 B0.3v2 STEP0v4
+rank 1: F1.0v0 B1.0v0 STEP1v1 F1.1v1 B1.1v1 STEP1v2 F1.2v2 B1.2v2 STEP1v3 F1.3v3 B1.3v3 STEP1v4
+"""
+
+
+def poisoned(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(12, 4, generator=torch.Generator().manual_seed(seed))
+    x[0, 0] = float("nan")
+    return x, torch.randint(0, 3, (12,), generator=torch.Generator().manual_seed(seed))
+
+
+def test_an_asynchronous_schedule_steps_the_scheduler_once_per_update() -> None:
+    made: list[Updater] = []
+
+    def updater(optimizer: torch.optim.Optimizer | None, _: LoopbackTransport) -> Updater:
+        made.append(Updater(optimizer, lr_scheduler=cases.scheduler))
+        return made[-1]
+
+    play(Schedule.from_text(PIPEDREAM), [2, 2], per_update=1, optimizer=True, updater=updater)
+    assert [u.updates for u in made] == [4, 4]
+    for u in made:
+        assert u.lr_scheduler is not None and u.lr_scheduler.last_epoch == 4
+
+
+def test_an_asynchronous_stage_refuses_a_non_finite_update() -> None:
+    group = LoopbackGroup(2, timeout_s=10)
+    with pytest.raises(NonFiniteError, match=r"stage \d's gradients are not finite"):
+        play(
+            Schedule.from_text(PIPEDREAM),
+            [2, 2],
+            per_update=1,
+            optimizer=True,
+            data=poisoned(),
+            group=group,
+        )
+
+
+def test_every_rank_refuses_a_non_finite_update_with_two_stages_each() -> None:
+    group = LoopbackGroup(2, timeout_s=10)
+
+    def updater(optimizer: torch.optim.Optimizer | None, transport: LoopbackTransport) -> Updater:
+        return Updater(optimizer, all_reduce=transport.all_reduce)
+
+    with pytest.raises(NonFiniteError, match="loss nan"):
+        play(
+            Schedule.from_text(V_SHAPE),
+            [1, 1, 1, 1],
+            optimizer=True,
+            data=poisoned(),
+            group=group,
+            updater=updater,
+        )
+    errors = group.errors()
+    assert sorted(errors) == [0, 1]
+    assert all(isinstance(e, NonFiniteError) for e in errors.values()), errors
+    assert not any(isinstance(e, (ActionFailed, PeerError)) for e in errors.values())
