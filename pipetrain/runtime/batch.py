@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import torch
 
+from pipetrain.schedules import Schedule
+
 Tensors = tuple[torch.Tensor, ...]
 Target = torch.Tensor | Tensors
 Data = torch.Tensor | Sequence[torch.Tensor]
@@ -71,6 +73,49 @@ class StepData:
         self.inputs: list[Tensors] | None = None
         self.shipped: Tensors | None = None
         self.targets: list[LossTarget] | None = None
+
+    @classmethod
+    def for_rank(
+        cls,
+        schedule: Schedule,
+        rank: int,
+        inputs: Data | None,
+        targets: Data | None,
+        *,
+        training: bool,
+        ships_targets: bool,
+        per_update: int,
+        device: torch.device,
+    ) -> StepData:
+        """What ``rank`` reads of a step of ``schedule``: the inputs if it holds the first
+        stage; when ``training``, the targets if it holds the last stage, or, with
+        ``ships_targets``, if it is the first input-stage rank (which sends them on; the
+        other last-stage ranks then receive them). ValueError names a missing one."""
+        data = cls(schedule.microbatches, per_update, device)
+        held = schedule.stages_of(rank)
+        if 0 in held:
+            if inputs is None:
+                raise ValueError(
+                    f"rank {rank} holds the first stage and needs the inputs; got None"
+                )
+            data.set_inputs(inputs)
+        if not training:
+            return data
+        source = schedule.stage_ranks[0][0]
+        if ships_targets and rank == source:
+            if targets is None:
+                raise ValueError(
+                    f"rank {rank} holds the first stage and, with targets_on_first_stage, "
+                    "needs the targets; got None"
+                )
+            data.set_shipped(targets)
+        if schedule.stages - 1 in held and not (ships_targets and rank != source):
+            if targets is None:
+                raise ValueError(
+                    f"rank {rank} holds the last stage and needs the targets; got None"
+                )
+            data.set_targets(targets)
+        return data
 
     def set_inputs(self, inputs: Data) -> None:
         """Split the first stage's inputs into micro-batches."""

@@ -10,8 +10,6 @@ of evaluation outputs are actions of the schedule like any other.
 
 from __future__ import annotations
 
-import math
-import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -26,14 +24,14 @@ from pipetrain.runtime.config import PipelineConfig
 from pipetrain.runtime.executor import ActionFailed, Executor, Outcome
 from pipetrain.runtime.failure import explain_peer_failure, report_origin
 from pipetrain.runtime.recorder import Recorder
-from pipetrain.runtime.reduce import DEFAULT_BUCKET_BYTES, GradientReducer
+from pipetrain.runtime.reduce import replica_reducers
 from pipetrain.runtime.stage import LossFn, Stage
-from pipetrain.runtime.torch_transport import TorchTransport
+from pipetrain.runtime.torch_transport import TorchTransport, default_device
 from pipetrain.runtime.transport import PeerError
-from pipetrain.runtime.update import LRSchedulerFactory, NonFiniteError, Updater, check_policy
+from pipetrain.runtime.update import LRSchedulerFactory, NonFiniteError, Updater, check_training
 from pipetrain.runtime.weights import Weights
 from pipetrain.schedules import Schedule, forward_only, with_targets_shipped
-from pipetrain.timeline import Event, Timeline
+from pipetrain.timeline import Timeline
 
 if TYPE_CHECKING:
     from pipetrain.planning import Plan
@@ -41,14 +39,6 @@ if TYPE_CHECKING:
 OptimizerArg = (
     torch.optim.Optimizer | Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer] | None
 )
-
-
-def default_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """The device of this process: its local GPU under NCCL, else the CPU."""
-    if dist.get_backend(group) == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
-        return torch.device("cuda", local)
-    return torch.device("cpu")
 
 
 class Pipeline:
@@ -162,7 +152,7 @@ class Pipeline:
         if config.targets_on_first_stage:
             built = replace(built, ranks=with_targets_shipped(built.ranks, built.stage_ranks))
         self.schedule: Schedule = built
-        self._check_training(optimizer, max_grad_norm, lr_scheduler, on_nonfinite)
+        check_training(built, optimizer is not None, max_grad_norm, lr_scheduler, on_nonfinite)
         # evaluation runs the forwards alone on the newest weights, as a schedule of its own
         self._evaluation = replace(
             built, ranks=forward_only(built.ranks, built.stage_ranks), asynchronous=False
@@ -219,63 +209,12 @@ class Pipeline:
             )
             for index in self.stages
         }
-        self._reducers = self._replica_reducers()
+        self._reducers = replica_reducers(
+            self.stages, built, self.transport.global_rank, self.device, config.bucket_bytes
+        )
         self._executor = Executor(
             self.rank, runners, self.transport, self.weights, self.recorder, self._reducers
         )
-
-    def _check_training(
-        self,
-        optimizer: OptimizerArg,
-        max_grad_norm: float | None,
-        lr_scheduler: LRSchedulerFactory | None,
-        on_nonfinite: str,
-    ) -> None:
-        check_policy(max_grad_norm, on_nonfinite)
-        if optimizer is None:
-            settings = (("max_grad_norm", max_grad_norm), ("lr_scheduler", lr_scheduler))
-            given = [name for name, value in settings if value is not None]
-            if given:
-                raise ValueError(
-                    f"{given[0]} acts at the pipeline's updates, which need an optimizer; pass "
-                    "optimizer=... (or clip with pipe.clip_grad_norm_ before your own step)"
-                )
-        if self.schedule.asynchronous and max_grad_norm is not None:
-            raise ValueError(
-                f"{self.schedule.name} updates each stage at its own time, so no global norm "
-                "exists at an update; max_grad_norm needs a synchronous schedule"
-            )
-        if self.schedule.asynchronous and on_nonfinite != "raise":
-            raise ValueError(
-                f"{self.schedule.name} updates each stage at its own time, so the ranks cannot "
-                f"skip an update together; on_nonfinite={on_nonfinite!r} needs a synchronous "
-                "schedule (asynchronous ones raise)"
-            )
-
-    def _replica_reducers(self) -> dict[int, GradientReducer]:
-        """A gradient reducer for each replicated stage this rank holds."""
-        # every rank creates every replica group, in the same order, as torch.distributed requires
-        replica_groups = {
-            stage: dist.new_group([self.transport.global_rank(r) for r in ranks])
-            for stage, ranks in enumerate(self.schedule.stage_ranks)
-            if len(ranks) > 1
-        }
-        bucket_bytes = self.config.bucket_bytes
-        if bucket_bytes is None:
-            bucket_bytes = DEFAULT_BUCKET_BYTES if self.device.type == "cuda" else math.inf
-        # synchronous replicas sum: their micro-batches make one mini-batch whose losses are
-        # already weighted by their share; asynchronous ones average, as data parallelism does
-        return {
-            stage: GradientReducer(
-                [p for p in self.stages[stage].parameters() if p.requires_grad],
-                group,
-                len(self.schedule.stage_ranks[stage]),
-                self.schedule.asynchronous,
-                bucket_bytes,
-            )
-            for stage, group in replica_groups.items()
-            if stage in self.stages
-        }
 
     # parameters -----------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -305,32 +244,16 @@ class Pipeline:
     # steps ----------------------------------------------------------------------------
     def _data(self, inputs: Data | None, targets: Data | None, training: bool) -> StepData:
         """The step's data this rank reads, split into micro-batches."""
-        data = StepData(self.microbatches, self._per_update, self.device)
-        if 0 in self.stages:
-            if inputs is None:
-                raise ValueError(
-                    f"rank {self.rank} holds the first stage and needs the inputs; got None"
-                )
-            data.set_inputs(inputs)
-        if not training:
-            return data
-        source = self.schedule.stage_ranks[0][0]
-        shipped = self.config.targets_on_first_stage
-        if shipped and self.rank == source:
-            if targets is None:
-                raise ValueError(
-                    f"rank {self.rank} holds the first stage and, with targets_on_first_stage, "
-                    "needs the targets; got None"
-                )
-            data.set_shipped(targets)
-        # with targets_on_first_stage, the other last-stage ranks receive them (RECV_T)
-        if self.schedule.stages - 1 in self.stages and not (shipped and self.rank != source):
-            if targets is None:
-                raise ValueError(
-                    f"rank {self.rank} holds the last stage and needs the targets; got None"
-                )
-            data.set_targets(targets)
-        return data
+        return StepData.for_rank(
+            self.schedule,
+            self.rank,
+            inputs,
+            targets if training else None,
+            training=training,
+            ships_targets=self.config.targets_on_first_stage,
+            per_update=self._per_update,
+            device=self.device,
+        )
 
     def _run(self, schedule: Schedule, data: StepData, update: bool = True) -> Outcome:
         if self.recorder.enabled:
@@ -457,16 +380,6 @@ class Pipeline:
         """
         if not self.recorder.enabled:
             raise RuntimeError("Pipeline(record=True) is needed to measure a timeline")
-        world = dist.get_world_size(self.group)
-        gathered: list[list[Event]] | None = [[] for _ in range(world)] if self.rank == 0 else None
-        dist.gather_object(
-            self.recorder.events, gathered, dst=self.transport.global_rank(0), group=self.group
+        return self.recorder.gather(
+            self.group, self.transport.global_rank(0), f"{self.schedule.name} (measured)"
         )
-        if gathered is None:
-            return None
-        timeline = Timeline(
-            [e for events in gathered for e in events],
-            len(gathered),
-            label=f"{self.schedule.name} (measured)",
-        )
-        return timeline.shifted()

@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
 
-from pipetrain.timeline import Event
+from pipetrain.timeline import Event, Timeline
 
 
 class Recorder:
@@ -40,3 +41,14 @@ class Recorder:
     ) -> None:
         """Append one event."""
         self.events.append(Event(self.rank, kind, stage, microbatch, start, end))
+
+    def gather(self, group: dist.ProcessGroup | None, root: int, label: str) -> Timeline | None:
+        """Every rank's events gathered on global rank ``root`` as a timeline starting at 0
+        (``None`` on the other ranks). Every rank of ``group`` must call it."""
+        world = dist.get_world_size(group)
+        gathered: list[list[Event]] | None = [[] for _ in range(world)] if self.rank == 0 else None
+        dist.gather_object(self.events, gathered, dst=root, group=group)
+        if gathered is None:
+            return None
+        events = [event for events in gathered for event in events]
+        return Timeline(events, len(gathered), label=label).shifted()

@@ -10,13 +10,15 @@ goes on with the earlier layers. The all-reduce action then only starts what is 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import math
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from pipetrain.schedules import Action, Kind
+from pipetrain.schedules import Action, Kind, Schedule
 
 DEFAULT_BUCKET_BYTES = 4 << 20
 
@@ -148,3 +150,38 @@ class GradientReducer:
             for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                 grad.copy_(reduced)
         self._reset()
+
+
+def replica_reducers(
+    modules: Mapping[int, nn.Module],
+    schedule: Schedule,
+    global_rank: Callable[[int], int],
+    device: torch.device,
+    bucket_bytes: float | None,
+) -> dict[int, GradientReducer]:
+    """A gradient reducer for each replicated stage among ``modules`` (this rank's, by
+    stage), over a process group of the stage's replicas (``global_rank`` maps a rank of the
+    pipeline's group to the world's). Every rank must call it: torch.distributed needs every
+    rank to create every group, in the same order. By default buckets are
+    :data:`DEFAULT_BUCKET_BYTES` on GPUs and the whole stage on CPUs, where the all-reduce's
+    thread would take cores from the computation it overlaps."""
+    groups = {
+        stage: dist.new_group([global_rank(r) for r in ranks])
+        for stage, ranks in enumerate(schedule.stage_ranks)
+        if len(ranks) > 1
+    }
+    if bucket_bytes is None:
+        bucket_bytes = DEFAULT_BUCKET_BYTES if device.type == "cuda" else math.inf
+    # synchronous replicas sum: their micro-batches make one mini-batch whose losses are
+    # already weighted by their share; asynchronous ones average, as data parallelism does
+    return {
+        stage: GradientReducer(
+            [p for p in modules[stage].parameters() if p.requires_grad],
+            group,
+            len(schedule.stage_ranks[stage]),
+            schedule.asynchronous,
+            bucket_bytes,
+        )
+        for stage, group in groups.items()
+        if stage in modules
+    }

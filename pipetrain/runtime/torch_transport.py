@@ -7,6 +7,8 @@ pinned host buffers.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -61,3 +63,11 @@ def _started(work: dist.Work | None, peer: int) -> dist.Work:
     if work is None:
         raise PeerError(peer, "this rank is not a member of the transport's process group")
     return work
+
+
+def default_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device of this process: its local GPU under NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
+        return torch.device("cuda", local)
+    return torch.device("cpu")

@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.nn.utils import clip_grads_with_norm_
 
+from pipetrain.schedules import Schedule
+
 NONFINITE_POLICIES = ("raise", "skip", "warn")
 
 LRSchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
@@ -153,3 +155,33 @@ class Updater:
         for parameter in self.parameters:
             parameter.grad = None
         self.skipped_updates += 1
+
+
+def check_training(
+    schedule: Schedule,
+    has_optimizer: bool,
+    max_grad_norm: float | None,
+    lr_scheduler: LRSchedulerFactory | None,
+    on_nonfinite: str,
+) -> None:
+    """Raise a ValueError for update settings that ``schedule`` cannot honour."""
+    check_policy(max_grad_norm, on_nonfinite)
+    if not has_optimizer:
+        settings = (("max_grad_norm", max_grad_norm), ("lr_scheduler", lr_scheduler))
+        given = [name for name, value in settings if value is not None]
+        if given:
+            raise ValueError(
+                f"{given[0]} acts at the pipeline's updates, which need an optimizer; pass "
+                "optimizer=... (or clip with pipe.clip_grad_norm_ before your own step)"
+            )
+    if schedule.asynchronous and max_grad_norm is not None:
+        raise ValueError(
+            f"{schedule.name} updates each stage at its own time, so no global norm "
+            "exists at an update; max_grad_norm needs a synchronous schedule"
+        )
+    if schedule.asynchronous and on_nonfinite != "raise":
+        raise ValueError(
+            f"{schedule.name} updates each stage at its own time, so the ranks cannot "
+            f"skip an update together; on_nonfinite={on_nonfinite!r} needs a synchronous "
+            "schedule (asynchronous ones raise)"
+        )
