@@ -27,6 +27,17 @@ class Parser(argparse.ArgumentParser):
         self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    """``--model NAME``, one of the built-in models (required)."""
+    parser.add_argument(
+        "--model",
+        required=True,
+        choices=MODEL_NAMES,
+        metavar="NAME",
+        help=f"one of {', '.join(MODEL_NAMES)}",
+    )
+
+
 def positive_int(text: str) -> int:
     """Parse an integer >= 1 (an argparse ``type``)."""
     try:

@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from pipetrain.app.arguments import MODEL_NAMES, emit, positive_int
+from pipetrain.app.arguments import add_model_argument, emit, positive_int
 from pipetrain.units import format_bytes, format_seconds
 
 
@@ -20,13 +20,7 @@ def add_profile(commands: argparse._SubParsersAction) -> None:
         "bytes per layer "
         "on one micro-batch of the model's data, and save the profile as JSON.",
     )
-    parser.add_argument(
-        "--model",
-        required=True,
-        choices=MODEL_NAMES,
-        metavar="NAME",
-        help=f"one of {', '.join(MODEL_NAMES)}",
-    )
+    add_model_argument(parser)
     parser.add_argument(
         "--batch-size",
         type=positive_int,

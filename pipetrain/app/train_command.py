@@ -6,7 +6,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from pipetrain.app.arguments import (
-    MODEL_NAMES,
+    add_model_argument,
     add_schedule_options,
     emit,
     non_negative_float,
@@ -30,13 +30,7 @@ def add_train(commands: argparse._SubParsersAction) -> None:
             "throughput and the measured bubble beside the simulator's prediction."
         ),
     )
-    parser.add_argument(
-        "--model",
-        required=True,
-        choices=MODEL_NAMES,
-        metavar="NAME",
-        help=f"one of {', '.join(MODEL_NAMES)}",
-    )
+    add_model_argument(parser)
     parser.add_argument(
         "--stages",
         type=positive_int,
