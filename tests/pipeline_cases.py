@@ -302,7 +302,8 @@ def targets_from_first_stage() -> list[float]:
 
 
 def replicated_eval() -> torch.Tensor | None:
-    """eval_step with the last stage on two replicas: the first gathers every micro-batch."""
+    """eval_step with the last stage on two replicas: the first gathers every micro-batch
+    and sends them to every rank."""
     pipe = pipetrain.Pipeline(
         mlp(),
         balance=[2, 3],

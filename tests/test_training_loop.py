@@ -1,6 +1,6 @@
 """The training loop against the unpipelined model, step for step: gradient accumulation,
 global clipping, AdamW with a warm-up and cosine schedule, parameter-free and replicated
-stages; non-scalar losses and non-finite values."""
+stages; non-scalar losses and non-finite values; evaluation and the outputs of a step."""
 
 from __future__ import annotations
 
@@ -150,6 +150,40 @@ def test_a_non_scalar_loss_names_the_loss_and_stage_before_any_update() -> None:
         "F1.0: ValueError: the loss function 'per_sample_loss' returned [5] on stage 1" in message
     )
     assert "the weights changed" not in message
+
+
+def test_eval_step_runs_in_eval_mode_and_restores_each_layers_mode(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    x = batch(seed=3)[0]
+    expected = mlp(dropout=0.5).eval()(x).detach()
+    assert not torch.allclose(mlp(dropout=0.5)(x), expected), "dropout must matter"
+    for rank, result in enumerate(two_ranks):
+        evaluation = result["eval"]
+        torch.testing.assert_close(evaluation["all"], expected, rtol=1e-5, atol=1e-6)
+        for to in (0, 1):
+            if to == rank:
+                torch.testing.assert_close(evaluation[f"to{to}"], expected, rtol=1e-5, atol=1e-6)
+            else:
+                assert evaluation[f"to{to}"] is None
+        before, after = evaluation["modes"]
+        assert after == before and True in before and False in before
+        assert evaluation["refused"] == 'to must be "all" or a rank in 0..1, got 2'
+
+
+def test_train_step_returns_the_unpipelined_outputs_on_the_first_last_stage_rank(
+    two_ranks: list[dict[str, Any]], three_ranks: list[dict[str, Any]]
+) -> None:
+    x, y = batch(seed=4, size=11)
+    expected = mlp()(x).detach()
+    loss = nn.functional.cross_entropy(expected, y).item()
+    for ranks in two_ranks, three_ranks:  # rank 1 holds (the first replica of) the last stage
+        for rank, (got_loss, outputs) in enumerate(r["outputs"] for r in ranks):
+            assert got_loss == pytest.approx(loss, rel=1e-5)
+            if rank == 1:
+                torch.testing.assert_close(outputs, expected, rtol=1e-5, atol=1e-6)
+            else:
+                assert outputs is None
 
 
 # in one process: ranks as threads over the loopback transport ---------------------------

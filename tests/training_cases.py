@@ -220,6 +220,42 @@ def refusals() -> list[str]:
     return messages
 
 
+def modes(pipe: pipetrain.Pipeline) -> list[bool]:
+    return [m.training for module in pipe.stages.values() for m in module.modules()]
+
+
+def evaluation() -> dict[str, Any]:
+    """eval_step on a model with dropout whose layers are in mixed modes: to every rank,
+    to each rank, and the modes after."""
+    pipe = pipetrain.Pipeline(
+        mlp(dropout=0.5), balance=[3, 2], microbatches=3, loss_fn=nn.functional.cross_entropy
+    )
+    for module in pipe.stages.values():
+        list(module.modules())[-1].eval()  # one layer per stage left in eval mode
+    before = modes(pipe)
+    x = batch(seed=3)[0]
+    result = {"all": pipe.eval_step(x), "to0": pipe.eval_step(x, to=0)}
+    result["to1"] = pipe.eval_step(x, to=1)
+    result["modes"] = (before, modes(pipe))
+    try:
+        pipe.eval_step(x, to=2)
+    except ValueError as error:
+        result["refused"] = str(error)
+    return result
+
+
+def train_outputs(config: dict[str, Any]) -> tuple[float, Any]:
+    """One updating step that returns the outputs, on a batch the micro-batches split
+    unevenly."""
+    pipe = pipetrain.Pipeline(
+        mlp(),
+        loss_fn=nn.functional.cross_entropy,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        **config,
+    )
+    return pipe.train_step(*batch(seed=4, size=11), return_outputs=True)
+
+
 def two_rank_checks() -> dict[str, Any]:
     """Everything the 2-rank test checks, in one group."""
     return {
@@ -234,6 +270,8 @@ def two_rank_checks() -> dict[str, Any]:
         "skip": nonfinite("skip"),
         "warn": nonfinite("warn"),
         "refusals": refusals(),
+        "eval": evaluation(),
+        "outputs": train_outputs({"balance": [2, 3], "microbatches": 3}),
     }
 
 
@@ -252,4 +290,5 @@ def three_rank_checks() -> dict[str, Any]:
         "clip": manual_clip(
             [{"balance": [2, 3], "replicas": [2, 1], "microbatches": 3, "schedule": "gpipe"}]
         ),
+        "outputs": train_outputs({"balance": [2, 3], "replicas": [1, 2], "microbatches": 4}),
     }

@@ -8,6 +8,7 @@
 - :mod:`~pipetrain.runtime.update`: what an update does: global norm, clipping, the
   finiteness check, the learning-rate scheduler;
 - :mod:`~pipetrain.runtime.batch`: a step's data split into micro-batches;
+- :mod:`~pipetrain.runtime.outputs`: a step's last-stage outputs, delivered where asked;
 - :mod:`~pipetrain.runtime.reduce`: replicated stages' gradient all-reduce;
 - :mod:`~pipetrain.runtime.recompute`: re-materialization;
 - :mod:`~pipetrain.runtime.transport`: the transport interface; :mod:`~pipetrain.runtime.framing`

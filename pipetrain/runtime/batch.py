@@ -64,7 +64,8 @@ class StepData:
     stage's ranks get the targets (:meth:`set_targets`, or from a ``RECV_T``), split into
     micro-batches with their loss weights; a rank that ships the targets keeps the whole
     batch's for its ``SEND_T`` (:meth:`set_shipped`). ``per_update`` micro-batches make one
-    update (all of them for synchronous schedules).
+    update (all of them for synchronous schedules). With ``keep_outputs`` the last stage
+    keeps its outputs beside the loss.
     """
 
     def __init__(self, microbatches: int, per_update: int, device: torch.device) -> None:
@@ -73,6 +74,7 @@ class StepData:
         self.inputs: list[Tensors] | None = None
         self.shipped: Tensors | None = None
         self.targets: list[LossTarget] | None = None
+        self.keep_outputs = False
 
     @classmethod
     def for_rank(

@@ -141,7 +141,8 @@ class Executor:
                 raise ValueError(f"rank {self.rank} runs the first stage but has no inputs")
             stage.give_inputs(mb, self._data.inputs[mb])
         target = self._data.loss_target(mb) if stage.last else None
-        loss = stage.forward(mb, self.weights.version(action.stage, action.version), target)
+        version = self.weights.version(action.stage, action.version)
+        loss = stage.forward(mb, version, target, self._data.keep_outputs)
         if loss is not None:
             self._loss += loss
         following = None if stage.last else self._local(action.stage + 1, mb)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -23,11 +23,12 @@ from pipetrain.runtime.batch import Data, StepData
 from pipetrain.runtime.config import PipelineConfig
 from pipetrain.runtime.executor import ActionFailed, Executor, Outcome
 from pipetrain.runtime.failure import explain_peer_failure, report_origin
+from pipetrain.runtime.outputs import Destination, check_destination, deliver
 from pipetrain.runtime.recorder import Recorder
 from pipetrain.runtime.reduce import replica_reducers
 from pipetrain.runtime.stage import LossFn, Stage
 from pipetrain.runtime.torch_transport import TorchTransport, default_device
-from pipetrain.runtime.transport import PeerError
+from pipetrain.runtime.transport import PeerError, Tensors
 from pipetrain.runtime.update import LRSchedulerFactory, NonFiniteError, Updater, check_training
 from pipetrain.runtime.weights import Weights
 from pipetrain.schedules import Schedule, forward_only, with_targets_shipped
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 OptimizerArg = (
     torch.optim.Optimizer | Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer] | None
 )
+Outputs = torch.Tensor | tuple[torch.Tensor, ...]
 
 
 class Pipeline:
@@ -255,14 +257,34 @@ class Pipeline:
             device=self.device,
         )
 
-    def _run(self, schedule: Schedule, data: StepData, update: bool = True) -> Outcome:
+    def _run(
+        self,
+        schedule: Schedule,
+        data: StepData,
+        update: bool = True,
+        to: Destination | None = None,
+    ) -> tuple[Outcome, Outputs | None]:
+        """Play ``schedule`` on ``data``; with ``to``, also deliver the last stage's outputs
+        there (see :func:`~pipetrain.runtime.outputs.deliver`)."""
         if self.recorder.enabled:
             dist.barrier(group=self.group)
             self.recorder.reset()
         stage = min(self.stages)
+        outputs: Tensors | None = None
         try:
             outcome = self._executor.run(schedule, data, update)
             self.transport.flush()
+            if to is not None:
+                world = dist.get_world_size(self.group)
+                outputs = deliver(
+                    self.transport,
+                    self.rank,
+                    world,
+                    schedule.stage_ranks,
+                    schedule.microbatches,
+                    outcome.outputs,
+                    to,
+                )
         except NonFiniteError as error:
             if not schedule.asynchronous:
                 raise  # every rank refused the same update: nothing failed
@@ -279,13 +301,50 @@ class Pipeline:
                 stage,
                 f"rank {self.rank} (stage {stage}) failed: {type(error).__name__}: {error}",
             ) from error
-        return outcome
+        if outputs is None:
+            return outcome, None
+        return outcome, outputs[0] if len(outputs) == 1 else outputs
+
+    @overload
+    def train_step(
+        self,
+        inputs: Data | None = None,
+        targets: Data | None = None,
+        *,
+        update: bool = True,
+        return_outputs: Literal[False] = False,
+    ) -> float: ...
+
+    @overload
+    def train_step(
+        self,
+        inputs: Data | None = None,
+        targets: Data | None = None,
+        *,
+        update: bool = True,
+        return_outputs: Literal[True],
+    ) -> tuple[float, Outputs | None]: ...
+
+    @overload
+    def train_step(
+        self,
+        inputs: Data | None = None,
+        targets: Data | None = None,
+        *,
+        update: bool = True,
+        return_outputs: bool,
+    ) -> float | tuple[float, Outputs | None]: ...
 
     def train_step(
-        self, inputs: Data | None = None, targets: Data | None = None, *, update: bool = True
-    ) -> float:
+        self,
+        inputs: Data | None = None,
+        targets: Data | None = None,
+        *,
+        update: bool = True,
+        return_outputs: bool = False,
+    ) -> float | tuple[float, Outputs | None]:
         """Run one mini-batch through the schedule and return its mean loss (the same float
-        on every rank).
+        on every rank); with ``return_outputs``, ``(loss, outputs)``.
 
         Synchronous schedules leave each parameter's accumulated gradient in ``.grad`` as the
         unpipelined model would get from ``loss_fn(model(inputs), targets).backward()``, and
@@ -304,6 +363,11 @@ class Pipeline:
         micro-batches); the loss returned is then the mean over updates. The pipeline drains
         at the end of the call. Only the first stage's ranks read ``inputs``, only the last
         stage's ``targets`` (the first stage's, with ``targets_on_first_stage``).
+
+        ``return_outputs=True`` also returns the last stage's outputs of the mini-batch
+        (detached, concatenated in micro-batch order; a tuple for a stage with several) on
+        the first last-stage rank, which gathers a replicated last stage's micro-batches,
+        and ``None`` on every other rank; for training metrics such as accuracy.
         """
         if not update and self.schedule.asynchronous:
             raise ValueError(
@@ -311,13 +375,18 @@ class Pipeline:
                 "accumulate gradients over steps; use update=True (or a synchronous schedule)"
             )
         data = self._data(inputs, targets, training=True)
+        data.keep_outputs = return_outputs
         if not self._accumulated:
             for parameter in self.parameters():
                 parameter.grad = None
         self._accumulated = not update
-        outcome = self._run(self.schedule, data, update)
+        gather = self.schedule.stage_ranks[-1][0]
+        outcome, outputs = self._run(
+            self.schedule, data, update, to=gather if return_outputs else None
+        )
         assert outcome.loss is not None  # every training schedule ends with LOSS
-        return float(outcome.loss) * self._per_update / self.microbatches
+        loss = float(outcome.loss) * self._per_update / self.microbatches
+        return (loss, outputs) if return_outputs else loss
 
     def update(self) -> None:
         """Apply the gradients accumulated by ``train_step(..., update=False)`` calls, as an
@@ -358,20 +427,28 @@ class Pipeline:
         """Updates skipped because of non-finite values (``on_nonfinite="skip"`` or ``"warn"``)."""
         return self._updater.skipped_updates
 
-    def eval_step(
-        self, inputs: Data | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
-        """Forward only, without gradients: the model's output on the (first) last-stage rank,
-        ``None`` elsewhere. The layers keep their mode: call ``model.eval()`` first for
-        inference behaviour of dropout and batch normalization."""
+    def eval_step(self, inputs: Data | None = None, *, to: Destination = "all") -> Outputs | None:
+        """Forward only, without gradients, on the newest weights: the model's outputs on
+        ``inputs`` (concatenated over the micro-batches; a tuple for a last stage with
+        several) on every rank (``to="all"``), or on rank ``to`` only and ``None`` elsewhere.
+
+        Every stage module this rank holds is in eval mode for the call (dropout off, batch
+        normalization on its running statistics); each module's own mode is restored
+        afterwards, also when the call raises. Every rank must call it with the same ``to``;
+        only the first stage's ranks read ``inputs``.
+        """
+        check_destination(to, dist.get_world_size(self.group))
         data = self._data(inputs, None, training=False)
-        with torch.no_grad():
-            outcome = self._run(self._evaluation, data)
-        if self.rank != self.schedule.stage_ranks[-1][0]:
-            return None
-        pieces = [outcome.outputs[k] for k in range(self.microbatches)]
-        outputs = tuple(torch.cat(parts) for parts in zip(*pieces))
-        return outputs[0] if len(outputs) == 1 else outputs
+        modes = [(m, m.training) for module in self.stages.values() for m in module.modules()]
+        try:
+            for module in self.stages.values():
+                module.eval()
+            with torch.no_grad():
+                _, outputs = self._run(self._evaluation, data, to=to)
+        finally:
+            for layer, training in modes:
+                layer.training = training
+        return outputs
 
     def timeline(self) -> Timeline | None:
         """The last step's measured timeline, gathered on rank 0 (``None`` on other ranks).

@@ -98,7 +98,8 @@ class Stage:
         return self._input_grads.pop(microbatch)
 
     def remaining_outputs(self) -> dict[int, Tensors]:
-        """Outputs nobody took: the last stage's when it had no targets (evaluation)."""
+        """Outputs nobody took: the last stage's when it had no targets (evaluation) or
+        kept them beside the loss."""
         outputs, self._outputs = self._outputs, {}
         return outputs
 
@@ -125,10 +126,15 @@ class Stage:
         return outputs, loss * target.weight
 
     def forward(
-        self, microbatch: int, version: int | None, target: LossTarget | None
+        self,
+        microbatch: int,
+        version: int | None,
+        target: LossTarget | None,
+        keep_outputs: bool = False,
     ) -> torch.Tensor | None:
         """Run ``microbatch`` on weight ``version``; return its weighted loss (detached) if
-        ``target`` is given, else keep its outputs for whoever takes them."""
+        ``target`` is given, else keep its outputs for whoever takes them (with
+        ``keep_outputs``, kept beside the loss too, for :meth:`remaining_outputs`)."""
         inputs = self._inputs.pop(microbatch)
         if self.index > 0:
             inputs = as_leaves(inputs)
@@ -141,10 +147,9 @@ class Stage:
             outputs, loss = self._run(inputs, version, target)
             slot = _Slot(inputs, outputs, version, target, loss=loss)
         self._slots[microbatch] = slot
-        if loss is not None:
-            return loss.detach()
-        self._outputs[microbatch] = tuple(t.detach() for t in outputs)
-        return None
+        if loss is None or keep_outputs:
+            self._outputs[microbatch] = tuple(t.detach() for t in outputs)
+        return None if loss is None else loss.detach()
 
     def _differentiable(self, microbatch: int, slot: _Slot) -> tuple[Tensors, Tensors]:
         """The tensors to differentiate and their incoming gradients."""
