@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -271,9 +272,14 @@ def unpipelined_losses(
     batch_size: int,
     accumulate: int = 1,
     max_grad_norm: float | None = None,
+    factor: Callable[[int], float] | None = None,
+    evaluations: list[dict[str, float]] | None = None,
+    eval_every: int = 0,
 ) -> list[float]:
     """Losses of the same model, data and optimizer trained without a pipeline: an update
-    every ``accumulate`` steps (and at the last), clipped to ``max_grad_norm``."""
+    every ``accumulate`` steps (and at the last), clipped to ``max_grad_norm``, the learning
+    rate scaled by ``factor`` at each update; held-out metrics every ``eval_every`` steps
+    added to ``evaluations``."""
     import torch
 
     from pipetrain.app.data import BatchStream
@@ -282,7 +288,9 @@ def unpipelined_losses(
 
     model = build_model(model_name, seed=0)
     optimizer = torch.optim.Adam(model.parameters(), lr=DEFAULT_LR[model_name])
+    scheduler = None if factor is None else torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     batches = BatchStream(model_name, batch_size, seed=0)
+    eval_inputs, eval_targets = batches.eval_set()
     losses = []
     for step in range(steps):
         inputs, targets = next(batches)
@@ -293,7 +301,16 @@ def unpipelined_losses(
                 torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
             optimizer.step()
             optimizer.zero_grad()
+            if scheduler is not None:
+                scheduler.step()
         losses.append(loss.item())
+        if evaluations is not None and (step + 1) % eval_every == 0:
+            with torch.no_grad():
+                outputs = model.eval()(eval_inputs)
+            model.train()
+            accuracy = float((outputs.argmax(dim=1) == eval_targets).float().mean())
+            loss = loss_function(model_name)(outputs, eval_targets)
+            evaluations.append({"step": step + 1, "loss": loss.item(), "accuracy": accuracy})
     return losses
 
 
@@ -365,6 +382,37 @@ def test_train_accumulates_and_clips_as_the_unpipelined_loop() -> None:
         unpipelined_losses("mlp", 5, report["batch_size"], accumulate=2, max_grad_norm=0.05),
         rel=1e-4,
     )
+
+
+def test_train_follows_warmup_cosine_and_evaluates_as_the_unpipelined_loop() -> None:
+    from pipetrain.app.train_config import warmup_cosine
+
+    factor = warmup_cosine(10)
+    assert factor(0) == 1.0 and factor(1) == 1.0 and 0 < factor(9) < factor(5) < 1
+    assert warmup_cosine(30)(0) == pytest.approx(1 / 3)
+    result = run_cli(
+        "train",
+        *("--model", "mlp", "--stages", "2", "--steps", "5", "--accumulate", "2"),
+        *("--lr-schedule", "warmup-cosine", "--eval-every", "2", "--json"),
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert (report["lr_schedule"], report["eval_every"]) == ("warmup-cosine", 2)
+    evaluations: list[dict[str, float]] = []
+    losses = unpipelined_losses(
+        "mlp",
+        5,
+        report["batch_size"],
+        accumulate=2,
+        factor=warmup_cosine(3),
+        evaluations=evaluations,
+        eval_every=2,
+    )
+    assert report["losses"] == pytest.approx(losses, rel=1e-4)
+    assert [e["step"] for e in report["eval"]] == [2, 4]
+    for got, expected in zip(report["eval"], evaluations):
+        assert got == pytest.approx(expected, rel=1e-4)
+    assert "step 4/5  held-out loss" in result.stderr
 
 
 def test_a_diverged_run_ends_with_status_1_naming_the_non_finite_update() -> None:

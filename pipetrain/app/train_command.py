@@ -73,6 +73,21 @@ def add_train(commands: argparse._SubParsersAction) -> None:
         help="clip the gradients to this global norm before every update (default: no clipping)",
     )
     parser.add_argument(
+        "--lr-schedule",
+        default="constant",
+        choices=("constant", "warmup-cosine"),  # TrainConfig's LR_SCHEDULES, without torch
+        metavar="NAME",
+        help="constant (the default), or warmup-cosine: a linear warm-up over the first 10%% "
+        "of the updates, then a cosine decay to 0",
+    )
+    parser.add_argument(
+        "--eval-every",
+        type=positive_int,
+        metavar="N",
+        help="every N steps, report the held-out loss (and the digit models' accuracy) on a "
+        "fixed held-out batch",
+    )
+    parser.add_argument(
         "--batch-size",
         type=positive_int,
         metavar="B",
@@ -158,6 +173,8 @@ def run_train(args: argparse.Namespace) -> None:
         lr=args.lr,
         accumulate=args.accumulate,
         max_grad_norm=args.max_grad_norm,
+        lr_schedule=args.lr_schedule,
+        eval_every=args.eval_every,
         schedule_options=schedule_options(args),
         seed=args.seed,
         threads=args.threads,

@@ -3,6 +3,8 @@ the :class:`~pipetrain.runtime.PipelineConfig` it trains with."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
@@ -16,6 +18,8 @@ DEFAULT_LR = {"mlp": 3e-3, "uneven-mlp": 3e-3, "cnn": 3e-3, "gpt": 3e-3}
 DEFAULT_BATCH_SIZE = {"mlp": 64, "uneven-mlp": 64, "cnn": 64, "gpt": 16}
 DEFAULT_STAGES = 2
 WARMUP_STEPS = 2  # left out of the median step time: first steps pay for allocation and set-up
+LR_SCHEDULES = ("constant", "warmup-cosine")
+WARMUP_FRACTION = 0.1  # of the updates, for warmup-cosine
 
 
 @dataclass(frozen=True)
@@ -25,7 +29,9 @@ class TrainConfig:
     split, schedule and micro-batches, and its prediction is kept as ``planned_step_s``;
     ``plan_auto`` has the workers profile the model and plan it for ``stages`` workers first.
     Every ``accumulate`` steps (and the last) make one update, whose gradients are clipped
-    to the global norm ``max_grad_norm`` if one is given."""
+    to the global norm ``max_grad_norm`` if one is given. ``lr_schedule`` is ``"constant"``
+    or ``"warmup-cosine"`` (see :func:`warmup_cosine`); every ``eval_every`` steps the run
+    evaluates the model on a fixed held-out batch."""
 
     model: str
     stages: int | None = None
@@ -45,6 +51,8 @@ class TrainConfig:
     planned_step_s: float | None = None
     accumulate: int = 1
     max_grad_norm: float | None = None
+    lr_schedule: str = "constant"
+    eval_every: int | None = None
 
     def resolved(self, world_size: int | None = None) -> TrainConfig:
         """The configuration with defaults filled in and checked; ValueError if it cannot run."""
@@ -127,6 +135,12 @@ class TrainConfig:
                 f"batch size {self.batch_size} is smaller than microbatches {self.microbatches}; "
                 f"use a batch of at least {self.microbatches}"
             )
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(
+                f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}"
+            )
+        if self.eval_every is not None and self.eval_every < 1:
+            raise ValueError(f"eval_every must be a positive integer, got {self.eval_every}")
         layers = len(to_layers(build_model(self.model, seed=self.seed)))
         schedule = pipeline.build(self.stages or DEFAULT_STAGES, layers)
         if schedule.asynchronous and (self.accumulate > 1 or self.max_grad_norm is not None):
@@ -149,10 +163,38 @@ class TrainConfig:
             targets_on_first_stage=True,
         )
 
+    def updates(self) -> int:
+        """The updates a run makes: one per ``accumulate`` steps (and at the last), or, for
+        an asynchronous schedule, every update it makes inside each step."""
+        pipeline = self.pipeline_config()
+        layers = len(to_layers(build_model(self.model, seed=self.seed)))
+        schedule = pipeline.build(self.stages or DEFAULT_STAGES, layers)
+        if schedule.asynchronous:
+            return self.steps * (schedule.microbatches // pipeline.per_update(schedule))
+        return -(-self.steps // self.accumulate)
+
+    def lr_factor(self) -> Callable[[int], float] | None:
+        """The learning rate's factor at each update (``None``: constant)."""
+        return None if self.lr_schedule == "constant" else warmup_cosine(self.updates())
+
     def schedule_for(self) -> Schedule:
         """The schedule this run executes (the one the Pipeline builds, before the targets'
         transfer is added)."""
         return self.pipeline_config().build(self.stages or DEFAULT_STAGES)
+
+
+def warmup_cosine(updates: int) -> Callable[[int], float]:
+    """The factor of the learning rate at each of ``updates`` updates: a linear warm-up over
+    the first 10% of them (at least one), then a cosine decay that reaches 0 after the last."""
+    warmup = max(1, round(WARMUP_FRACTION * updates))
+
+    def factor(update: int) -> float:
+        if update < warmup:
+            return (update + 1) / warmup
+        progress = min(1.0, (update - warmup) / max(1, updates - warmup))
+        return 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
 
 
 T = TypeVar("T")

@@ -2,8 +2,10 @@
 
 :func:`run_training` checks the configuration, starts one local worker per stage with
 :func:`pipetrain.launch` (or joins the process group that ``torchrun`` started), trains with
-Adam, records a timeline of the last step, and compares it with the simulator's prediction
-for the same schedule on the stage costs measured in that timeline.
+Adam (with an optional warm-up and cosine learning-rate schedule), evaluates on a fixed
+held-out batch every ``eval_every`` steps, records a timeline of the last step, and
+compares it with the simulator's prediction for the same schedule on the stage costs
+measured in that timeline.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
+from torch.optim.lr_scheduler import LambdaLR
 
 from pipetrain.app.data import BatchStream
 from pipetrain.app.models import build_model, loss_function
@@ -50,6 +53,22 @@ class Progress:
             self.stream.write("\n")
         self.stream.flush()
 
+    def evaluation(self, step: int, metrics: dict[str, float]) -> None:
+        """Report the held-out metrics measured after ``step``, on a line of their own."""
+        line = f"step {step}/{self.steps}  held-out " + "  ".join(
+            f"{name} {value:.4f}" for name, value in metrics.items() if name != "step"
+        )
+        self.stream.write(f"\r{line}\033[K\n" if self.interactive else line + "\n")
+        self.stream.flush()
+
+
+def held_out(model_name: str, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+    """Held-out loss, and for the digits classifiers the accuracy (a fraction)."""
+    metrics = {"loss": float(loss_function(model_name)(outputs, targets))}
+    if model_name != "gpt":
+        metrics["accuracy"] = float((outputs.argmax(dim=1) == targets).float().mean())
+    return metrics
+
 
 def train_worker(config: TrainConfig) -> dict[str, Any] | None:
     """Train on this rank of the process group; rank 0 returns the configuration it ran
@@ -68,18 +87,23 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
             print(chosen.describe() + "\n", file=sys.stderr, flush=True)
         config = replace(config, plan_auto=False, plan=chosen).resolved(dist.get_world_size())
     model = build_model(config.model, seed=config.seed)
+    factor = config.lr_factor()
     pipe = Pipeline(
         model,
         loss_fn=loss_function(config.model),
         optimizer=partial(torch.optim.Adam, lr=config.learning_rate),
         config=config.pipeline_config(),
         max_grad_norm=config.max_grad_norm,
+        lr_scheduler=None if factor is None else partial(LambdaLR, lr_lambda=factor),
     )
     # only the input stage's ranks load data; the targets travel to the last stage
     batches = (
         BatchStream(config.model, config.samples, seed=config.seed) if 0 in pipe.stages else None
     )
     progress = Progress(config.steps, config.samples) if pipe.rank == 0 else None
+    # a fixed held-out batch, read where the inputs are (and on rank 0, which reports)
+    held = batches.eval_set() if batches is not None and config.eval_every else None
+    evaluations: list[dict[str, float]] = []
     losses: list[float] = []
     step_times: list[float] = []
     for step in range(config.steps):
@@ -92,6 +116,15 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
         step_times.append(time.perf_counter() - start)
         if progress is not None:
             progress.update(step + 1, losses[-1])
+        if config.eval_every and (step + 1) % config.eval_every == 0:
+            # evaluation is left out of the recorded last step's timeline
+            recording, pipe.recorder.enabled = pipe.recorder.enabled, False
+            outputs = pipe.eval_step(None if held is None else held[0], to=0)
+            pipe.recorder.enabled = recording
+            if held is not None and isinstance(outputs, torch.Tensor):
+                evaluations.append({"step": step + 1, **held_out(config.model, outputs, held[1])})
+                if progress is not None:
+                    progress.evaluation(step + 1, evaluations[-1])
     timeline = pipe.timeline()
     if timeline is None:
         return None
@@ -100,6 +133,7 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
         "losses": losses,
         "step_times_s": step_times,
         "timeline": timeline.to_dict(),
+        "eval": evaluations,
     }
 
 

@@ -4,7 +4,7 @@ beside the simulator's prediction on the costs measured in it."""
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pipetrain.app.train_config import WARMUP_STEPS, TrainConfig
@@ -30,6 +30,7 @@ class TrainReport:
     measured: Timeline
     predicted: Timeline
     costs: Costs
+    evaluations: list[dict[str, float]] = field(default_factory=list)
 
     @classmethod
     def build(cls, config: TrainConfig, result: dict[str, Any]) -> TrainReport:
@@ -38,7 +39,15 @@ class TrainReport:
         schedule = config.schedule_for()
         costs = measured_costs(measured, schedule.stages)
         predicted = simulate(schedule, costs)
-        return cls(config, result["losses"], result["step_times_s"], measured, predicted, costs)
+        return cls(
+            config,
+            result["losses"],
+            result["step_times_s"],
+            measured,
+            predicted,
+            costs,
+            result.get("eval", []),
+        )
 
     @property
     def step_s(self) -> float:
@@ -64,6 +73,9 @@ class TrainReport:
             "lr": config.lr,
             "accumulate": config.accumulate,
             "max_grad_norm": config.max_grad_norm,
+            "lr_schedule": config.lr_schedule,
+            "eval_every": config.eval_every,
+            "eval": self.evaluations,
             "losses": self.losses,
             "final_loss": self.losses[-1],
             "step_times_s": self.step_times_s,
@@ -101,12 +113,20 @@ class TrainReport:
                 )
             ]
         )
+        held = [
+            f"  held-out          after step {last['step']:g}: "
+            + ", ".join(f"{name} {value:.4f}" for name, value in last.items() if name != "step")
+            for last in self.evaluations[-1:]
+        ]
+        schedule = "" if config.lr_schedule == "constant" else f", {config.lr_schedule}"
         return "\n".join(
             [
                 f"{config.model} on {_placement(config)}, {config.schedule}, "
                 f"{config.microbatches} micro-batches "
-                f"of {per_micro:g} samples, {config.steps} steps (Adam, lr {config.lr:g})",
+                f"of {per_micro:g} samples, {config.steps} steps "
+                f"(Adam, lr {config.lr:g}{schedule})",
                 f"  loss              {self.losses[0]:.4f} -> {self.losses[-1]:.4f}",
+                *held,
                 f"  step time         {format_seconds(self.step_s)} (median of {steady})",
                 f"  throughput        {self.samples_per_s:,.0f} samples/s",
                 f"  last step         measured {format_seconds(measured.makespan)}, "
