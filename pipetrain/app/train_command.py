@@ -107,7 +107,7 @@ def add_train(commands: argparse._SubParsersAction) -> None:
         help=f"re-materialization: {', '.join(RECOMPUTE_MODES)} (default never)",
     )
     parser.add_argument(
-        "--lr", type=_learning_rate, metavar="LR", help="Adam learning rate (default per model)"
+        "--lr", type=_positive_float, metavar="LR", help="Adam learning rate (default per model)"
     )
     add_schedule_options(parser)
     parser.add_argument(
@@ -152,9 +152,6 @@ def _positive_float(text: str) -> float:
     if value == 0:
         raise argparse.ArgumentTypeError("must be greater than 0")
     return value
-
-
-_learning_rate = _positive_float
 
 
 def run_train(args: argparse.Namespace) -> None:

@@ -204,7 +204,14 @@ class Candidate:
 
     def chunks_of(self, rank: int) -> list[int]:
         """The chunks (model stages) ``rank`` holds, in pipeline order."""
-        return [c for c in range(len(self.layout.stages)) if self.ranks_of(c)[0] == rank]
+        return self._chunks_by_rank[rank]
+
+    @cached_property
+    def _chunks_by_rank(self) -> list[list[int]]:
+        held: list[list[int]] = [[] for _ in range(self.layout.workers)]
+        for chunk in range(len(self.layout.stages)):
+            held[self.ranks_of(chunk)[0]].append(chunk)
+        return held
 
     def costs(self, topology: Topology) -> Costs:
         """Per-stage times and per-boundary transfers for :func:`pipetrain.simulation.simulate`."""

@@ -133,18 +133,21 @@ class Weights:
         self.updating = update
         self._steps = dict.fromkeys(self.modules, 0)
         self._base = {stage: stash.newest for stage, stash in self.stashes.items()}
-        # needed[stage][j]: absolute versions used after the stage's j-th update in the window
+        # needed[stage][j]: absolute versions used after the stage's j-th update in the window,
+        # built from the window's end (last update first), then put in update order
         self._needed = {stage: [] for stage in self.modules}
         for action in reversed(lane):
             if action.stage not in self.stashes:
                 continue
             needed = self._needed[action.stage]
             if action.kind is Kind.STEP:
-                needed.insert(0, set(needed[0]) if needed else set())
+                needed.append(set(needed[-1]) if needed else set())
             elif action.kind in COMPUTE_KINDS and action.version is not None:
                 if not needed:
-                    needed.insert(0, set())
-                needed[0].add(self._base[action.stage] + action.version)
+                    needed.append(set())
+                needed[-1].add(self._base[action.stage] + action.version)
+        for needed in self._needed.values():
+            needed.reverse()
 
     def version(self, stage: int, scheduled: int | None) -> int | None:
         """The stash's version for a schedule's version ``scheduled`` of ``stage`` (``None``:
