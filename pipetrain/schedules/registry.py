@@ -91,7 +91,7 @@ class ScheduleSpec:
     - ``options``: typed options; ``chunk_option`` names the one that sets model stages
       per rank (``None``: one stage per rank); ``placement(stage, ranks)`` is the rank
       holding a chunked stage.
-    - ``asynchronous``: updates inside the step (so it needs an optimizer) with weight
+    - ``asynchronous``: updates inside the step (so training needs an optimizer) with weight
       versions; ``replicable``: runs stages on several ranks; ``split_backward``: ``W``
       separate from ``B``.
     - ``window(microbatches, options)``: micro-batches the schedule runs in all;
@@ -124,11 +124,6 @@ class ScheduleSpec:
         default_factory=lambda: {"forward_s": 1.0, "backward_s": 2.0, "weight_s": 0.0}
     )
     planned_by_default: bool = False
-
-    @property
-    def needs_optimizer(self) -> bool:
-        """Whether training needs an optimizer inside the step (asynchronous families)."""
-        return self.asynchronous
 
     def resolve(self, options: Mapping[str, object]) -> dict[str, int | bool]:
         """``options`` checked against this family's, defaults filled in."""
