@@ -28,6 +28,31 @@ def mlp(seed: int = 0, dropout: float = 0.0) -> nn.Sequential:
     )
 
 
+def deep_mlp(seed: int = 0) -> nn.Sequential:
+    """Nine layers, enough for two chunks on each of four ranks."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(FEATURES, 12),
+        nn.Tanh(),
+        nn.Linear(12, 12),
+        nn.ReLU(),
+        nn.Linear(12, 12),
+        nn.Tanh(),
+        nn.Linear(12, 12),
+        nn.Linear(12, 12),
+        nn.Linear(12, CLASSES),
+    )
+
+
+def model_and_data(
+    config: dict,
+) -> tuple[Callable[[], nn.Module], Callable[..., tuple[torch.Tensor, torch.Tensor]]]:
+    """The model maker and data of a test config: ``tuple`` and ``deep`` pick the model."""
+    if config.get("tuple"):
+        return tuple_model, id_batch
+    return (deep_mlp if config.get("deep") else mlp), batch
+
+
 class Fork(nn.Module):
     """Returns a pair: a float activation and the integer ids it came from."""
 
@@ -124,8 +149,8 @@ def run_configs(configs: list[dict]) -> list[tuple[float, dict[str, torch.Tensor
     """Run one train step per config; return (loss, this rank's gradients) for each."""
     results = []
     for config in configs:
-        config = dict(config)
-        make, data = (tuple_model, id_batch) if config.pop("tuple", False) else (mlp, batch)
+        make, data = model_and_data(config)
+        config = {key: value for key, value in config.items() if key not in ("tuple", "deep")}
         size = config.pop("batch", BATCH)
         x, y = data(size=size)
         pipe = pipetrain.Pipeline(make(), loss_fn=nn.functional.cross_entropy, **config)

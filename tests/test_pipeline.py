@@ -19,9 +19,7 @@ from pipetrain.runtime.reduce import DEFAULT_BUCKET_BYTES
 
 def assert_transparent(configs: list[dict], results: list[list], ranks: int) -> None:
     for index, config in enumerate(configs):
-        make, data = (
-            (cases.tuple_model, cases.id_batch) if config.get("tuple") else (cases.mlp, cases.batch)
-        )
+        make, data = cases.model_and_data(config)
         expected_loss, expected_grads = reference(make, data, config.get("batch", cases.BATCH))
         losses = [results[rank][index][0] for rank in range(ranks)]
         assert losses == [losses[0]] * ranks, f"{config}: ranks disagree on the loss"
@@ -33,6 +31,9 @@ def assert_transparent(configs: list[dict], results: list[list], ranks: int) -> 
                 got[name], grad, rtol=1e-5, atol=1e-6, msg=f"{config}: {name}"
             )
 
+
+CHUNKED_SINCE_ZERO_BUBBLE = ["zb-v", "v-half", "v-min", "looped-bfs", "interleaved-zb"]
+"""The families with two chunks per rank beside interleaved: V-shaped and looped."""
 
 TWO_RANK_CONFIGS = (
     [
@@ -51,6 +52,12 @@ TWO_RANK_CONFIGS = (
         )
     ]
     + [
+        {"schedule": schedule, "balance": balance, "recompute": recompute, "microbatches": m}
+        for schedule, balance, recompute, m in itertools.product(
+            CHUNKED_SINCE_ZERO_BUBBLE, [[1, 1, 2, 1], [2, 1, 1, 1]], ["never", "always"], [1, 3, 4]
+        )
+    ]
+    + [
         {"schedule": schedule, "balance": [2, 1], "microbatches": m, "tuple": True}
         for schedule, m in [("gpipe", 3), ("1f1b", 2), ("zb-h1", 4)]
     ]
@@ -66,6 +73,12 @@ THREE_RANK_CONFIGS = [
     )
 ]
 
+FOUR_RANK_CONFIGS = [
+    {"schedule": schedule, "recompute": recompute, "microbatches": m, "deep": True}
+    for schedule, recompute, m in itertools.product(
+        CHUNKED_SINCE_ZERO_BUBBLE, ["never", "except_last"], [2, 5, 8]
+    )
+]
 
 GPU_CONFIGS = [
     {
@@ -110,6 +123,11 @@ def test_every_schedule_balance_and_recompute_mode_matches_the_unpipelined_model
 def test_three_stages_match_the_unpipelined_model() -> None:
     results = pipetrain.launch(cases.run_configs, 3, THREE_RANK_CONFIGS, timeout_s=60)
     assert_transparent(THREE_RANK_CONFIGS, results, 3)
+
+
+def test_four_ranks_with_two_chunks_each_match_the_unpipelined_model() -> None:
+    results = pipetrain.launch(cases.run_configs, 4, FOUR_RANK_CONFIGS, timeout_s=120)
+    assert_transparent(FOUR_RANK_CONFIGS, results, 4)
 
 
 def test_dropout_is_identical_with_and_without_recomputation() -> None:

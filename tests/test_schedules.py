@@ -42,6 +42,33 @@ def test_interleaved_is_valid_for_multiples_of_ranks(ranks: int, groups: int, vi
         assert schedule.stages_of(rank) == tuple(rank + chunk * ranks for chunk in range(virtual))
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(["zb-v", "v-half", "v-min", "looped-bfs", "interleaved-zb"]),
+    ranks=st.integers(1, 5),
+    microbatches=sizes,
+)
+def test_two_chunk_families_cover_every_microbatch_where_their_placement_puts_it(
+    name: str, ranks: int, microbatches: int
+) -> None:
+    schedule = build(name, ranks, microbatches)
+    stages = 2 * ranks
+    expected = sorted((s, k) for s in range(stages) for k in range(microbatches))
+    assert sorted(compute_keys(schedule, Kind.FORWARD)) == expected
+    assert sorted(compute_keys(schedule, Kind.BACKWARD)) == expected
+    split = name != "looped-bfs"
+    assert sorted(compute_keys(schedule, Kind.WEIGHT)) == (expected if split else [])
+    v_shaped = name.startswith(("zb-v", "v-"))
+    for rank in range(ranks):
+        second = 2 * ranks - 1 - rank if v_shaped else rank + ranks
+        assert schedule.stages_of(rank) == (rank, second)
+
+
+def test_v_schedules_refuse_other_chunk_counts() -> None:
+    with pytest.raises(ValueError, match="v-half places 2 chunks per rank in a V"):
+        build("v-half", 2, 4, virtual=3)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     replicas=st.lists(st.integers(1, 3), min_size=1, max_size=4),

@@ -3,12 +3,29 @@
 from pipetrain.schedules.builtin import (
     gpipe,
     interleaved,
+    interleaved_zb,
+    looped_bfs,
     one_f_one_b,
     pipedream,
     two_bw,
+    v_half,
+    v_min,
+    zb_v,
     zero_bubble,
 )
 from pipetrain.schedules.registry import register
 
-for family in (gpipe, one_f_one_b, interleaved, zero_bubble, pipedream, two_bw):
+for family in (
+    gpipe,
+    one_f_one_b,
+    interleaved,
+    zero_bubble,
+    pipedream,
+    two_bw,
+    looped_bfs,
+    interleaved_zb,
+    zb_v,
+    v_half,
+    v_min,
+):
     register(family.SPEC)

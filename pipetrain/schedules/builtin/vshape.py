@@ -1,0 +1,107 @@
+"""What the V-shaped families share: two chunks per rank in a V, and their orders.
+
+Rank ``r`` of ``p`` holds model stages ``r`` and ``2p − 1 − r``, so a micro-batch's forward
+runs down the ranks and back up, its backward down and back up again, and the first and
+last stages share rank 0 (Qi et al., "Pipeline Parallelism with Controllable Memory",
+NeurIPS 2024). The families differ only in the chunk micro-batches a rank may hold
+(:func:`v_orders`' ``slots``): ``2p`` for ``zb-v``, about half and a third of that for
+``v-half`` and ``v-min``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+
+from pipetrain.schedules.actions import Action, Kind
+from pipetrain.schedules.builtin.unit_time import (
+    PERIOD,
+    Block,
+    Orders,
+    list_schedule,
+    peak_held,
+    repeated_block,
+    shortest,
+)
+from pipetrain.schedules.registry import Generated, Option, Options
+
+CHUNKS = Option("virtual", 2, "model chunks per rank (a V holds 2)", minimum=2)
+"""The chunk count of a V, as an option so that plans and the command line name it as they
+do for ``interleaved``; :func:`check_v` refuses any other value."""
+
+
+def v_placement(stage: int, ranks: int) -> int:
+    """The rank holding ``stage`` in a V: ``r`` holds stages ``r`` and ``2·ranks − 1 − r``."""
+    return stage if stage < ranks else 2 * ranks - 1 - stage
+
+
+Check = Callable[[int, int, Sequence[int] | None, Options], None]
+
+
+def check_v(name: str) -> Check:
+    """A spec's ``check`` for family ``name``: refuses a chunk count other than 2."""
+
+    def check(
+        ranks: int, microbatches: int, replicas: Sequence[int] | None, options: Options
+    ) -> None:
+        if options["virtual"] != 2:
+            raise ValueError(f"{name} places 2 chunks per rank in a V; virtual must be 2")
+
+    return check
+
+
+def tight_block(ranks: int, delay: int) -> Block:
+    """A V building block with every pass as early as its rank's free time units allow
+    (each rank's six passes at distinct times modulo :data:`PERIOD`) and each W ``delay``
+    units after its B."""
+    taken: list[set[int]] = [set() for _ in range(ranks)]
+    block: Block = {}
+
+    def place(kind: Kind, stage: int, time: int) -> int:
+        rank = v_placement(stage, ranks)
+        while time % PERIOD in taken[rank]:
+            time += 1
+        taken[rank].add(time % PERIOD)
+        block[(kind, stage)] = time
+        return time
+
+    time = 0
+    for stage in range(2 * ranks):
+        time = place(Kind.FORWARD, stage, time) + 1
+    for stage in reversed(range(2 * ranks)):
+        time = place(Kind.BACKWARD, stage, time) + 1
+        place(Kind.WEIGHT, stage, block[(Kind.BACKWARD, stage)] + 1 + delay)
+    return block
+
+
+@lru_cache(maxsize=256)
+def _orders(ranks: int, microbatches: int, slots: int) -> tuple[tuple[Action, ...], ...]:
+    placement = [v_placement(stage, ranks) for stage in range(2 * ranks)]
+    cap = [slots] * ranks
+    candidates: list[Orders | None] = [
+        list_schedule(placement, microbatches, cap, reserve) for reserve in (True, False)
+    ]
+    candidates += [
+        repeated_block(placement, microbatches, tight_block(ranks, delay))
+        for delay in range(PERIOD)
+    ]
+    return tuple(tuple(order) for order in shortest(candidates, cap, 2 * ranks))
+
+
+def v_orders(ranks: int, microbatches: int, slots: int) -> Orders:
+    """The shortest order at unit costs, among list scheduling and repeated building blocks,
+    that holds at most ``slots`` chunk micro-batches on any rank (``slots`` ≥ 2)."""
+    return [list(order) for order in _orders(ranks, microbatches, slots)]
+
+
+def generate_v(ranks: int, microbatches: int, slots: int) -> Generated:
+    """:func:`v_orders` with each rank's two optimizer steps at the end."""
+    orders = v_orders(ranks, microbatches, slots)
+    for rank, order in enumerate(orders):
+        order += [Action(Kind.STEP, rank), Action(Kind.STEP, 2 * ranks - 1 - rank)]
+    return Generated(orders, [(v_placement(stage, ranks),) for stage in range(2 * ranks)])
+
+
+def v_in_flight(slots: int, stage: int, microbatches: int, replicas: Sequence[int]) -> int:
+    """Chunk micro-batches rank ``stage`` holds at once in :func:`v_orders`."""
+    return peak_held(v_orders(len(replicas), microbatches, slots))[stage]
