@@ -10,7 +10,7 @@ of evaluation outputs are actions of the schedule like any other.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Literal, overload
 
@@ -18,28 +18,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.model.layers import StageModule, stage_bounds, to_layers
+from pipetrain.model.layers import to_layers
+from pipetrain.runtime.assembly import OptimizerArg, UpdateSettings, assemble
 from pipetrain.runtime.batch import Data, StepData
 from pipetrain.runtime.config import PipelineConfig
-from pipetrain.runtime.executor import ActionFailed, Executor, Outcome
+from pipetrain.runtime.executor import ActionFailed, Outcome
 from pipetrain.runtime.failure import explain_peer_failure, report_origin
 from pipetrain.runtime.outputs import Destination, check_destination, deliver
-from pipetrain.runtime.recorder import Recorder
-from pipetrain.runtime.reduce import replica_reducers
-from pipetrain.runtime.stage import LossFn, Stage
-from pipetrain.runtime.torch_transport import TorchTransport, default_device
+from pipetrain.runtime.precision import LossScale, Precision
+from pipetrain.runtime.stage import LossFn
+from pipetrain.runtime.torch_transport import default_device
 from pipetrain.runtime.transport import PeerError, Tensors
-from pipetrain.runtime.update import LRSchedulerFactory, NonFiniteError, Updater, check_training
-from pipetrain.runtime.weights import Weights
+from pipetrain.runtime.update import LRSchedulerFactory, NonFiniteError, check_training
 from pipetrain.schedules import Schedule, forward_only, with_targets_shipped
 from pipetrain.timeline import Timeline
 
 if TYPE_CHECKING:
     from pipetrain.planning import Plan
 
-OptimizerArg = (
-    torch.optim.Optimizer | Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer] | None
-)
 Outputs = torch.Tensor | tuple[torch.Tensor, ...]
 
 
@@ -91,6 +87,16 @@ class Pipeline:
             :attr:`skipped_updates`), or ``"warn"`` and skip. The weights are never changed
             by such an update. Asynchronous families check each stage's update on its own
             rank and only ``"raise"``.
+        precision: ``"fp32"``; ``"bf16"``: every forward (and recomputation) under
+            :func:`torch.autocast` with bfloat16; ``"fp16"``: with float16 and a loss scale
+            (``loss_scale``; synchronous families, with an optimizer) that behaves exactly as
+            :class:`torch.amp.GradScaler` on the unpipelined model: an update whose
+            gradients overflow on any rank is skipped on every rank (counted in
+            :attr:`skipped_updates`) and the scale backs off. A non-finite loss is left to
+            ``on_nonfinite``. Losses are taken and summed in float32 in every precision.
+        loss_scale: the fp16 loss scale's policy, a
+            :class:`~pipetrain.runtime.precision.LossScale` (GradScaler's defaults if
+            ``None``).
 
     Raises:
         ValueError: a setting that cannot run, named with its fix.
@@ -119,6 +125,8 @@ class Pipeline:
         max_grad_norm: float | None = None,
         lr_scheduler: LRSchedulerFactory | None = None,
         on_nonfinite: str = "raise",
+        precision: str = "fp32",
+        loss_scale: LossScale | None = None,
     ) -> None:
         """Build this rank's stage(s), the schedule and the transport."""
         if not dist.is_initialized():
@@ -154,7 +162,9 @@ class Pipeline:
         if config.targets_on_first_stage:
             built = replace(built, ranks=with_targets_shipped(built.ranks, built.stage_ranks))
         self.schedule: Schedule = built
-        check_training(built, optimizer is not None, max_grad_norm, lr_scheduler, on_nonfinite)
+        check_training(
+            built, optimizer is not None, max_grad_norm, lr_scheduler, on_nonfinite, precision
+        )
         # evaluation runs the forwards alone on the newest weights, as a schedule of its own
         self._evaluation = replace(
             built, ranks=forward_only(built.ranks, built.stage_ranks), asynchronous=False
@@ -163,60 +173,29 @@ class Pipeline:
         self.device = (
             torch.device(config.device) if config.device is not None else default_device(group)
         )
-        bounds = stage_bounds(self.balance)
-        self.stages: dict[int, StageModule] = {
-            stage: StageModule(layers[slice(*bounds[stage])]).to(self.device)
-            for stage in built.stages_of(self.rank)
-        }
-        updates = optimizer is not None  # the same on every rank, unlike the optimizer built
-        if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
-            # a stage of parameter-free layers (activations, pooling) has nothing to optimize
-            optimizer = (
-                optimizer(self.parameters()) if any(True for _ in self.parameters()) else None
-            )
-        self.optimizer = optimizer
-        self.transport = TorchTransport(self.device, group, config.timeout_s)
-        self.recorder = Recorder(self.rank, self.device, enabled=config.record)
-        trainable = [p for p in self.parameters() if p.requires_grad]
-        # a replicated stage's gradients enter the global norm once, from its first replica
-        counted = [
-            p
-            for stage, module in self.stages.items()
-            if built.stage_ranks[stage][0] == self.rank
-            for p in module.parameters()
-            if p.requires_grad
-        ]
-        self._updater = Updater(
+        self._rank = assemble(
+            built,
+            self.rank,
+            layers,
+            self.balance,
+            loss_fn,
             optimizer,
-            active=updates,
-            parameters=trainable,
-            counted=counted,
-            all_reduce=self.transport.all_reduce,
             device=self.device,
-            max_grad_norm=max_grad_norm,
-            on_nonfinite=on_nonfinite,
-            lr_scheduler=lr_scheduler,
+            group=group,
+            timeout_s=config.timeout_s,
+            recompute=config.recompute,
+            record=config.record,
+            bucket_bytes=config.bucket_bytes,
+            settings=UpdateSettings(
+                max_grad_norm, lr_scheduler, on_nonfinite, precision, loss_scale or LossScale()
+            ),
         )
-        self.weights = Weights(self.stages, optimizer, built.asynchronous, self._updater)
+        self.stages = self._rank.stages
+        self.optimizer = self._rank.optimizer
+        self.transport, self.recorder = self._rank.transport, self._rank.recorder
+        self.weights = self._rank.weights
+        self.precision: Precision = self._rank.updater.precision
         self._accumulated = False  # gradients of non-updating steps wait for an update
-        runners = {
-            index: Stage(
-                index,
-                self.weights,
-                loss_fn,
-                last=index == built.stages - 1,
-                recompute=config.recompute,
-                microbatches=self.microbatches,
-                split_backward=built.split_backward,
-            )
-            for index in self.stages
-        }
-        self._reducers = replica_reducers(
-            self.stages, built, self.transport.global_rank, self.device, config.bucket_bytes
-        )
-        self._executor = Executor(
-            self.rank, runners, self.transport, self.weights, self.recorder, self._reducers
-        )
 
     # parameters -----------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -272,7 +251,7 @@ class Pipeline:
         stage = min(self.stages)
         outputs: Tensors | None = None
         try:
-            outcome = self._executor.run(schedule, data, update)
+            outcome = self._rank.executor.run(schedule, data, update)
             self.transport.flush()
             if to is not None:
                 world = dist.get_world_size(self.group)
@@ -379,6 +358,7 @@ class Pipeline:
         if not self._accumulated:
             for parameter in self.parameters():
                 parameter.grad = None
+            self._rank.updater.start()
         self._accumulated = not update
         gather = self.schedule.stage_ranks[-1][0]
         outcome, outputs = self._run(
@@ -399,9 +379,9 @@ class Pipeline:
                 "no gradients wait for an update: call train_step(..., update=False) first"
             )
         self._accumulated = False
-        for stage in sorted(self._reducers):
-            self._reducers[stage].finish(self.weights.holders(stage, None))
-        self._updater.apply(None)
+        for stage in sorted(self._rank.reducers):
+            self._rank.reducers[stage].finish(self.weights.holders(stage, None))
+        self._rank.updater.apply(None)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale every rank's gradients so that their global 2-norm is at most ``max_norm``
@@ -409,23 +389,23 @@ class Pipeline:
         :func:`torch.nn.utils.clip_grad_norm_` on the unpipelined model would. A replicated
         stage's gradients count once; every rank must call it, after a step that reduced
         the replicas (an updating one)."""
-        return self._updater.clip_grad_norm_(max_norm)
+        return self._rank.updater.clip_grad_norm_(max_norm)
 
     @property
     def lr_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None:
         """This rank's learning-rate scheduler (``None`` where no optimizer is: a rank whose
         stages have no parameters still counts the updates in :attr:`updates`)."""
-        return self._updater.lr_scheduler
+        return self._rank.updater.lr_scheduler
 
     @property
     def updates(self) -> int:
         """Updates applied so far (on an asynchronous schedule, each stage's count)."""
-        return self._updater.updates
+        return self._rank.updater.updates
 
     @property
     def skipped_updates(self) -> int:
         """Updates skipped because of non-finite values (``on_nonfinite="skip"`` or ``"warn"``)."""
-        return self._updater.skipped_updates
+        return self._rank.updater.skipped_updates
 
     def eval_step(self, inputs: Data | None = None, *, to: Destination = "all") -> Outputs | None:
         """Forward only, without gradients, on the newest weights: the model's outputs on

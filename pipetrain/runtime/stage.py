@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from pipetrain.runtime.batch import LossTarget, Tensors, as_tuple
+from pipetrain.runtime.precision import Precision
 from pipetrain.runtime.recompute import RandomState, recompute, recomputes
 from pipetrain.runtime.weights import Weights
 
@@ -52,7 +53,8 @@ class Stage:
     ``last`` marks the model's last stage, whose forward computes the loss when given a
     target. ``recompute`` is the recompute mode over ``microbatches`` micro-batches;
     ``split_backward`` makes the backward compute input gradients only, leaving the weight
-    gradients to :meth:`weight`.
+    gradients to :meth:`weight`. Forwards run under ``precision``'s autocast, the loss is
+    taken in float32, and its backward starts from the fp16 loss scale.
     """
 
     def __init__(
@@ -65,9 +67,11 @@ class Stage:
         recompute: str,
         microbatches: int,
         split_backward: bool,
+        precision: Precision | None = None,
     ) -> None:
         """Stage ``index``, whose module and weight versions ``weights`` holds."""
         self.index, self.weights, self.loss_fn, self.last = index, weights, loss_fn, last
+        self.precision = precision or Precision("fp32", torch.device("cpu"))
         self.recompute, self.microbatches = recompute, microbatches
         self.split_backward = split_backward
         self.clear()
@@ -111,11 +115,12 @@ class Stage:
     def _run(
         self, inputs: Tensors, version: int | None, target: LossTarget | None
     ) -> tuple[Tensors, torch.Tensor | None]:
-        outputs = as_tuple(self.weights.run(self.index, version, inputs))
-        if target is None:
-            return outputs, None
-        output = outputs[0] if len(outputs) == 1 else outputs
-        loss = self.loss_fn(output, target.target)
+        with self.precision.autocast():
+            outputs = as_tuple(self.weights.run(self.index, version, inputs))
+            if target is None:
+                return outputs, None
+            output = outputs[0] if len(outputs) == 1 else outputs
+            loss = self.loss_fn(output, target.target)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(
@@ -123,7 +128,7 @@ class Stage:
                 f"{self.index}, not a scalar: it must reduce over the batch (e.g. "
                 "reduction='mean')"
             )
-        return outputs, loss * target.weight
+        return outputs, loss.float() * target.weight
 
     def forward(
         self,
@@ -163,7 +168,7 @@ class Stage:
         if self.last:
             if slot.loss is None:
                 raise RuntimeError(f"stage {self.index} has no loss to differentiate: no targets")
-            return (slot.loss,), (torch.ones_like(slot.loss),)
+            return (slot.loss,), (self.precision.loss_grad(slot.loss),)
         grads = self._output_grads.pop(microbatch)
         floating = [t for t in outputs if t.is_floating_point()]
         pairs = [(t, g) for t, g in zip(floating, grads) if t.requires_grad]

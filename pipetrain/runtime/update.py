@@ -7,7 +7,10 @@ rank the same global norm and loss, so every rank takes the same decision: clip,
 refuse the update. A replicated stage's gradients count once, on its first replica (the
 replicas hold equal gradients after their all-reduce); a stage without parameters
 contributes nothing. Asynchronous schedules update each stage on its own, so their check
-is local: a non-finite gradient raises before that stage's update.
+is local: a non-finite gradient raises before that stage's update. Under fp16 the
+gradients are unscaled first and the all-reduce carries a third float, whether any rank's
+gradients overflowed: then every rank skips the update and backs its loss scale off, as
+:class:`torch.amp.GradScaler` does (see :mod:`pipetrain.runtime.precision`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.nn.utils import clip_grads_with_norm_
 
+from pipetrain.runtime.precision import Precision, check_precision
 from pipetrain.schedules import Schedule
 
 NONFINITE_POLICIES = ("raise", "skip", "warn")
@@ -73,6 +77,7 @@ class Updater:
         max_grad_norm: float | None = None,
         on_nonfinite: str = "raise",
         lr_scheduler: LRSchedulerFactory | None = None,
+        precision: Precision | None = None,
     ) -> None:
         """Step ``optimizer`` at each update, under the given policies."""
         check_policy(max_grad_norm, on_nonfinite)
@@ -89,22 +94,39 @@ class Updater:
         self.lr_scheduler = (
             lr_scheduler(optimizer) if lr_scheduler is not None and optimizer is not None else None
         )
+        self.precision = precision or Precision("fp32", self.device)
+        self._found_inf: torch.Tensor | None = None  # set once this update's grads are unscaled
         self.updates = 0  # applied
         self.skipped_updates = 0
 
     def _grads(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [t.grad for t in tensors if t.grad is not None]
 
-    def _reduced(self, loss: torch.Tensor | None) -> tuple[torch.Tensor, float]:
-        """The global gradient norm (a tensor) and the step's loss, over every rank."""
+    def start(self) -> None:
+        """Forget the unscaling of gradients that have been cleared for a new update."""
+        self._found_inf = None
+
+    def _unscaled(self) -> torch.Tensor:
+        """Unscale this update's gradients once (fp16); whether they overflowed here."""
+        if self._found_inf is None:
+            self._found_inf = self.precision.unscale_(self.parameters)
+        return self._found_inf
+
+    def _reduced(self, loss: torch.Tensor | None) -> tuple[torch.Tensor, float, bool]:
+        """The global gradient norm (a tensor), the step's loss and whether any rank's
+        gradients overflowed, over every rank."""
         local_loss = torch.zeros((), device=self.device) if loss is None else loss.float()
-        stats = torch.stack([_square_norm(self._grads(self.counted), self.device), local_loss])
+        overflowed = self._unscaled().to(self.device)  # before the norm: it is of unscaled grads
+        stats = torch.stack(
+            [_square_norm(self._grads(self.counted), self.device), local_loss, overflowed]
+        )
         if self.all_reduce is not None:
             self.all_reduce(stats)
-        return stats[0].sqrt(), float(stats[1])
+        return stats[0].sqrt(), float(stats[1]), bool(stats[2] > 0)
 
     def global_norm(self) -> torch.Tensor:
-        """The 2-norm of every rank's gradients taken together (every rank must call it)."""
+        """The 2-norm of every rank's (unscaled) gradients taken together (every rank must
+        call it)."""
         return self._reduced(None)[0]
 
     def clip_grad_norm_(self, max_norm: float) -> float:
@@ -116,12 +138,19 @@ class Updater:
 
     def apply(self, loss: torch.Tensor | None) -> None:
         """A synchronous update on every rank: check that ``loss`` (this rank's share of the
-        step's loss) and the global gradient norm are finite, clip, and step."""
+        step's loss) and the global gradient norm are finite, clip, and step. Under fp16 an
+        overflow of finite-loss gradients skips the update and backs the scale off."""
         if not self.active:
             return
-        norm, total_loss = self._reduced(loss)
-        if not (math.isfinite(float(norm)) and math.isfinite(total_loss)):
+        norm, total_loss, overflowed = self._reduced(loss)
+        self._found_inf = None
+        if not math.isfinite(total_loss) or not (overflowed or math.isfinite(float(norm))):
+            self.precision.update(overflowed)
             self._refuse(f"loss {total_loss}, gradient norm {float(norm)}")
+            return
+        self.precision.update(overflowed)
+        if overflowed:
+            self._clear()
             return
         if self.max_grad_norm is not None:
             clip_grads_with_norm_(self.parameters, self.max_grad_norm, norm)
@@ -152,6 +181,10 @@ class Updater:
             raise NonFiniteError(f"{message}; the update was not applied")
         if self.on_nonfinite == "warn":
             warnings.warn(f"{message}; update skipped", RuntimeWarning, stacklevel=2)
+        self._clear()
+
+    def _clear(self) -> None:
+        """Drop a skipped update's gradients."""
         for parameter in self.parameters:
             parameter.grad = None
         self.skipped_updates += 1
@@ -163,11 +196,17 @@ def check_training(
     max_grad_norm: float | None,
     lr_scheduler: LRSchedulerFactory | None,
     on_nonfinite: str,
+    precision: str = "fp32",
 ) -> None:
     """Raise a ValueError for update settings that ``schedule`` cannot honour."""
     check_policy(max_grad_norm, on_nonfinite)
+    check_precision(precision)
     if not has_optimizer:
-        settings = (("max_grad_norm", max_grad_norm), ("lr_scheduler", lr_scheduler))
+        settings = (
+            ("max_grad_norm", max_grad_norm),
+            ("lr_scheduler", lr_scheduler),
+            ("precision='fp16'", True if precision == "fp16" else None),
+        )
         given = [name for name, value in settings if value is not None]
         if given:
             raise ValueError(
@@ -184,4 +223,10 @@ def check_training(
             f"{schedule.name} updates each stage at its own time, so the ranks cannot "
             f"skip an update together; on_nonfinite={on_nonfinite!r} needs a synchronous "
             "schedule (asynchronous ones raise)"
+        )
+    if schedule.asynchronous and precision == "fp16":
+        raise ValueError(
+            f"{schedule.name} updates each stage at its own time, so the ranks cannot skip "
+            "an overflowing update together as fp16 loss scaling needs; use precision='bf16' "
+            "(no loss scale) or a synchronous schedule"
         )
