@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 from pipetrain.schedules import build
 from pipetrain.simulation import Costs, Variation, median_makespan, simulate
+from pipetrain.timeline import Timeline
 
 
 @settings(max_examples=50, deadline=None)
@@ -55,6 +57,89 @@ def test_peak_activations(p: int, m: int) -> None:
     peaks = simulate(build("1f1b", p, m), costs).peak_activations
     assert peaks[0] == min(p, m)
     assert all(peak <= p for peak in peaks)
+
+
+def reference_bubble_rate(timeline: Timeline, microbatches: int, chunks: int) -> float:
+    """The controllable-memory paper's bubble rate, 1 − (F+B+W)·m / longest rank time, at
+    F = B = W = 1 per chunk: a rank's time runs from its first pass to its last."""
+    spans = []
+    for rank in range(timeline.num_ranks):
+        passes = [e for e in timeline.rank_events(rank) if e.kind in ("F", "B", "W")]
+        spans.append(max(e.end for e in passes) - min(e.start for e in passes))
+    return 1 - 3 * chunks * microbatches / max(spans)
+
+
+def held_until_weight_pass(timeline: Timeline) -> list[int]:
+    """Per rank, the most chunk micro-batches held at once, each from the start of its F to
+    the end of its W (the weight pass still reads the stored activations)."""
+    peaks = []
+    for rank in range(timeline.num_ranks):
+        changes = sorted(
+            [(e.start, 1) for e in timeline.rank_events(rank) if e.kind == "F"]
+            + [(e.end, -1) for e in timeline.rank_events(rank) if e.kind == "W"]
+        )
+        held = peak = 0
+        for _, change in changes:
+            held += change
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
+
+V_FAMILY = [
+    # name, bubble rate ~ coefficient·p/m, activation memory in micro-batches' worth
+    ("zb-v", 0.0, lambda p: p),
+    ("v-half", 1 / 2, lambda p: (p + 2) // 2),
+    ("v-min", 2 / 3, lambda p: (p + 4) // 3),
+]
+
+
+@pytest.mark.parametrize("name, coefficient, memory", V_FAMILY)
+@pytest.mark.parametrize("p, groups", list(itertools.product([2, 3, 4, 6, 8], [2, 4, 8])))
+def test_v_schedules_reproduce_the_controllable_memory_figures(
+    name: str, coefficient: float, memory: Callable[[int], int], p: int, groups: int
+) -> None:
+    m = groups * p
+    timeline = simulate(build(name, p, m), Costs(forward_s=1.0, backward_s=1.0, weight_s=1.0))
+    # a micro-batch's worth of activations on one rank is two chunk micro-batches
+    assert max(held_until_weight_pass(timeline)) == 2 * memory(p)
+    bubble = reference_bubble_rate(timeline, m, chunks=2)
+    assert bubble <= coefficient * p / m + 1e-12
+    assert bubble < (p - 1) / (m + p - 1)  # below 1F1B's, ~p/m
+
+
+@pytest.mark.parametrize("p, groups", list(itertools.product([2, 4, 8], [2, 4])))
+def test_zb_v_has_1f1b_memory_and_no_bubble(p: int, groups: int) -> None:
+    m = groups * p
+    costs = Costs(forward_s=1.0, backward_s=1.0, weight_s=1.0)
+    zb_v = simulate(build("zb-v", p, m), costs)
+    assert reference_bubble_rate(zb_v, m, chunks=2) == pytest.approx(0.0, abs=1e-12)
+    # 1F1B's first rank holds p micro-batches of a rank's layers; ZB-V 2p chunks of half
+    one_f_one_b = simulate(build("1f1b", p, m), Costs(forward_s=2.0, backward_s=4.0))
+    assert max(held_until_weight_pass(zb_v)) == 2 * max(one_f_one_b.peak_activations) == 2 * p
+
+
+@settings(max_examples=30, deadline=None)
+@given(p=st.integers(1, 6), extra=st.integers(0, 8), v=st.integers(2, 3))
+def test_looped_bfs_fills_and_drains_each_chunk_once(p: int, extra: int, v: int) -> None:
+    m = p + extra
+    timeline = simulate(build("looped-bfs", p, m, virtual=v), Costs(1.0 / v, 2.0 / v))
+    assert timeline.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1))
+    assert timeline.peak_activations == [v * m] * p  # every forward before any backward
+
+
+@settings(max_examples=30, deadline=None)
+@given(p=st.integers(1, 6), groups=st.integers(1, 4), v=st.integers(2, 3))
+def test_interleaved_zero_bubble_beats_interleaved_in_its_memory(
+    p: int, groups: int, v: int
+) -> None:
+    m = p * groups
+    costs = Costs(forward_s=1.0, backward_s=1.0, weight_s=1.0)
+    split = simulate(build("interleaved-zb", p, m, virtual=v), costs)
+    whole = simulate(build("interleaved", p, m, virtual=v), costs)
+    assert split.makespan <= whole.makespan
+    held = zip(held_until_weight_pass(split), whole.peak_activations)
+    assert all(mine <= theirs for mine, theirs in held)
 
 
 def test_communication_on_the_critical_path() -> None:

@@ -8,8 +8,14 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 from pipetrain.schedules.actions import Action, Kind
+from pipetrain.schedules.builtin.interleaved import generate as interleaved_order
 from pipetrain.schedules.builtin.interleaved import in_flight as interleaved_in_flight
-from pipetrain.schedules.builtin.unit_time import list_schedule, peak_held, shortest
+from pipetrain.schedules.builtin.unit_time import (
+    list_schedule,
+    peak_held,
+    shortest,
+    with_deferred_weights,
+)
 from pipetrain.schedules.registry import Generated, Option, Options, ScheduleSpec
 
 
@@ -25,6 +31,10 @@ def _orders(ranks: int, microbatches: int, virtual: int) -> tuple[tuple[Action, 
     placement = [stage % ranks for stage in range(ranks * virtual)]
     cap = caps(ranks, microbatches, virtual)
     candidates = [list_schedule(placement, microbatches, cap, reserve) for reserve in (True, False)]
+    if not microbatches % ranks:  # Megatron-LM's interleaved order, its W's moved into gaps
+        written = interleaved_order(ranks, microbatches, None, {"virtual": virtual}).orders
+        passes = [[a for a in order if a.kind is not Kind.STEP] for order in written]
+        candidates.append(with_deferred_weights(passes, ranks * virtual, cap))
     return tuple(tuple(order) for order in shortest(candidates, cap, ranks * virtual))
 
 

@@ -12,12 +12,15 @@ gives them the pieces:
   its later forwards there never wait for memory and the order cannot stall (the last rank
   only ever waits for micro-batches already past it); without it only the micro-batches
   held count, which packs more in but can stall (``None``);
+- :func:`with_deferred_weights`: an existing order of forwards and backwards with each
+  backward's weight pass moved into the gaps, as zero bubble does with 1F1B;
 - :func:`repeated_block`: a building block (each stage's F, B and W at a fixed time)
   repeated every :data:`PERIOD` units, one micro-batch per period, in the order of those
   times;
 - :func:`peak_held`: a candidate's peak per rank, which its order alone fixes;
-- :func:`unit_span`: its longest rank span (first start to last end) at unit costs;
-- :func:`shortest`: the shortest candidate within the cap.
+- :func:`unit_span`: its longest rank span (first start to last end) at unit costs, or
+  ``None`` where the order would wait for ever;
+- :func:`shortest`: the shortest candidate that finishes within the cap.
 """
 
 from __future__ import annotations
@@ -107,6 +110,51 @@ def list_schedule(
     return orders
 
 
+def with_deferred_weights(
+    orders: Sequence[Sequence[Action]], stages: int, cap: Sequence[int]
+) -> Orders | None:
+    """``orders`` (forwards and unsplit backwards) with each backward split: its B where the
+    backward was, its W run at unit costs whenever the rank's next pass cannot start (its
+    input is not there, or a forward would hold more than ``cap[r]``), and the W's still
+    owed at the end; ``None`` if it stalls."""
+    ranks = len(orders)
+    done: dict[tuple[Kind, int, int], int] = {}
+    position = [0] * ranks
+    held = [0] * ranks
+    deferred: list[deque[tuple[int, int]]] = [deque() for _ in range(ranks)]
+    result: Orders = [[] for _ in range(ranks)]
+    time = 0
+    while any(position[r] < len(orders[r]) for r in range(ranks)):
+        acted = False
+        for rank, order in enumerate(orders):
+            if position[rank] < len(order):
+                kind, stage, mb, _, _ = order[position[rank]]
+                assert mb is not None
+                needed = _input_of(kind, stage, mb, stages)
+                ready = needed is None or done.get(needed, _NEVER) <= time
+                if ready and (kind is not Kind.FORWARD or held[rank] < cap[rank]):
+                    position[rank] += 1
+                    done[(kind, stage, mb)] = time + 1
+                    if kind is Kind.FORWARD:
+                        held[rank] += 1
+                    else:
+                        deferred[rank].append((stage, mb))
+                    result[rank].append(Action(kind, stage, mb))
+                    acted = True
+                    continue
+            if deferred[rank]:
+                stage, mb = deferred[rank].popleft()
+                held[rank] -= 1
+                result[rank].append(Action(Kind.WEIGHT, stage, mb))
+                acted = True
+        if not acted:
+            return None
+        time += 1
+    for rank, owed in enumerate(deferred):
+        result[rank] += [Action(Kind.WEIGHT, stage, mb) for stage, mb in owed]
+    return result
+
+
 def repeated_block(stage_rank: Sequence[int], microbatches: int, block: Block) -> Orders:
     """Each rank's actions in the order of their times when micro-batch ``k`` runs
     ``block`` shifted by ``k·PERIOD``."""
@@ -136,9 +184,10 @@ def peak_held(orders: Orders) -> list[int]:
     return peaks
 
 
-def unit_span(orders: Orders, stages: int) -> int:
+def unit_span(orders: Orders, stages: int) -> int | None:
     """The longest rank span when every F, B and W takes one unit and each runs as soon as
-    its rank's previous action and its input (the neighbouring stage's pass) are done."""
+    its rank's previous action and its input (the neighbouring stage's pass) are done;
+    ``None`` if some rank waits for ever."""
     done: dict[tuple[Kind, int, int], int] = {}
     position, clock = [0] * len(orders), [0] * len(orders)
     first: list[int | None] = [None] * len(orders)
@@ -157,6 +206,8 @@ def unit_span(orders: Orders, stages: int) -> int:
                 clock[rank] = done[(kind, stage, mb)] = start + 1
                 position[rank] += 1
                 moved = True
+    if any(at < len(order) for at, order in zip(position, orders)):
+        return None
     return max(end - (start or 0) for end, start in zip(clock, first))
 
 
@@ -179,7 +230,10 @@ def shortest(candidates: Iterable[Orders | None], cap: Sequence[int], stages: in
         peaks = peak_held(orders)
         if any(peak > limit for peak, limit in zip(peaks, cap)):
             continue
-        key = (unit_span(orders, stages), max(peaks))
+        span = unit_span(orders, stages)
+        if span is None:
+            continue
+        key = (span, max(peaks))
         if best is None or key < best[:2]:
             best = (*key, orders)
     if best is None:

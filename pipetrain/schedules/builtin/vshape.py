@@ -74,6 +74,49 @@ def tight_block(ranks: int, delay: int) -> Block:
     return block
 
 
+def zb_v_order(ranks: int, microbatches: int) -> Orders:
+    """The ZB-V paper's order (as ``torch.distributed.pipelining`` writes it), built for at
+    least ``2p − 1`` micro-batches and the missing ones left out. Rank ``r``, whose chunks
+    are ``c0 = r`` and ``c1 = 2p − 1 − r``: ``2(p − r) − 1`` forwards of ``c0``; ``r`` times
+    F ``c1``, F ``c0``; ``p − r`` times F, B, W of ``c1``; then F ``c0`` (while any are left),
+    B, W of ``c0``, F, B, W of ``c1`` until every forward ran; then ``r`` times B ``c0``,
+    B ``c1``; ``p − r`` times B, W of ``c0``; and the ``r`` W's still owed on each chunk,
+    ``c1``'s first."""
+    p, total = ranks, max(2 * ranks - 1, microbatches)
+    orders: Orders = []
+    for rank in range(p):
+        c0, c1 = rank, 2 * p - 1 - rank
+        order: list[tuple[Kind, int]] = [(Kind.FORWARD, c0)] * (2 * (p - rank) - 1)
+        order += [(Kind.FORWARD, c1), (Kind.FORWARD, c0)] * rank
+        order += [(Kind.FORWARD, c1), (Kind.BACKWARD, c1), (Kind.WEIGHT, c1)] * (p - rank)
+        forwards = {c0: 2 * (p - rank) - 1 + rank, c1: p}
+        while forwards[c0] < total or forwards[c1] < forwards[c0]:
+            if forwards[c0] < total:
+                order.append((Kind.FORWARD, c0))
+                forwards[c0] += 1
+            order += [(Kind.BACKWARD, c0), (Kind.WEIGHT, c0)]
+            order += [(Kind.FORWARD, c1), (Kind.BACKWARD, c1), (Kind.WEIGHT, c1)]
+            forwards[c1] += 1
+        order += [(Kind.BACKWARD, c0), (Kind.BACKWARD, c1)] * rank
+        order += [(Kind.BACKWARD, c0), (Kind.WEIGHT, c0)] * (p - rank)
+        order += [(Kind.WEIGHT, c1)] * rank + [(Kind.WEIGHT, c0)] * rank
+        orders.append(_numbered(order, microbatches))
+    return orders
+
+
+def _numbered(order: list[tuple[Kind, int]], microbatches: int) -> list[Action]:
+    """Each (kind, stage) pass given the next micro-batch of its kind and stage; those past
+    ``microbatches`` left out."""
+    count: dict[tuple[Kind, int], int] = {}
+    numbered = []
+    for kind, stage in order:
+        k = count.get((kind, stage), 0)
+        count[(kind, stage)] = k + 1
+        if k < microbatches:
+            numbered.append(Action(kind, stage, k))
+    return numbered
+
+
 @lru_cache(maxsize=256)
 def _orders(ranks: int, microbatches: int, slots: int) -> tuple[tuple[Action, ...], ...]:
     placement = [v_placement(stage, ranks) for stage in range(2 * ranks)]
@@ -85,6 +128,7 @@ def _orders(ranks: int, microbatches: int, slots: int) -> tuple[tuple[Action, ..
         repeated_block(placement, microbatches, tight_block(ranks, delay))
         for delay in range(PERIOD)
     ]
+    candidates.append(zb_v_order(ranks, microbatches))
     return tuple(tuple(order) for order in shortest(candidates, cap, 2 * ranks))
 
 
