@@ -424,12 +424,40 @@ def test_a_diverged_run_ends_with_status_1_naming_the_non_finite_update() -> Non
     assert "the update was not applied" in result.stderr
 
 
-@pytest.mark.parametrize("flag", [("--accumulate", "2"), ("--max-grad-norm", "1.0")])
+def test_a_finite_but_diverged_run_reports_then_ends_with_status_1() -> None:
+    result = run_cli(
+        "train", *("--model", "mlp", "--stages", "2", "--steps", "8", "--lr", "1e6", "--json")
+    )
+    assert result.returncode == 1
+    report = json.loads(result.stdout)  # the losses are kept
+    assert report["diverged"] is True
+    assert report["losses"][-1] > 10 * report["losses"][0]
+    assert "the run diverged: loss 2.303 at the first step" in result.stderr
+    assert "--max-grad-norm" in result.stderr
+
+
+def test_train_in_bf16_stays_near_the_unpipelined_float32_losses() -> None:
+    result = run_cli(
+        "train",
+        *("--model", "mlp", "--stages", "2", "--steps", "3", "--precision", "bf16", "--json"),
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert (report["precision"], report["diverged"]) == ("bf16", False)
+    expected = unpipelined_losses("mlp", 3, report["batch_size"])
+    assert report["losses"] == pytest.approx(expected, rel=2e-2)
+    assert report["losses"] != pytest.approx(expected, rel=1e-6), "bf16 must change the sums"
+
+
+@pytest.mark.parametrize(
+    "flag", [("--accumulate", "2"), ("--max-grad-norm", "1.0"), ("--precision", "fp16")]
+)
 def test_train_refuses_accumulation_and_clipping_on_asynchronous_schedules(
     capsys: pytest.CaptureFixture[str], flag: tuple[str, str]
 ) -> None:
     assert cli.main(["train", "--model", "mlp", "--schedule", "pipedream", *flag]) == 2
-    assert f"so {flag[0]} needs a synchronous schedule" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert f"so {flag[0]}" in error and "needs a synchronous schedule" in error
 
 
 def test_train_rejects_a_schedule_that_cannot_split_the_batch_before_starting_workers() -> None:

@@ -81,6 +81,14 @@ def add_train(commands: argparse._SubParsersAction) -> None:
         "of the updates, then a cosine decay to 0",
     )
     parser.add_argument(
+        "--precision",
+        default="fp32",
+        choices=("fp32", "bf16", "fp16"),  # the runtime's PRECISIONS, without torch
+        metavar="NAME",
+        help="fp32 (the default); bf16: forwards under bfloat16 autocast; fp16: float16 "
+        "autocast with a loss scale that skips overflowing updates (synchronous schedules)",
+    )
+    parser.add_argument(
         "--eval-every",
         type=positive_int,
         metavar="N",
@@ -171,6 +179,7 @@ def run_train(args: argparse.Namespace) -> None:
         accumulate=args.accumulate,
         max_grad_norm=args.max_grad_norm,
         lr_schedule=args.lr_schedule,
+        precision=args.precision,
         eval_every=args.eval_every,
         schedule_options=schedule_options(args),
         seed=args.seed,
@@ -185,6 +194,9 @@ def run_train(args: argparse.Namespace) -> None:
     if args.trace:
         report.write_trace(args.trace)
     emit(args, report.to_json(), report.summary(), ("timeline", args.trace) if args.trace else None)
+    diverged = report.divergence()
+    if diverged is not None:  # after the report, which keeps the losses
+        raise RuntimeError(diverged)
 
 
 def _train_plan(args: argparse.Namespace) -> Plan | None:

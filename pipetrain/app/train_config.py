@@ -12,6 +12,7 @@ from pipetrain.app.models import build_model
 from pipetrain.model.layers import to_layers
 from pipetrain.planning import Plan
 from pipetrain.runtime import PipelineConfig
+from pipetrain.runtime.precision import PRECISIONS
 from pipetrain.schedules import Schedule, spec
 
 DEFAULT_LR = {"mlp": 3e-3, "uneven-mlp": 3e-3, "cnn": 3e-3, "gpt": 3e-3}
@@ -31,7 +32,8 @@ class TrainConfig:
     Every ``accumulate`` steps (and the last) make one update, whose gradients are clipped
     to the global norm ``max_grad_norm`` if one is given. ``lr_schedule`` is ``"constant"``
     or ``"warmup-cosine"`` (see :func:`warmup_cosine`); every ``eval_every`` steps the run
-    evaluates the model on a fixed held-out batch."""
+    evaluates the model on a fixed held-out batch. ``precision`` is the Pipeline's
+    (``"fp32"``, ``"bf16"`` or ``"fp16"``)."""
 
     model: str
     stages: int | None = None
@@ -53,6 +55,7 @@ class TrainConfig:
     max_grad_norm: float | None = None
     lr_schedule: str = "constant"
     eval_every: int | None = None
+    precision: str = "fp32"
 
     def resolved(self, world_size: int | None = None) -> TrainConfig:
         """The configuration with defaults filled in and checked; ValueError if it cannot run."""
@@ -143,8 +146,20 @@ class TrainConfig:
             raise ValueError(f"eval_every must be a positive integer, got {self.eval_every}")
         layers = len(to_layers(build_model(self.model, seed=self.seed)))
         schedule = pipeline.build(self.stages or DEFAULT_STAGES, layers)
-        if schedule.asynchronous and (self.accumulate > 1 or self.max_grad_norm is not None):
-            option = "--accumulate" if self.accumulate > 1 else "--max-grad-norm"
+        if self.precision not in PRECISIONS:
+            raise ValueError(
+                f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
+            )
+        if schedule.asynchronous and (
+            self.accumulate > 1 or self.max_grad_norm is not None or self.precision == "fp16"
+        ):
+            option = (
+                "--accumulate"
+                if self.accumulate > 1
+                else "--max-grad-norm"
+                if self.max_grad_norm is not None
+                else "--precision fp16"
+            )
             raise ValueError(
                 f"{schedule.name} updates each stage inside every step, so {option} needs a "
                 "synchronous schedule"

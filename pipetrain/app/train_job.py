@@ -94,6 +94,7 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
         optimizer=partial(torch.optim.Adam, lr=config.learning_rate),
         config=config.pipeline_config(),
         max_grad_norm=config.max_grad_norm,
+        precision=config.precision,
         lr_scheduler=None if factor is None else partial(LambdaLR, lr_lambda=factor),
     )
     # only the input stage's ranks load data; the targets travel to the last stage

@@ -11,6 +11,9 @@ from pipetrain.app.train_config import WARMUP_STEPS, TrainConfig
 from pipetrain.simulation import Costs, measured_costs, simulate
 from pipetrain.timeline import Timeline, format_seconds, plot_timelines
 
+DIVERGENCE_FACTOR = 10.0
+"""A run whose final loss exceeds its first this many times over has diverged."""
+
 
 def _placement(config: TrainConfig) -> str:
     """``"2 stages"``, or ``"2 stages on 3 workers"`` when stages are replicated."""
@@ -74,6 +77,7 @@ class TrainReport:
             "accumulate": config.accumulate,
             "max_grad_norm": config.max_grad_norm,
             "lr_schedule": config.lr_schedule,
+            "precision": config.precision,
             "eval_every": config.eval_every,
             "eval": self.evaluations,
             "losses": self.losses,
@@ -86,7 +90,20 @@ class TrainReport:
             "predicted_step_s": self.predicted.makespan,
             "predicted_bubble_fraction": self.predicted.bubble_fraction,
             "planned_step_s": config.planned_step_s,
+            "diverged": self.divergence() is not None,
         }
+
+    def divergence(self) -> str | None:
+        """Why the run counts as diverged, or ``None``: its last tenth of steps' mean loss
+        is more than :data:`DIVERGENCE_FACTOR` times its first step's."""
+        tail = self.losses[-max(1, len(self.losses) // 10) :]
+        final = sum(tail) / len(tail)
+        if not final > DIVERGENCE_FACTOR * self.losses[0]:
+            return None
+        return (
+            f"the run diverged: loss {self.losses[0]:.4g} at the first step, {final:.4g} "
+            f"over the last {len(tail)}; lower --lr, or clip with --max-grad-norm"
+        )
 
     def summary(self) -> str:
         """A few readable lines: loss, step time, throughput, measured against predicted."""
@@ -119,12 +136,13 @@ class TrainReport:
             for last in self.evaluations[-1:]
         ]
         schedule = "" if config.lr_schedule == "constant" else f", {config.lr_schedule}"
+        precision = "" if config.precision == "fp32" else f", {config.precision}"
         return "\n".join(
             [
                 f"{config.model} on {_placement(config)}, {config.schedule}, "
                 f"{config.microbatches} micro-batches "
                 f"of {per_micro:g} samples, {config.steps} steps "
-                f"(Adam, lr {config.lr:g}{schedule})",
+                f"(Adam, lr {config.lr:g}{schedule}{precision})",
                 f"  loss              {self.losses[0]:.4f} -> {self.losses[-1]:.4f}",
                 *held,
                 f"  step time         {format_seconds(self.step_s)} (median of {steady})",
