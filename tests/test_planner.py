@@ -229,6 +229,71 @@ def heavy_activations() -> Profile:
     return uniform(8, activation_bytes=1e9, parameter_bytes=1e8, optimizer_bytes=2e8)
 
 
+def deep_zero_bubble_profile() -> Profile:
+    """32 layers with F = B = W = 1 s, 1 kB of output each (and 1 kB of input), 40 B of
+    weights, gradients and optimizer state."""
+    layer = LayerCost(
+        forward_s=1.0,
+        backward_s=2.0,
+        weight_backward_s=1.0,
+        activation_bytes=1000,
+        parameter_bytes=10,
+        optimizer_bytes=20,
+    )
+    return Profile([layer] * 32, input_bytes=1000)
+
+
+def test_under_a_memory_limit_that_1f1b_exceeds_a_v_schedule_is_chosen() -> None:
+    profile = deep_zero_bubble_profile()
+
+    def planned(limit: float | None) -> Plan:
+        return plan(profile, workers=4, microbatches=(16,), replication=False, memory_limit=limit)
+
+    # by hand, on 4 workers: weights, gradients and optimizer state of 8 layers, 320 B; a
+    # stage or chunk keeps its input and every layer's output for each micro-batch it holds.
+    # 1F1B's first worker holds 4 micro-batches of 8 layers: 4·9 kB; ZB-V 2·4 chunk
+    # micro-batches of 4 layers: 8·5 kB; V-Half 2·(4 + 2)//2 of them: 6·5 kB; V-Min
+    # 2·(4 + 4)//3: 4·5 kB
+    one_f_one_b, zb_v, v_half, v_min = (320 + n for n in (36_000, 40_000, 30_000, 20_000))
+    free = planned(None)
+    assert (free.schedule, free.virtual, free.recompute) == ("zb-v", 2, "never")
+    assert max(free.stage_memory_bytes) == zb_v
+    # the bubble of ZB-V is 0 at F = B = W: each rank computes 16·8·3 s, and the last starts
+    # after 3 chunk forwards of 4 s
+    assert free.predicted_step_s == pytest.approx(16 * 8 * 3 + 3 * 4)
+
+    under_1f1b = planned(33_000)
+    assert one_f_one_b > 33_000 > v_half
+    assert (under_1f1b.schedule, under_1f1b.recompute) == ("v-half", "never")
+    assert max(under_1f1b.stage_memory_bytes) == v_half
+    rejected = under_1f1b.rejected
+    assert set(rejected) == {
+        "gpipe", "1f1b", "interleaved", "zb-h1", "looped-bfs", "interleaved-zb", "zb-v", "v-min"
+    }  # fmt: skip
+    assert rejected["1f1b"].startswith(
+        "over the memory limit of 33 kB with recomputation never (36.32 kB on a worker); "
+        "fits with recomputation except_last"
+    )
+    assert rejected["zb-v"].startswith("over the memory limit of 33 kB with recomputation never")
+    assert re.fullmatch(
+        r"fits with recomputation never \(20.32 kB on a worker\) but is slower: \S+ samples/s "
+        "at best",
+        rejected["v-min"],
+    )
+    text = under_1f1b.describe()
+    assert text.startswith("v-half: 8 stages on 4 workers, 2 chunks per worker")
+    assert "rejected:\n  gpipe: " in text and f"  1f1b: {rejected['1f1b']}" in text
+
+    under_v_half = planned(25_000)
+    assert v_half > 25_000 > v_min
+    assert (under_v_half.schedule, under_v_half.recompute) == ("v-min", "never")
+    assert max(under_v_half.stage_memory_bytes) == v_min
+    assert under_v_half.rejected["v-half"].startswith(
+        "over the memory limit of 25 kB with recomputation never (30.32 kB on a worker)"
+    )
+    assert under_v_half.predicted_step_s > under_1f1b.predicted_step_s > free.predicted_step_s
+
+
 def test_recomputation_is_chosen_when_only_it_fits() -> None:
     free = plan(
         heavy_activations(), workers=4, schedules=("gpipe",), microbatches=(8,), replication=False

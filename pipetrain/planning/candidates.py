@@ -274,7 +274,8 @@ class Candidate:
         the stages before it, then does its own work (``⌈m / r_s⌉`` micro-batches and the
         all-reduce); unless the backward is split, its last backward is then followed by the
         backwards of the earlier stages. An interleaved rank ``r`` likewise waits for chunks
-        ``0..r-1`` before its first forward and after its last backward.
+        ``0..r-1`` before its first forward and, unless the backward is split, after its
+        last backward.
         """
         count = len(self.layout.stages)
         forward = costs.per_stage("forward_s", count)
@@ -282,14 +283,15 @@ class Candidate:
         weight = costs.per_stage("weight_s", count)
         allreduce = costs.per_stage("allreduce_s", count)
         work = [f + b + w for f, b, w in zip(forward, backward, weight)]
+        split = spec(self.schedule).split_backward
         if self.layout.virtual > 1:
             held = [self.chunks_of(rank) for rank in range(self.layout.workers)]
             return max(
-                self.microbatches * sum(work[c] for c in chunks) + sum(work[: chunks[0]])
+                self.microbatches * sum(work[c] for c in chunks)
+                + sum((forward if split else work)[: chunks[0]])
                 for chunks in held
                 if chunks
             )
-        split = spec(self.schedule).split_backward
         bound = head = tail = 0.0
         for stage, replicas in enumerate(self.layout.replicas):
             busy = math.ceil(self.microbatches / replicas) * work[stage] + allreduce[stage]

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pipetrain.planning.candidates import Candidate, Layout, layouts, step_costs
 from pipetrain.planning.result import Plan, PlanStage
 from pipetrain.planning.topology import Topology, resolve
+from pipetrain.planning.verdicts import Verdicts
 from pipetrain.profiler.costs import Profile
 from pipetrain.schedules import RECOMPUTE_MODES, names, spec
 from pipetrain.simulation import Costs, Variation, median_makespan
@@ -57,8 +58,9 @@ def plan(
     with every requested schedule that can run it, every micro-batch count, and the
     cheapest recomputation mode that fits. Recomputation adds one forward of the stage to
     its backward (for ``except_last``, on all micro-batches but the last). The fastest by
-    simulated throughput wins. ``progress``, if given, receives a line as each part of the
-    work starts (the layouts for each micro-batch count, each simulated candidate).
+    simulated throughput wins; the plan's ``rejected`` says why each other schedule lost.
+    ``progress``, if given, receives a line as each part of the work starts (the layouts for
+    each micro-batch count, each simulated candidate).
     """
     if not isinstance(profile, Profile):
         raise TypeError(f"profile must be a pipetrain.Profile, got {type(profile).__name__}")
@@ -70,12 +72,23 @@ def plan(
             f"memory_limit must be a positive number of bytes per worker, got {memory_limit!r}"
         )
     report = progress or _silent
+    verdicts = Verdicts(schedules)
     fitting, smallest = _fitting_candidates(
-        profile, topology, schedules, counts, batch_size, replication, memory_limit, report
+        profile,
+        topology,
+        schedules,
+        counts,
+        batch_size,
+        replication,
+        memory_limit,
+        report,
+        verdicts,
     )
     if not fitting:
         raise ValueError(_no_fit_message(memory_limit, smallest, profile, topology, replication))
-    return _fastest(fitting, topology, report)
+    chosen = _fastest(fitting, topology, report, verdicts)
+    chosen.rejected = verdicts.rejected(chosen.schedule, memory_limit)
+    return chosen
 
 
 def _silent(message: str) -> None:
@@ -126,8 +139,10 @@ def _fitting_candidates(
     replication: bool,
     memory_limit: float | None,
     report: Callable[[str], None],
+    verdicts: Verdicts,
 ) -> tuple[list[tuple[Candidate, list[float]]], tuple[float, Candidate | None]]:
-    """Candidates that fit with their memory, and the smallest peak among those that do not."""
+    """Candidates that fit with their memory, and the smallest peak among those that do not;
+    each tried candidate goes to ``verdicts``."""
     fitting: list[tuple[Candidate, list[float]]] = []
     smallest: tuple[float, Candidate | None] = (math.inf, None)
     layouts_by_batch: dict[int, list[Layout]] = {}
@@ -157,7 +172,9 @@ def _fitting_candidates(
                         continue
                     seen.add(tuple(candidate.recompute_flags))
                     memory = candidate.memory()
-                    if memory_limit is None or max(memory) <= memory_limit:
+                    fits = memory_limit is None or max(memory) <= memory_limit
+                    verdicts.tried(candidate, max(memory), fits)
+                    if fits:
                         fitting.append((candidate, memory))
                         break
                     smallest = min(smallest, (max(memory), candidate), key=lambda pair: pair[0])
@@ -168,8 +185,10 @@ def _fastest(
     fitting: list[tuple[Candidate, list[float]]],
     topology: Topology,
     report: Callable[[str], None],
+    verdicts: Verdicts,
 ) -> Plan:
-    """Simulate candidates, most promising first, until none can beat the best so far.
+    """Simulate candidates, most promising first, until none can beat the best so far
+    (telling ``verdicts`` each candidate's bound and simulated throughput).
 
     A candidate's promise is its throughput at its makespan lower bound. Equal throughputs
     (within a relative 1e-9) go to the smaller peak memory.
@@ -180,6 +199,7 @@ def _fastest(
         costs = candidate.costs(topology)
         samples = candidate.microbatches * candidate.profile.microbatch_size
         ceiling = samples / max(candidate.lower_bound(costs), 1e-300)
+        verdicts.bounded(candidate, ceiling)
         bounded.append((ceiling, max(memory), candidate, memory, costs))
     bounded.sort(key=lambda entry: (-entry[0], entry[1]))
     best: tuple[float, float, Candidate, list[float], Costs, int, float] | None = None
@@ -190,6 +210,7 @@ def _fastest(
         timeline, processed = candidate.build_and_simulate(costs)
         size = candidate.profile.microbatch_size
         throughput = processed * size / timeline.makespan if timeline.makespan > 0 else math.inf
+        verdicts.simulated(candidate, throughput)
         if best is None or _better(throughput, peak, best[0], best[1]):
             best = (throughput, peak, candidate, memory, costs, processed, timeline.makespan)
         report(

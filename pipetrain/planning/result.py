@@ -10,7 +10,7 @@ from typing import Any
 from pipetrain.jsonfile import JsonFile, unversioned, versioned
 from pipetrain.units import counted, format_bytes
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """Version of the JSON layout written by :meth:`Plan.save`."""
 
 
@@ -27,15 +27,18 @@ class PlanStage:
 class Plan(JsonFile):
     """A chosen pipeline configuration and its predicted speed and memory.
 
-    ``stages`` are in pipeline order (for ``interleaved``, the ``virtual · workers`` model
-    chunks; chunk ``c`` runs on rank ``c mod workers``; ``virtual`` is the chunks per worker).
+    ``stages`` are in pipeline order (for a schedule with chunks, the ``virtual · workers``
+    model chunks, each on the rank its schedule's placement gives: ``c mod workers`` for
+    ``interleaved``, a V for ``zb-v``; ``virtual`` is the chunks per worker).
     ``stage_memory_bytes[i]`` is the predicted peak on a worker holding stage ``i`` and
     ``stage_compute_s[i]`` its forward and backward time for one micro-batch (recomputation
     included). ``predicted_step_s`` covers one optimizer step of ``microbatches``
     micro-batches of ``microbatch_size`` samples: with a measured profile, the median of
     :data:`VARIED_RUNS` (up to 64) simulated steps whose actions vary as the profile's runs did;
     ``steady_step_s`` is the step with every action at its median time (the two are equal
-    for a profile without runs). Stages sit on consecutive ranks in order.
+    for a profile without runs). Stages sit on consecutive ranks in order. ``rejected``
+    names each other schedule the planner considered and why it lost (out of memory, no
+    layout it runs, or slower).
     """
 
     stages: list[PlanStage]
@@ -50,6 +53,7 @@ class Plan(JsonFile):
     virtual: int = 1
     stage_compute_s: list[float] = field(default_factory=list)
     steady_step_s: float | None = None
+    rejected: dict[str, str] = field(default_factory=dict)
 
     @property
     def balance(self) -> list[int]:
@@ -81,7 +85,7 @@ class Plan(JsonFile):
             raise ValueError(f"the plan is incomplete or has unknown fields: {error}") from None
 
     def describe(self) -> str:
-        """A readable summary and one table row per stage."""
+        """A readable summary, one table row per stage, and the schedules rejected and why."""
         chunks = f", {self.virtual} chunks per worker" if self.virtual > 1 else ""
         lines = [
             f"{self.schedule}: {counted(len(self.stages), 'stage')} on "
@@ -107,4 +111,7 @@ class Plan(JsonFile):
                 f"{stage.stop - stage.start:>5}  {stage.replicas:>8}  {compute:>9.4g}s  "
                 f"{format_bytes(memory):>13}"
             )
+        if self.rejected:
+            lines.append("rejected:")
+            lines += [f"  {name}: {reason}" for name, reason in self.rejected.items()]
         return "\n".join(lines)

@@ -1,0 +1,86 @@
+"""Why the planner passed over each schedule it considered: it could run no layout tried,
+it did not fit in memory, or it fitted and was slower than the plan chosen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipetrain.planning.candidates import Candidate
+from pipetrain.units import format_bytes
+
+
+@dataclass
+class _Record:
+    """What the planner saw of one schedule."""
+
+    runnable: bool = False
+    over_limit: tuple[float, Candidate] | None = None  # the smallest peak that did not fit
+    fitting: tuple[float, Candidate] | None = None  # the smallest peak that fitted
+    ceiling: float = 0.0  # the best throughput bound among those that fitted
+    simulated: float = 0.0  # the best simulated throughput
+
+
+class Verdicts:
+    """Per schedule, the configurations the planner tried and how each fared."""
+
+    def __init__(self, schedules: tuple[str, ...]) -> None:
+        """Start with nothing seen of each of ``schedules``."""
+        self._records = {name: _Record() for name in schedules}
+
+    def tried(self, candidate: Candidate, peak: float, fits: bool) -> None:
+        """``candidate`` ran a layout and needs ``peak`` bytes on its fullest worker."""
+        record = self._records[candidate.schedule]
+        record.runnable = True
+        if fits and (record.fitting is None or peak < record.fitting[0]):
+            record.fitting = (peak, candidate)
+        elif not fits and (record.over_limit is None or peak < record.over_limit[0]):
+            record.over_limit = (peak, candidate)
+
+    def bounded(self, candidate: Candidate, ceiling: float) -> None:
+        """A fitting ``candidate`` can reach at most ``ceiling`` samples per second."""
+        record = self._records[candidate.schedule]
+        record.ceiling = max(record.ceiling, ceiling)
+
+    def simulated(self, candidate: Candidate, throughput: float) -> None:
+        """A fitting ``candidate`` was simulated at ``throughput`` samples per second."""
+        record = self._records[candidate.schedule]
+        record.simulated = max(record.simulated, throughput)
+
+    def rejected(self, chosen: str, memory_limit: float | None) -> dict[str, str]:
+        """Every schedule but ``chosen``, with the reason it lost."""
+        reasons = {}
+        for name, record in self._records.items():
+            if name == chosen:
+                continue
+            if not record.runnable:
+                reasons[name] = (
+                    "runs none of the layouts tried (too few layers for its chunks per "
+                    "worker, or micro-batch counts it refuses)"
+                )
+            elif record.fitting is None and record.over_limit is not None:
+                peak, candidate = record.over_limit
+                reasons[name] = (
+                    f"over the memory limit of {format_bytes(memory_limit or 0.0)}: needs at "
+                    f"least {format_bytes(peak)} on a worker ({candidate.microbatches} "
+                    f"micro-batches, recomputation {candidate.recompute})"
+                )
+            elif record.fitting is not None:
+                peak, candidate = record.fitting
+                fits = (
+                    f"fits with recomputation {candidate.recompute} ({format_bytes(peak)} on "
+                    "a worker)"
+                )
+                if record.over_limit is not None:
+                    over, cheaper = record.over_limit
+                    fits = (
+                        f"over the memory limit of {format_bytes(memory_limit or 0.0)} with "
+                        f"recomputation {cheaper.recompute} ({format_bytes(over)} on a worker); "
+                        + fits
+                    )
+                reasons[name] = (
+                    f"{fits} but is slower: {record.simulated:.4g} samples/s at best"
+                    if record.simulated > 0
+                    else f"{fits} but cannot be faster: at most {record.ceiling:.4g} samples/s "
+                    "by its lower bound"
+                )
+        return reasons
