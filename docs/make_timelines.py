@@ -1,9 +1,11 @@
 """Draw the simulated timeline of every registered schedule at 4 ranks x 8 micro-batches
 into docs/timelines/.
 
-Costs per micro-batch are each schedule's defaults (forward 1, backward 2; zb-h1 splits the
-backward into B = W = 1 with forward 1, as in the zero-bubble paper), a rank's time shared
-by its chunks (interleaved: 2). Run with ``make timelines``.
+Costs per micro-batch are each schedule's defaults (forward 1, backward 2; the
+split-backward families, zb-h1, interleaved-zb, zb-v, v-half and v-min, split it into
+B = W = 1 with forward 1, as in the zero-bubble papers), a rank's time shared by its
+chunks (2 for interleaved, looped-bfs, interleaved-zb and the V families). Run with
+``make timelines``.
 """
 
 from __future__ import annotations

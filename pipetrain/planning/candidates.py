@@ -4,7 +4,8 @@ A :class:`Layout` says which layers each stage holds and on how many workers; a
 :class:`Candidate` adds the schedule, micro-batch count and recomputation mode, and knows
 how to turn the profile into :class:`pipetrain.simulation.Costs` for its stages. Workers are
 placed as :func:`pipetrain.schedules.build` places them: each stage on consecutive ranks,
-and interleaved chunk ``c`` on rank ``c mod p``.
+and chunk ``c`` of a schedule with chunks where its spec's ``placement`` puts it
+(``c mod p`` for ``interleaved``, a V for ``zb-v``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pipetrain.simulation import Costs, Variation, simulate
 from pipetrain.timeline import Timeline
 
 VIRTUAL_CHUNKS = 2
-"""Model chunks per rank in interleaved candidates."""
+"""Model chunks per rank in the candidates of schedules with chunks."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,9 @@ def layouts(
       levels cannot express plans such as "15-1" on 4×4 workers); where a plan leaves workers
       idle, also with the idle workers added to each of its stages in turn;
     - a straight pipeline with one stage per worker;
-    - with ``interleaved``, :data:`VIRTUAL_CHUNKS` chunks per worker.
+    - with ``interleaved`` (any schedule with chunks asked for), :data:`VIRTUAL_CHUNKS`
+      chunks per worker, split as if chunk ``c`` sat on rank ``c mod p`` (one split for
+      every such schedule: exact on one level of links).
     """
     layers = step_profile.layers
     compute = [layer.compute_s for layer in layers]
@@ -273,7 +276,7 @@ class Candidate:
         A worker of stage ``s`` idles until the first micro-batch has passed the forwards of
         the stages before it, then does its own work (``⌈m / r_s⌉`` micro-batches and the
         all-reduce); unless the backward is split, its last backward is then followed by the
-        backwards of the earlier stages. An interleaved rank ``r`` likewise waits for chunks
+        backwards of the earlier stages. A rank ``r`` holding chunks likewise waits for chunks
         ``0..r-1`` before its first forward and, unless the backward is split, after its
         last backward.
         """

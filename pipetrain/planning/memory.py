@@ -19,7 +19,8 @@ recomputation ``|W|/d + |A_total(b)|/d + m·|A_input(b)|`` (``n = m``); 2BW
 In-flight micro-batches ``n`` and weight versions come from each schedule's spec
 (:class:`pipetrain.schedules.ScheduleSpec`): for example ``gpipe`` holds all of a worker's
 ``⌈m / r_s⌉`` micro-batches, the 1F1B family at most PipeDream's in-flight depth
-``⌈(r_s + … + r_{p-1}) / r_s⌉``, ``interleaved`` Megatron-LM's warm-up depth; ``2bw``
+``⌈(r_s + … + r_{p-1}) / r_s⌉``, ``interleaved`` Megatron-LM's warm-up depth, the V
+families and ``interleaved-zb`` the peak of their own orders (until each W); ``2bw``
 keeps 2 weight versions, ``pipedream`` one per in-flight mini-batch.
 """
 
@@ -35,7 +36,7 @@ from pipetrain.schedules import spec
 
 @dataclass(frozen=True)
 class StageFootprint:
-    """What one stage (or interleaved chunk) stores, per micro-batch where it applies."""
+    """What one stage (or chunk) stores, per micro-batch where it applies."""
 
     parameter_bytes: float
     optimizer_bytes: float
@@ -91,8 +92,8 @@ def worker_memory(
 ) -> float:
     """Peak bytes on one worker of ``stage`` (see the module docstring for the formula).
 
-    ``chunks`` are the stage's footprints: one, or the ``v`` chunks of a rank under
-    ``interleaved``; ``recompute[i]`` says whether chunk ``i`` re-materialises its
+    ``chunks`` are the stage's footprints: one, or the ``v`` chunks of a rank under a
+    schedule with chunks; ``recompute[i]`` says whether chunk ``i`` re-materialises its
     activations in the backward.
     """
     if len(chunks) != len(recompute) or not chunks:

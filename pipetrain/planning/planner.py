@@ -1,12 +1,13 @@
 """Choose a pipeline plan: stages, replicas, schedule, micro-batches and recomputation.
 
 :func:`plan` builds candidate layouts (PipeDream's replicated pipeline, a straight pipeline,
-an interleaved one), keeps the configurations whose per-worker memory fits, simulates them
-on the profiled costs with :mod:`pipetrain.simulate`, and returns the fastest as a
-:class:`Plan`. The replication planner proposes layouts under PipeDream's cost model, in
-which an all-reduce overlaps compute; the simulation then prices every candidate as its
-schedule runs it (the all-reduce after the last backward), and decides. The chosen plan's
-predicted step then allows for the run-to-run variation the profile measured.
+one with two chunks per worker), keeps the configurations whose per-worker memory fits,
+simulates them on the profiled costs with :mod:`pipetrain.simulate`, and returns the fastest
+as a :class:`Plan`, with the reason each other schedule lost. The replication planner
+proposes layouts under PipeDream's cost model, in which an all-reduce overlaps compute; the
+simulation then prices every candidate as its schedule runs it (the all-reduce after the
+last backward), and decides. The chosen plan's predicted step then allows for the run-to-run
+variation the profile measured.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def plan(
     (the profile is rescaled to each micro-batch size); without it a micro-batch is the
     profile's and the step grows with the micro-batch count. Candidates: PipeDream's
     replicated pipeline (unless ``replication`` is False), a straight pipeline with one
-    stage per worker, and for ``interleaved`` a pipeline of two chunks per worker; each
+    stage per worker, and for the schedules with chunks a pipeline of two per worker; each
     with every requested schedule that can run it, every micro-batch count, and the
     cheapest recomputation mode that fits. Recomputation adds one forward of the stage to
     its backward (for ``except_last``, on all micro-batches but the last). The fastest by
