@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipetrain.checkpoint import named_optimizer
+import pipetrain.checkpoint.named_optimizer as named_optimizer
 from pipetrain.checkpoint.directory import resolve
 from pipetrain.checkpoint.entries import (
     EXTRA,

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from pipetrain.checkpoint import named_optimizer
+import pipetrain.checkpoint.named_optimizer as named_optimizer
 from pipetrain.checkpoint.directory import (
     clear_temporary,
     commit,
