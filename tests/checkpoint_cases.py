@@ -18,6 +18,7 @@ from pipetrain import checkpoint
 from pipetrain.checkpoint import named_optimizer
 
 UPDATES, SAVED_AT = 4, 2
+SCALER = {"scale": 1024.0, "growth_tracker": 3}
 
 
 def data() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -83,6 +84,7 @@ def _run(pipe: pipetrain.Pipeline, root: str, start: int) -> dict[str, Any]:
     loaded = {"state": _state(pipe), "optimizer": _optimizer_state(pipe), "found": found}
     loaded["scheduler"] = None if pipe.lr_scheduler is None else pipe.lr_scheduler.state_dict()
     loaded["updates"] = pipe.updates
+    loaded["precision"] = pipe.precision.state_dict()
     loaded["versions"] = {
         s: (st.newest, list(st.versions)) for s, st in pipe.weights.stashes.items()
     }
@@ -112,6 +114,7 @@ def layouts(root: str) -> dict[str, Any]:
     if rank < 2:
         pipe = _pipe(mlp(), balance=[2, 3], microbatches=2, group=pair)
         result["saving"] = _train(pipe, 0, SAVED_AT)
+        pipe.precision.load_state_dict(SCALER)  # a loss scaler's state travels too
         for step in (1, SAVED_AT):  # an older checkpoint to be pruned
             checkpoint.save(pipe, saved, step=step, extra={"next": SAVED_AT}, keep=1)
         result["same"] = same_layout(

@@ -64,6 +64,7 @@ def test_a_checkpoint_of_two_stages_continues_on_another_layout_as_the_unpipelin
         assert run["updates"] == cases.SAVED_AT
         assert run["found"].step == cases.SAVED_AT and run["found"].extra == {"next": 2}
         assert run["found"].layout["balance"] == [2, 3]
+        assert run["precision"] == cases.SCALER
     assert_close_state(merged(runs, "final"), reference["state"])
 
 
