@@ -2,10 +2,10 @@
 into docs/timelines/.
 
 Costs per micro-batch are each schedule's defaults (forward 1, backward 2; the
-split-backward families, zb-h1, interleaved-zb, zb-v, v-half and v-min, split it into
-B = W = 1 with forward 1, as in the zero-bubble papers), a rank's time shared by its
-chunks (2 for interleaved, looped-bfs, interleaved-zb and the V families). Run with
-``make timelines``.
+split-backward families, zb-h1, interleaved-zb, zb-v, v-half, v-min and dualpipev, split
+it into B = W = 1 with forward 1, as in the zero-bubble papers; overlapped pairs hide
+nothing), a rank's time shared by its chunks (2 for interleaved, looped-bfs,
+interleaved-zb and the V families). Run with ``make timelines``.
 """
 
 from __future__ import annotations

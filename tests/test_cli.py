@@ -48,7 +48,7 @@ def reference_costs(name: str) -> Costs:
     """The documented default costs, written out by hand."""
     if name == "zb-h1":
         return Costs(forward_s=1.0, backward_s=1.0, weight_s=1.0)
-    if name in ("zb-v", "v-half", "v-min", "interleaved-zb"):  # per rank, shared by 2 chunks
+    if name in ("zb-v", "v-half", "v-min", "dualpipev", "interleaved-zb"):  # shared by 2 chunks
         return Costs(forward_s=0.5, backward_s=0.5, weight_s=0.5)
     if name in ("interleaved", "looped-bfs"):  # per rank, shared by its 2 chunks
         return Costs(forward_s=0.5, backward_s=1.0)
@@ -122,6 +122,8 @@ def test_textbook_formula_agrees_with_the_simulator_wherever_it_is_given(
         m = p * m
     if name == "2bw":
         m = max(m, p)
+    if name == "dualpipev":
+        m = max(m, 2 * p)
     options = {"virtual": 2} if name == "interleaved" else {}
     schedule = build(name, p, m, **options)
     forward, backward, weight = costs

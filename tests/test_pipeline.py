@@ -58,6 +58,12 @@ TWO_RANK_CONFIGS = (
         )
     ]
     + [
+        {"schedule": "dualpipev", "balance": balance, "recompute": recompute, "microbatches": m}
+        for balance, recompute, m in itertools.product(
+            [[1, 1, 2, 1], [2, 1, 1, 1]], ["never", "always"], [4, 5]
+        )
+    ]
+    + [
         {"schedule": schedule, "balance": [2, 1], "microbatches": m, "tuple": True}
         for schedule, m in [("gpipe", 3), ("1f1b", 2), ("zb-h1", 4)]
     ]
@@ -78,6 +84,9 @@ FOUR_RANK_CONFIGS = [
     for schedule, recompute, m in itertools.product(
         CHUNKED_SINCE_ZERO_BUBBLE, ["never", "except_last"], [2, 5, 8]
     )
+] + [
+    {"schedule": "dualpipev", "recompute": recompute, "microbatches": m, "deep": True}
+    for recompute, m in itertools.product(["never", "except_last"], [8, 9])
 ]
 
 GPU_CONFIGS = [

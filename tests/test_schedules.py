@@ -44,13 +44,15 @@ def test_interleaved_is_valid_for_multiples_of_ranks(ranks: int, groups: int, vi
 
 @settings(max_examples=60, deadline=None)
 @given(
-    name=st.sampled_from(["zb-v", "v-half", "v-min", "looped-bfs", "interleaved-zb"]),
+    name=st.sampled_from(["zb-v", "v-half", "v-min", "dualpipev", "looped-bfs", "interleaved-zb"]),
     ranks=st.integers(1, 5),
     microbatches=sizes,
 )
 def test_two_chunk_families_cover_every_microbatch_where_their_placement_puts_it(
     name: str, ranks: int, microbatches: int
 ) -> None:
+    if name == "dualpipev":
+        microbatches += 2 * ranks  # it needs one per model stage
     schedule = build(name, ranks, microbatches)
     stages = 2 * ranks
     expected = sorted((s, k) for s in range(stages) for k in range(microbatches))
@@ -58,7 +60,7 @@ def test_two_chunk_families_cover_every_microbatch_where_their_placement_puts_it
     assert sorted(compute_keys(schedule, Kind.BACKWARD)) == expected
     split = name != "looped-bfs"
     assert sorted(compute_keys(schedule, Kind.WEIGHT)) == (expected if split else [])
-    v_shaped = name.startswith(("zb-v", "v-"))
+    v_shaped = name.startswith(("zb-v", "v-", "dualpipev"))
     for rank in range(ranks):
         second = 2 * ranks - 1 - rank if v_shaped else rank + ranks
         assert schedule.stages_of(rank) == (rank, second)
@@ -67,6 +69,22 @@ def test_two_chunk_families_cover_every_microbatch_where_their_placement_puts_it
 def test_v_schedules_refuse_other_chunk_counts() -> None:
     with pytest.raises(ValueError, match="v-half places 2 chunks per rank in a V"):
         build("v-half", 2, 4, virtual=3)
+    with pytest.raises(ValueError, match="dualpipev needs microbatches >= 2·ranks \\(6\\)"):
+        build("dualpipev", 3, 5)
+
+
+def test_an_overlapped_backward_receives_its_gradient_before_its_pair_starts() -> None:
+    schedule = Schedule.from_text(
+        "rank 0: F0.0 F0.1 OVERLAP0 F0.2 B0.0 B0.1 B0.2 STEP0\n"
+        "rank 1: F1.0 B1.0 F1.1 B1.1 F1.2 B1.2 STEP1"
+    )
+    lane = [str(action) for action in schedule.ranks[0]]
+    pair = lane.index("OVERLAP0")
+    assert lane[pair : pair + 5] == ["OVERLAP0", "RECV_B0.0@1", "F0.2", "SEND_F0.2@1", "B0.0"]
+    with pytest.raises(
+        ScheduleError, match="OVERLAP0 must be followed by a forward of stage 0 and then a backward"
+    ):
+        Schedule.from_text("rank 0: OVERLAP0 F0.0 F0.1 B0.0 B0.1 STEP0")
 
 
 @settings(max_examples=40, deadline=None)

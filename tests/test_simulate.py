@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipetrain.schedules import build
+from pipetrain.schedules import Schedule, build
 from pipetrain.simulation import Costs, Variation, median_makespan, simulate
 from pipetrain.timeline import Timeline
 
@@ -140,6 +140,38 @@ def test_interleaved_zero_bubble_beats_interleaved_in_its_memory(
     assert split.makespan <= whole.makespan
     held = zip(held_until_weight_pass(split), whole.peak_activations)
     assert all(mine <= theirs for mine, theirs in held)
+
+
+@pytest.mark.parametrize("overlap", [0.0, 0.25, 1.0])
+def test_an_overlapped_pair_lasts_the_longer_pass_and_what_it_does_not_hide(
+    overlap: float,
+) -> None:
+    schedule = Schedule.from_text("rank 0: F0.0 OVERLAP0 F0.1 B0.0 B0.1 STEP0")
+    timeline = simulate(schedule, Costs(forward_s=1.0, backward_s=3.0, overlap=overlap))
+    # F0.0 alone, then F0.1 with B0.0: 3 + (1 - overlap)·1, then B0.1 alone
+    assert timeline.makespan == pytest.approx(1 + 3 + (1 - overlap) + 3)
+    with pytest.raises(ValueError, match=r"Costs\.overlap must be between 0 and 1"):
+        simulate(schedule, Costs(1.0, 3.0, overlap=1.5))
+
+
+@pytest.mark.parametrize("p, groups", [(2, 2), (2, 4), (3, 2), (4, 2), (4, 4), (8, 2)])
+@pytest.mark.parametrize("overlap", [0.0, 0.5, 1.0])
+def test_dualpipev_reproduces_the_dualpipe_figures(p: int, groups: int, overlap: float) -> None:
+    m = groups * p
+    timeline = simulate(
+        build("dualpipev", p, m),
+        Costs(forward_s=1.0, backward_s=1.0, weight_s=1.0, overlap=overlap),
+    )
+    # PP + 1 activations, PP = 2p model stages: chunk micro-batches held until their W
+    assert held_until_weight_pass(timeline) == [2 * p + 1] * p
+    # the DualPipe bubble (PP/2 - 1)(F&B + B - 3W) on PP/2 = p ranks, with F = 1, a full
+    # backward B = 2 and F&B a forward overlapped with a full backward's input part, then W
+    f_and_b = 1 + (1 - overlap) * 1 + 1
+    bubble = (p - 1) * (f_and_b + 2 - 3)
+    idle = [timeline.makespan - timeline.busy_time(rank) for rank in range(p)]
+    assert max(idle) <= bubble + 1e-9
+    if overlap == 1.0:
+        assert max(idle) == pytest.approx(bubble)
 
 
 def test_communication_on_the_critical_path() -> None:

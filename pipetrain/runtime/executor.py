@@ -79,6 +79,9 @@ class Executor:
             Kind.ALLREDUCE: self._allreduce,
             Kind.STEP: self._step,
             Kind.LOSS: self._all_reduce_loss,
+            # an overlapped pair's forward and backward follow as actions of their own, run
+            # one after the other on this rank's one stream of work
+            Kind.OVERLAP: lambda action: None,
         }
 
     def run(self, schedule: Schedule, data: StepData, update: bool = True) -> Outcome:

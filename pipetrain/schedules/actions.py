@@ -25,6 +25,7 @@ class Kind(str, Enum):
     ALLREDUCE = "ALLREDUCE"  # all-reduce a replicated stage's weight gradients
     STEP = "STEP"  # apply the optimizer to one stage's weights
     LOSS = "LOSS"  # all-reduce the step's loss over every rank (ends a training step)
+    OVERLAP = "OVERLAP"  # the rank's next forward and backward run together (DualPipeV)
 
     # hash as the plain string, in C: schedules key large dicts by kinds
     __hash__ = str.__hash__
@@ -36,7 +37,7 @@ class Kind(str, Enum):
 COMPUTE_KINDS = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT})
 SEND_KINDS = frozenset({Kind.SEND_F, Kind.SEND_B, Kind.SEND_T, Kind.SEND_O})
 RECV_KINDS = frozenset({Kind.RECV_F, Kind.RECV_B, Kind.RECV_T, Kind.RECV_O})
-WRITTEN_KINDS = frozenset({*COMPUTE_KINDS, Kind.ALLREDUCE, Kind.STEP})
+WRITTEN_KINDS = frozenset({*COMPUTE_KINDS, Kind.ALLREDUCE, Kind.STEP, Kind.OVERLAP})
 """The kinds a schedule's author writes; the lowering pass derives every other one."""
 
 _ACTION_TEXT = re.compile(r"^([A-Z_]+?)(\d+)(?:\.(\d+))?(?:@(\d+))?(?:v(\d+))?$")
@@ -47,7 +48,8 @@ class Action(NamedTuple):
 
     ``stage`` is the model stage the action belongs to. ``microbatch`` is the micro-batch
     (or, in asynchronous schedules, the mini-batch) it works on; ``None`` for ``STEP``,
-    ``ALLREDUCE``, ``LOSS`` and the targets' transfer. ``peer`` is the other rank of a send
+    ``ALLREDUCE``, ``LOSS``, ``OVERLAP`` (whose stage is its forward's) and the targets'
+    transfer. ``peer`` is the other rank of a send
     or receive. ``version`` is the weight version a ``F``/``B``/``W`` must use
     (asynchronous schedules) or the version a ``STEP`` produces; ``None`` means "the current
     weights". The text form is ``F3.5`` (kind, stage, micro-batch), then ``@peer`` and

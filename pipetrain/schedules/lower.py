@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from pipetrain.schedules.actions import Action, Kind
 from pipetrain.schedules.messages import HANDS_ON, NEEDS, RECEIVES, rank_of
+from pipetrain.schedules.overlap import pairs
 
 Lanes = tuple[tuple[Action, ...], ...]
 
@@ -45,6 +46,7 @@ def lower(
     for rank, order in enumerate(compute_orders):
         actions: list[Action] = []
         uses = consumer[rank]
+        paired = pairs(order)  # an overlapped backward takes its inputs when its pair starts
         for index, action in enumerate(order):
             actions.append(action)
             kind, stage, mb, _, _ = action
@@ -53,7 +55,7 @@ def lower(
                 continue
             source = stage + need[2]
             if 0 <= source <= last and rank_of(stage_ranks, source, mb) != rank:
-                uses[(need[0], stage, mb)] = index
+                uses[(need[0], stage, mb)] = paired.get(index, index)
             send, offset = hands_on(kind)  # type: ignore[misc]  # NEEDS and HANDS_ON share keys
             target_stage = stage + offset
             if 0 <= target_stage <= last:

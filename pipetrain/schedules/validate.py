@@ -2,11 +2,11 @@
 
 It checks placement (each action on a rank that holds its stage), coverage (every
 micro-batch of every stage forwarded and backwarded exactly once, backward after forward),
-the flush of synchronous schedules, the weight-version rules of asynchronous ones, and then
-executes the schedule abstractly — sends never block, a receive waits for its message, an
-all-reduce for every member of its group — to find deadlocks, data used before it exists,
-and channels whose messages would be matched out of order. Every check is linear in the
-number of actions.
+the flush of synchronous schedules, overlapped pairs, the weight-version rules of
+asynchronous ones, and then executes the schedule abstractly — sends never block, a receive
+waits for its message, an all-reduce for every member of its group — to find deadlocks,
+data used before it exists, and channels whose messages would be matched out of order.
+Every check is linear in the number of actions.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from pipetrain.schedules.actions import COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, Action, Kind
 from pipetrain.schedules.errors import ScheduleError
 from pipetrain.schedules.messages import CARRIES, NEEDS, RECEIVES, rank_of
+from pipetrain.schedules.overlap import check_pairs
 
 if TYPE_CHECKING:
     from pipetrain.schedules.schedule import Schedule
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 def validate(schedule: Schedule) -> None:
     """Raise :class:`ScheduleError` if ``schedule`` could deadlock or breaks a training rule."""
     _check_placement_and_coverage(schedule)
+    check_pairs(schedule.ranks)
     if schedule.asynchronous:
         _check_versions(schedule)
     _execute(schedule)

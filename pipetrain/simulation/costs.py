@@ -24,6 +24,8 @@ class Costs:
     ``latency_s``. ``loss_s`` is the all-reduce of the loss that ends a training step (one
     small message over every rank). ``receive_s`` is the time a receive keeps the
     receiving rank busy once the data is there (copying it in), as on CPU backends.
+    ``overlap`` is the share of the shorter pass of an overlapped forward-and-backward pair
+    (``OVERLAP``) that the longer one hides: 0 runs them back to back, 1 hides it entirely.
     """
 
     forward_s: PerStage
@@ -36,6 +38,7 @@ class Costs:
     allreduce_s: PerStage = 0.0
     receive_s: float = 0.0
     loss_s: float = 0.0
+    overlap: float = 0.0
 
     def per_stage(self, field: str, count: int) -> list[float]:
         """The named field expanded to ``count`` values, checked for length and sign."""

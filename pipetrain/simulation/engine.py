@@ -4,6 +4,8 @@ Every rank runs its actions in order. Compute takes the stage's cost; a send sta
 transfer on the directed link to its peer (links carry one transfer at a time, in the
 order the sender issues them) and does not block the sender; a receive waits until its
 transfer has arrived; an all-reduce starts when every replica of the stage has reached it.
+An overlapped pair's forward and backward together take the longer of the two plus the part
+of the shorter that ``Costs.overlap`` does not hide, shared between them in proportion.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pipetrain.allocation import collector_paused
 from pipetrain.checks import positive_int
 from pipetrain.schedules import RECV_KINDS, SEND_KINDS, Kind, Schedule
 from pipetrain.schedules.messages import CHANNELS
+from pipetrain.schedules.overlap import pairs
 from pipetrain.simulation.costs import Costs, Variation
 from pipetrain.timeline import Event, Timeline, trusted_event
 
@@ -50,7 +53,10 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
                 f"Costs.{name} must be a non-negative number of seconds, "
                 f"got {getattr(costs, name)!r}"
             )
+    if not 0 <= costs.overlap <= 1:
+        raise ValueError(f"Costs.overlap must be between 0 and 1, got {costs.overlap!r}")
     duration = _durations(schedule, costs)
+    scales = _overlap_scales(schedule, duration, costs.overlap)
     draw = random.Random(seed).choice
     factors: dict[Kind, Sequence[Sequence[float]]] = {}
     if variation is not None:
@@ -95,6 +101,8 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
             spans = duration.get(kind)
             if spans is not None:
                 cost = spans[stage]
+                if scales:
+                    cost *= scales.get((rank, index), 1.0)
                 if kind in factors:
                     cost *= draw(factors[kind][stage])
                 events.append(make((rank, names[kind], stage, mb, now, now + cost)))
@@ -123,6 +131,8 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
                 end = max(now, landed) + receive_s
                 events.append(make((rank, names[kind], stage, mb, now, end)))
                 now = end
+            elif kind is Kind.OVERLAP:
+                pass  # its pair's passes follow, scaled
             else:  # ALLREDUCE over the stage's replicas, LOSS over every rank
                 position[rank] = index
                 scope = stage if kind is Kind.ALLREDUCE else 0
@@ -168,6 +178,22 @@ def _durations(schedule: Schedule, costs: Costs) -> dict[Kind, list[float]]:
         Kind.WEIGHT: weight,
         Kind.STEP: step,
     }
+
+
+def _overlap_scales(
+    schedule: Schedule, duration: dict[Kind, list[float]], overlap: float
+) -> dict[tuple[int, int], float]:
+    """(rank, index) of each overlapped pass -> the factor on its cost that makes its pair
+    last ``max + (1 − overlap)·min`` of the two passes."""
+    scales: dict[tuple[int, int], float] = {}
+    for rank, lane in enumerate(schedule.ranks):
+        for backward, forward in pairs(lane).items():
+            f = duration[Kind.FORWARD][lane[forward].stage]
+            b = duration[Kind.BACKWARD][lane[backward].stage]
+            if f + b > 0:
+                scale = (max(f, b) + (1 - overlap) * min(f, b)) / (f + b)
+                scales[(rank, forward)] = scales[(rank, backward)] = scale
+    return scales
 
 
 def median_makespan(

@@ -1,6 +1,7 @@
 """The built-in schedule families, one file each, registered in this order."""
 
 from pipetrain.schedules.builtin import (
+    dualpipev,
     gpipe,
     interleaved,
     interleaved_zb,
@@ -27,5 +28,6 @@ for family in (
     zb_v,
     v_half,
     v_min,
+    dualpipev,
 ):
     register(family.SPEC)
