@@ -106,6 +106,32 @@ def test_in_flight_counts_match_the_simulated_peaks(name: str, stages: int, grou
     assert timeline.peak_activations == expected
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(["zb-v", "v-half", "v-min", "dualpipev", "interleaved-zb"]),
+    ranks=st.integers(1, 5),
+    microbatches=st.integers(1, 12),
+)
+def test_split_backward_chunks_are_held_until_their_weight_pass(
+    name: str, ranks: int, microbatches: int
+) -> None:
+    if name == "dualpipev":
+        microbatches += 2 * ranks  # one per model stage at least
+    timeline = simulate(build(name, ranks, microbatches), Costs(1.0, 1.0, weight_s=1.0))
+    held = []  # per rank, the most chunk micro-batches between an F's start and its W's end
+    for rank in range(ranks):
+        changes = sorted(
+            [(e.start, 1) for e in timeline.rank_events(rank) if e.kind == "F"]
+            + [(e.end, -1) for e in timeline.rank_events(rank) if e.kind == "W"]
+        )
+        count = peak = 0
+        for _, change in changes:
+            count += change
+            peak = max(peak, count)
+        held.append(peak)
+    assert held == [in_flight(name, rank, microbatches, [1] * ranks, 2) for rank in range(ranks)]
+
+
 @settings(max_examples=30, deadline=None)
 @given(replicas=st.lists(st.integers(1, 3), min_size=1, max_size=3), microbatches=st.integers(1, 9))
 def test_replicated_in_flight_counts_match_the_simulated_peaks(
