@@ -113,10 +113,14 @@ def check(ranks: int, microbatches: int, replicas: Sequence[int] | None, options
         )
 
 
+@lru_cache(maxsize=256)
+def _peaks(ranks: int, microbatches: int) -> tuple[int, ...]:
+    return tuple(peak_held([list(order) for order in _orders(ranks, microbatches)]))
+
+
 def in_flight(stage: int, microbatches: int, replicas: Sequence[int], chunks: int) -> int:
     """Chunk micro-batches rank ``stage`` holds at once (until each W), read from the order."""
-    orders = [list(order) for order in _orders(len(replicas), microbatches)]
-    return peak_held(orders)[stage]
+    return _peaks(len(replicas), microbatches)[stage]
 
 
 SPEC = ScheduleSpec(

@@ -49,9 +49,14 @@ def generate(
     return Generated(orders, [(stage % p,) for stage in range(p * v)])
 
 
+@lru_cache(maxsize=256)
+def _peaks(ranks: int, microbatches: int, virtual: int) -> tuple[int, ...]:
+    return tuple(peak_held([list(o) for o in _orders(ranks, microbatches, virtual)]))
+
+
 def in_flight(stage: int, microbatches: int, replicas: Sequence[int], chunks: int) -> int:
     """Chunk micro-batches rank ``stage`` holds at once, read from the order."""
-    return peak_held([list(o) for o in _orders(len(replicas), microbatches, chunks)])[stage]
+    return _peaks(len(replicas), microbatches, chunks)[stage]
 
 
 SPEC = ScheduleSpec(

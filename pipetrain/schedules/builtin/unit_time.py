@@ -222,7 +222,9 @@ def _input_of(kind: Kind, stage: int, mb: int, stages: int) -> tuple[Kind, int, 
 
 def shortest(candidates: Iterable[Orders | None], cap: Sequence[int], stages: int) -> Orders:
     """The candidate with the shortest :func:`unit_span` (then the smallest peak) among
-    those holding at most ``cap[r]`` on every rank ``r``."""
+    those holding at most ``cap[r]`` on every rank ``r``. The candidates are taken in turn,
+    and the first with no bubble (a span of its busiest rank's action count) ends the
+    search, so an iterator of them is built only as far as needed."""
     best: tuple[int, int, Orders] | None = None
     for orders in candidates:
         if orders is None:
@@ -236,6 +238,8 @@ def shortest(candidates: Iterable[Orders | None], cap: Sequence[int], stages: in
         key = (span, max(peaks))
         if best is None or key < best[:2]:
             best = (*key, orders)
+        if span == max(len(order) for order in orders):
+            break
     if best is None:
         raise ValueError(f"no order holds at most {list(cap)} micro-batches per rank")
     return best[2]

@@ -10,6 +10,7 @@ NeurIPS 2024). The families differ only in the chunk micro-batches a rank may ho
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 
@@ -121,14 +122,14 @@ def _numbered(order: list[tuple[Kind, int]], microbatches: int) -> list[Action]:
 def _orders(ranks: int, microbatches: int, slots: int) -> tuple[tuple[Action, ...], ...]:
     placement = [v_placement(stage, ranks) for stage in range(2 * ranks)]
     cap = [slots] * ranks
-    candidates: list[Orders | None] = [
-        list_schedule(placement, microbatches, cap, reserve) for reserve in (True, False)
-    ]
-    candidates += [
-        repeated_block(placement, microbatches, tight_block(ranks, delay))
-        for delay in range(PERIOD)
-    ]
-    candidates.append(zb_v_order(ranks, microbatches))
+    candidates = itertools.chain(
+        [zb_v_order(ranks, microbatches)],
+        (list_schedule(placement, microbatches, cap, reserve) for reserve in (True, False)),
+        (
+            repeated_block(placement, microbatches, tight_block(ranks, delay))
+            for delay in range(PERIOD)
+        ),
+    )
     return tuple(tuple(order) for order in shortest(candidates, cap, 2 * ranks))
 
 
@@ -146,6 +147,11 @@ def generate_v(ranks: int, microbatches: int, slots: int) -> Generated:
     return Generated(orders, [(v_placement(stage, ranks),) for stage in range(2 * ranks)])
 
 
+@lru_cache(maxsize=256)
+def _peaks(ranks: int, microbatches: int, slots: int) -> tuple[int, ...]:
+    return tuple(peak_held(v_orders(ranks, microbatches, slots)))
+
+
 def v_in_flight(slots: int, stage: int, microbatches: int, replicas: Sequence[int]) -> int:
     """Chunk micro-batches rank ``stage`` holds at once in :func:`v_orders`."""
-    return peak_held(v_orders(len(replicas), microbatches, slots))[stage]
+    return _peaks(len(replicas), microbatches, slots)[stage]
