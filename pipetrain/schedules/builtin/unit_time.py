@@ -9,9 +9,10 @@ gives them the pieces:
   first (the lowest stage: the nearest to finishing its micro-batch), else the highest
   ready forward its cap allows, else its oldest deferred W. With ``reserve``, a
   micro-batch's first forward on a rank takes a slot for every stage the rank holds, so
-  its later forwards there never wait for memory and the order cannot stall (the last rank
-  only ever waits for micro-batches already past it); without it only the micro-batches
-  held count, which packs more in but can stall (``None``);
+  its later forwards there never wait for memory and the order cannot stall (a micro-batch
+  that has reached the last rank needs no more slots anywhere, so the oldest in flight
+  always finishes and frees its slots); without it only the micro-batches held count,
+  which packs more in but can stall (``None``);
 - :func:`with_deferred_weights`: an existing order of forwards and backwards with each
   backward's weight pass moved into the gaps, as zero bubble does with 1F1B;
 - :func:`repeated_block`: a building block (each stage's F, B and W at a fixed time)

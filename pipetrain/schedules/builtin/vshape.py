@@ -37,6 +37,7 @@ def v_placement(stage: int, ranks: int) -> int:
 
 
 Check = Callable[[int, int, Sequence[int] | None, Options], None]
+"""A spec's ``check(ranks, microbatches, replicas, options)``."""
 
 
 def check_v(name: str) -> Check:
@@ -53,8 +54,8 @@ def check_v(name: str) -> Check:
 
 def tight_block(ranks: int, delay: int) -> Block:
     """A V building block with every pass as early as its rank's free time units allow
-    (each rank's six passes at distinct times modulo :data:`PERIOD`) and each W ``delay``
-    units after its B."""
+    (each rank's six passes at distinct times modulo :data:`PERIOD`) and each W at the
+    first free unit at least ``delay`` units after its B."""
     taken: list[set[int]] = [set() for _ in range(ranks)]
     block: Block = {}
 
