@@ -32,10 +32,12 @@ def reference(
     per_update: int,
     updates: int,
     windows: int,
+    max_norm: float | None = None,
 ) -> dict[str, torch.Tensor]:
     """Replay the rule in one process: update u of every stage uses the gradient of the
     mini-batch made of micro-batches u·per_update … (u+1)·per_update − 1, computed with
-    stage s on weight version ``rule(s, u)`` (counted from the window's start)."""
+    stage s on weight version ``rule(s, u)`` (counted from the window's start); with
+    ``max_norm``, that gradient is clipped by its global norm over every stage."""
     model = StageModule(to_layers(cases.mlp()))
     owner = stage_of(balance)
     versions = [
@@ -54,12 +56,20 @@ def reference(
                 torch.func.functional_call(model, weights, (inputs[update],)), targets[update]
             )
             grads = dict(zip(weights, torch.autograd.grad(loss, list(weights.values()))))
+            if max_norm is not None:
+                norm = torch.stack([g.norm() for g in grads.values()]).norm()
+                grads = {n: g * min(1.0, max_norm / (float(norm) + 1e-6)) for n, g in grads.items()}
             versions.append({name: versions[-1][name] - LR * grads[name] for name in owner})
     return versions[-1]
 
 
 def run(
-    schedule: str, balance: list[int], microbatches: int, windows: int, **schedule_options: object
+    schedule: str,
+    balance: list[int],
+    microbatches: int,
+    windows: int,
+    settings: dict[str, object] | None = None,
+    **schedule_options: object,
 ) -> dict[str, torch.Tensor]:
     states = pipetrain.launch(
         cases.asynchronous_runs,
@@ -69,6 +79,7 @@ def run(
         microbatches,
         windows,
         schedule_options,
+        settings,
         timeout_s=60,
     )
     merged = {}
@@ -105,6 +116,33 @@ def test_2bw_one_step_delay(balance: list[int], per_update: int) -> None:
     # W(t+1) = W(t) − ν·∇f(W(t−1)), with W(−1) = W(0) at the window's start
     expected = reference(balance, lambda s, t: max(0, t - 1), per_update, rounds, windows=2)
     assert_equal_weights(run("2bw", balance, per_update, 2, rounds=rounds), expected)
+
+
+MAX_NORM = 0.3  # below every update's global norm here, so each update is clipped
+
+
+@pytest.mark.parametrize("balance", [[2, 3], [1, 2, 2]])
+def test_pipedream_clips_by_the_global_norm_of_each_update(balance: list[int]) -> None:
+    p, window = len(balance), 5
+    rule = lambda s, k: max(0, k - p + 1)  # noqa: E731  (vertical sync's versions)
+    expected = reference(balance, rule, 1, window, windows=2, max_norm=MAX_NORM)
+    unclipped = reference(balance, rule, 1, window, windows=2)
+    assert any(not torch.allclose(expected[n], unclipped[n]) for n in expected)
+    got = run("pipedream", balance, window, 2, {"max_grad_norm": MAX_NORM}, vertical_sync=True)
+    assert_equal_weights(got, expected)
+
+
+def test_2bw_clips_by_the_global_norm_of_each_update() -> None:
+    balance, per_update, rounds = [1, 2, 2], 3, 3
+    rule = lambda s, t: max(0, t - 1)  # noqa: E731
+    expected = reference(balance, rule, per_update, rounds, windows=2, max_norm=MAX_NORM)
+    got = run("2bw", balance, per_update, 2, {"max_grad_norm": MAX_NORM}, rounds=rounds)
+    assert_equal_weights(got, expected)
+
+
+def test_clipping_refuses_pipedream_without_vertical_sync() -> None:
+    with pytest.raises(pipetrain.LaunchError, match="vertical_sync"):
+        run("pipedream", [2, 3], 4, 1, {"max_grad_norm": MAX_NORM})
 
 
 def test_stale_rules_differ_from_plain_sgd() -> None:

@@ -184,6 +184,7 @@ def refusals() -> list[str]:
             mlp(),
             schedule="pipedream",
             balance=[2, 3],
+            microbatches=4,
             loss_fn=nn.functional.cross_entropy,
             optimizer=adamw,
             max_grad_norm=1.0,

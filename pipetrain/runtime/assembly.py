@@ -100,6 +100,7 @@ def assemble(
         parameters=[p for p in parameters if p.requires_grad],
         counted=counted,
         all_reduce=transport.all_reduce,
+        all_reduce_start=transport.all_reduce_start,
         device=device,
         max_grad_norm=settings.max_grad_norm,
         on_nonfinite=settings.on_nonfinite,

@@ -8,6 +8,7 @@ pinned host buffers.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,17 @@ class TorchTransport(FramedTransport):
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the group, in place."""
         dist.all_reduce(tensor, group=self.group)
+
+    def all_reduce_start(self, tensor: torch.Tensor) -> Callable[[], None]:
+        """Start summing ``tensor`` over the group, in place; return the wait for the sum.
+        Every rank must start its all-reduces in the same order."""
+        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        assert work is not None  # async_op=True always returns the work
+
+        def wait() -> None:
+            work.wait()
+
+        return wait
 
 
 def _started(work: dist.Work | None, peer: int) -> dist.Work:

@@ -7,7 +7,12 @@ rank the same global norm and loss, so every rank takes the same decision: clip,
 refuse the update. A replicated stage's gradients count once, on its first replica (the
 replicas hold equal gradients after their all-reduce); a stage without parameters
 contributes nothing. Asynchronous schedules update each stage on its own, so their check
-is local: a non-finite gradient raises before that stage's update. Under fp16 the
+is local: a non-finite gradient raises before that stage's update. With clipping they
+defer each update instead (:meth:`Updater.defer`): its gradients are put aside and an
+all-reduce of their squared norm starts at once; the update is applied, clipped by that
+global norm, when a forward first needs its weights or at the end of the window, so it
+waits for the input stage's backward only where the schedule's versions already do
+(every stage running each micro-batch on the same version). Under fp16 the
 gradients are unscaled first and the all-reduce carries a third float, whether any rank's
 gradients overflowed: then every rank skips the update and backs its loss scale off, as
 :class:`torch.amp.GradScaler` does (see :mod:`pipetrain.runtime.precision`).
@@ -18,12 +23,13 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch.nn.utils import clip_grads_with_norm_
 
 from pipetrain.runtime.precision import Precision, check_precision
-from pipetrain.schedules import Schedule
+from pipetrain.schedules import Kind, Schedule
 
 NONFINITE_POLICIES = ("raise", "skip", "warn")
 
@@ -33,6 +39,15 @@ LRSchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.
 
 class NonFiniteError(RuntimeError):
     """An update met a non-finite loss or gradient norm and was not applied."""
+
+
+@dataclass
+class PendingUpdate:
+    """An asynchronous stage's update put aside until its global norm is known."""
+
+    grads: list[torch.Tensor | None]  # in the order of the stage's parameters
+    square: torch.Tensor  # this rank's squared norm, summed over every rank once waited
+    wait: Callable[[], None]
 
 
 def check_policy(max_grad_norm: float | None, on_nonfinite: str) -> None:
@@ -73,6 +88,7 @@ class Updater:
         parameters: Sequence[torch.Tensor] | None = None,
         counted: Sequence[torch.Tensor] | None = None,
         all_reduce: Callable[[torch.Tensor], None] | None = None,
+        all_reduce_start: Callable[[torch.Tensor], Callable[[], None]] | None = None,
         device: torch.device | str = "cpu",
         max_grad_norm: float | None = None,
         on_nonfinite: str = "raise",
@@ -89,6 +105,7 @@ class Updater:
         self.parameters = list(parameters)
         self.counted = list(self.parameters if counted is None else counted)
         self.all_reduce = all_reduce
+        self.all_reduce_start = all_reduce_start
         self.device = torch.device(device)
         self.max_grad_norm, self.on_nonfinite = max_grad_norm, on_nonfinite
         self.lr_scheduler = (
@@ -169,6 +186,43 @@ class Updater:
         if self.optimizer is not None:
             self.optimizer.step()
 
+    @property
+    def defers(self) -> bool:
+        """Whether asynchronous updates wait for their global norm (to clip by it)."""
+        return self.max_grad_norm is not None
+
+    def defer(self, parameters: Sequence[torch.Tensor]) -> PendingUpdate:
+        """Put an asynchronous stage's update aside: take its gradients off ``parameters``
+        and start the all-reduce of their squared norm."""
+        grads = [p.grad for p in parameters]
+        for parameter in parameters:
+            parameter.grad = None
+        square = _square_norm([g for g in grads if g is not None], self.device).reshape(1)
+        if self.all_reduce_start is not None:
+            return PendingUpdate(grads, square, self.all_reduce_start(square))
+        if self.all_reduce is not None:
+            self.all_reduce(square)
+        return PendingUpdate(grads, square, lambda: None)
+
+    def apply_deferred(
+        self, pending: PendingUpdate, parameters: Sequence[torch.Tensor], stage: int
+    ) -> None:
+        """Apply an update :meth:`defer` put aside: clipped by the global norm, or refused
+        (:class:`NonFiniteError`) if that norm is not finite."""
+        pending.wait()
+        norm = pending.square[0].sqrt()
+        if not math.isfinite(float(norm)):
+            raise NonFiniteError(
+                f"stage {stage}'s update {self.updates + 1}: the global gradient norm is "
+                f"{float(norm)}; the update was not applied"
+            )
+        for parameter, grad in zip(parameters, pending.grads):
+            parameter.grad = grad
+        assert self.max_grad_norm is not None  # only clipping defers
+        clip_grads_with_norm_(parameters, self.max_grad_norm, norm)
+        if self.optimizer is not None:
+            self.optimizer.step()
+
     def finish(self) -> None:
         """Count an applied update and step the learning-rate schedule."""
         if self.lr_scheduler is not None:
@@ -214,10 +268,7 @@ def check_training(
                 "optimizer=... (or clip with pipe.clip_grad_norm_ before your own step)"
             )
     if schedule.asynchronous and max_grad_norm is not None:
-        raise ValueError(
-            f"{schedule.name} updates each stage at its own time, so no global norm "
-            "exists at an update; max_grad_norm needs a synchronous schedule"
-        )
+        _check_deferrable(schedule)
     if schedule.asynchronous and on_nonfinite != "raise":
         raise ValueError(
             f"{schedule.name} updates each stage at its own time, so the ranks cannot "
@@ -229,4 +280,26 @@ def check_training(
             f"{schedule.name} updates each stage at its own time, so the ranks cannot skip "
             "an overflowing update together as fp16 loss scaling needs; use precision='bf16' "
             "(no loss scale) or a synchronous schedule"
+        )
+
+
+def _check_deferrable(schedule: Schedule) -> None:
+    """Raise ValueError unless an asynchronous schedule's updates can wait for their global
+    norm: one rank per stage, and every stage running each micro-batch on the same weight
+    version, so that no forward needs an update before the input stage's backward of it."""
+    if max(len(ranks) for ranks in schedule.stage_ranks) > 1:
+        raise ValueError(
+            f"max_grad_norm on {schedule.name} needs one rank per stage: replicas update "
+            "on their own all-reduce, so no global norm exists at an update"
+        )
+    versions: dict[int | None, set[int | None]] = {}
+    for lane in schedule.ranks:
+        for action in lane:
+            if action.kind is Kind.FORWARD:
+                versions.setdefault(action.microbatch, set()).add(action.version)
+    if any(len(used) > 1 for used in versions.values()):
+        raise ValueError(
+            f"max_grad_norm on {schedule.name} needs every stage to run a micro-batch on the "
+            "same weight version (for pipedream: schedule_options={'vertical_sync': True}); "
+            "otherwise a later stage needs each update before the global norm exists"
         )

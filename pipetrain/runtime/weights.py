@@ -13,12 +13,13 @@ Nothing is swapped in place under autograd.
 
 from __future__ import annotations
 
+from collections import Counter, deque
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from pipetrain.runtime.update import Updater
+from pipetrain.runtime.update import PendingUpdate, Updater
 from pipetrain.schedules import COMPUTE_KINDS, Action, Kind
 
 
@@ -115,6 +116,9 @@ class Weights:
             for stage, module in self.modules.items()
         }
         self._steps = dict.fromkeys(self.modules, 0)
+        self._applied = dict.fromkeys(self.modules, 0)  # asynchronous updates made
+        self._window_steps: Counter[int] = Counter()
+        self._pending: dict[int, deque[PendingUpdate]] = {s: deque() for s in self.modules}
         self._base = dict.fromkeys(self.modules, 0)
         self._needed: dict[int, list[set[int]]] = {stage: [] for stage in self.modules}
 
@@ -132,6 +136,10 @@ class Weights:
             raise ValueError("an asynchronous schedule updates inside every window")
         self.updating = update
         self._steps = dict.fromkeys(self.modules, 0)
+        self._applied = dict.fromkeys(self.modules, 0)
+        self._window_steps = Counter(a.stage for a in lane if a.kind is Kind.STEP)
+        for pending in self._pending.values():
+            pending.clear()  # only a failed window leaves any
         self._base = {stage: stash.newest for stage, stash in self.stashes.items()}
         # needed[stage][j]: absolute versions used after the stage's j-th update in the window,
         # built from the window's end (last update first), then put in update order
@@ -162,6 +170,9 @@ class Weights:
         """The stage's output on ``inputs`` with weight ``version`` (``None``: the live weights)."""
         if version is None:
             return self.modules[stage](*inputs)
+        pending = self._pending[stage]
+        while pending and version > self.stashes[stage].newest:
+            self._apply_pending(stage)
         return self.stashes[stage].run(version, *inputs)
 
     def holders(self, stage: int, version: int | None) -> list[torch.Tensor]:
@@ -190,15 +201,35 @@ class Weights:
             return
         stash = self.stashes[stage]
         stash.load_gradients()
-        self.updater.step_local(list(stash.live.values()), stage)
-        if min(self._steps.values()) == self._steps[stage]:
+        live = list(stash.live.values())
+        if not self.updater.defers:
+            self.updater.step_local(live, stage)
+            self._advance(stage)
+            return
+        self._pending[stage].append(self.updater.defer(live))
+        if self._steps[stage] == self._window_steps[stage]:  # the window ends applied
+            while self._pending[stage]:
+                self._apply_pending(stage)
+
+    def _apply_pending(self, stage: int) -> None:
+        """Apply ``stage``'s oldest deferred update."""
+        live = list(self.stashes[stage].live.values())
+        self.updater.apply_deferred(self._pending[stage].popleft(), live, stage)
+        self._advance(stage)
+
+    def _advance(self, stage: int) -> None:
+        """Count an applied asynchronous update and make its weights the next version."""
+        self._applied[stage] += 1
+        if min(self._applied.values()) == self._applied[stage]:
             self.updater.finish()  # every held stage has made this update
+        stash = self.stashes[stage]
         # applied: left in place, a later update of another stage here would apply them again
         for parameter in stash.live.values():
             parameter.grad = None
         stash.advance()
         later = self._needed[stage]
-        index = self._steps[stage]
+        index = self._applied[stage]
+        # a deferred update is applied after its STEP: what later STEPs need is a superset
         stash.keep_only(later[index] if index < len(later) else ())
 
     def reset(self) -> None:
