@@ -12,7 +12,7 @@ from pipetrain.app.models import build_model
 from pipetrain.model.layers import to_layers
 from pipetrain.planning import Plan
 from pipetrain.runtime import PipelineConfig
-from pipetrain.runtime.precision import PRECISIONS
+from pipetrain.runtime.update import check_training
 from pipetrain.schedules import Schedule, spec
 
 DEFAULT_LR = {"mlp": 3e-3, "uneven-mlp": 3e-3, "cnn": 3e-3, "gpt": 3e-3}
@@ -146,24 +146,13 @@ class TrainConfig:
             raise ValueError(f"eval_every must be a positive integer, got {self.eval_every}")
         layers = len(to_layers(build_model(self.model, seed=self.seed)))
         schedule = pipeline.build(self.stages or DEFAULT_STAGES, layers)
-        if self.precision not in PRECISIONS:
+        if schedule.asynchronous and self.accumulate > 1:
             raise ValueError(
-                f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
+                f"{schedule.name} updates each stage inside every step, so --accumulate needs "
+                "a synchronous schedule"
             )
-        if schedule.asynchronous and (
-            self.accumulate > 1 or self.max_grad_norm is not None or self.precision == "fp16"
-        ):
-            option = (
-                "--accumulate"
-                if self.accumulate > 1
-                else "--max-grad-norm"
-                if self.max_grad_norm is not None
-                else "--precision fp16"
-            )
-            raise ValueError(
-                f"{schedule.name} updates each stage inside every step, so {option} needs a "
-                "synchronous schedule"
-            )
+        # the Pipeline's own checks, before any worker starts
+        check_training(schedule, True, self.max_grad_norm, None, "raise", self.precision)
 
     def pipeline_config(self) -> PipelineConfig:
         """The pipeline this run trains with; the targets travel from the input stage, so
