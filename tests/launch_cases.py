@@ -4,9 +4,13 @@ launcher's command line."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
 
 import pipetrain
 
@@ -20,3 +24,10 @@ def idle(directory: str) -> None:
 
 if __name__ == "__main__":
     pipetrain.launch(idle, 2, sys.argv[1], timeout_s=60, threads_per_worker=1)
+
+
+def killed_while_a_peer_waits() -> None:
+    """Rank 1 ends by SIGKILL while rank 0 waits for a message from it."""
+    if int(os.environ["RANK"]) == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.recv(torch.empty(1), src=1)

@@ -10,7 +10,10 @@ import sys
 import time
 from pathlib import Path
 
+import launch_cases
 import pytest
+
+import pipetrain
 
 TESTS = Path(__file__).parent
 WORKERS, LIMIT_S = 2, 10.0
@@ -72,3 +75,10 @@ def test_every_worker_ends_soon_after_the_launcher(tmp_path: Path, sent: signal.
     assert launcher.returncode == expected[sent], errors
     if sent != signal.SIGKILL:  # after SIGKILL, multiprocessing's tracker frees them, warning
         assert "leaked semaphore" not in errors
+
+
+def test_a_killed_worker_is_named_with_its_signal() -> None:
+    with pytest.raises(
+        pipetrain.LaunchError, match="worker rank 1 failed: worker was killed by SIGKILL"
+    ):
+        pipetrain.launch(launch_cases.killed_while_a_peer_waits, 2, timeout_s=30)

@@ -167,11 +167,7 @@ def launch(
                         if not w.is_alive() and w.exitcode not in (0, None) and r not in outcomes
                     ]
                     for r in dead:
-                        outcomes[r] = (
-                            False,
-                            (f"worker exited with code {workers[r].exitcode}", r),
-                            "",
-                        )
+                        outcomes[r] = (False, (_ended(workers[r].exitcode), r), "")
                         deadline = deadline or time.monotonic() + timeout_s
                 if deadline is not None and time.monotonic() > deadline:
                     break
@@ -192,11 +188,24 @@ def launch(
             raise LaunchError(
                 f"workers {sorted(set(range(nprocs)) - set(outcomes))} did not finish", -1, ""
             )
-        origins = [value[1] for _, value, _ in failures.values()]
-        origin = origins[0] if origins[0] in failures else min(failures)
+        # a worker that died without a word (a signal, a crash) broke its peers' connections;
+        # else the first origin a failure names, else the lowest rank
+        died = [rank for rank, (_, _, trace) in failures.items() if not trace]
+        named = [value[1] for _, value, _ in failures.values() if value[1] in failures]
+        origin = (died or named or [min(failures)])[0]
         message, _ = failures[origin][1]
         raise LaunchError(f"worker rank {origin} failed: {message}", origin, failures[origin][2])
     return [torch.load(io.BytesIO(outcomes[rank][1]), weights_only=False) for rank in range(nprocs)]
+
+
+def _ended(exitcode: int | None) -> str:
+    """How a worker that reported nothing ended."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"worker was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            pass
+    return f"worker exited with code {exitcode}"
 
 
 def _stop(workers: Sequence[mp.process.BaseProcess]) -> None:
