@@ -7,11 +7,12 @@ it fails too, reads the store and names the rank and stage where it began.
 
 from __future__ import annotations
 
-from datetime import timedelta
+import time
 
 import torch.distributed as dist
 
 _KEY = "pipetrain/first_failure"
+_POLL_S = 0.05
 
 
 class PipelineError(RuntimeError):
@@ -63,9 +64,12 @@ def explain_peer_failure(
     store = _store()
     origin = None
     if store is not None:
+        # polled, not store.wait: a wait that times out logs c10d noise after the real error
+        deadline = time.monotonic() + wait_s
         try:
-            store.wait([_KEY], timedelta(seconds=wait_s))
-            origin = store.get(_KEY).decode()
+            while not store.check([_KEY]) and time.monotonic() < deadline:
+                time.sleep(_POLL_S)
+            origin = store.get(_KEY).decode() if store.check([_KEY]) else None
         except RuntimeError:
             origin = None
     if origin:
