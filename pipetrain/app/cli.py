@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from pipetrain.app.arguments import MODEL_NAMES, USAGE_ERROR, Parser
+from pipetrain.app.cluster_command import add_cluster, run_cluster
 from pipetrain.app.plan_commands import add_plan, add_profile, run_plan, run_profile
 from pipetrain.app.simulate_command import add_simulate, run_simulate
 from pipetrain.app.train_command import add_train, run_train
@@ -30,6 +31,7 @@ COMMANDS: dict[
     "profile": (add_profile, run_profile),
     "plan": (add_plan, run_plan),
     "train": (add_train, run_train),
+    "cluster": (add_cluster, run_cluster),
 }
 
 
