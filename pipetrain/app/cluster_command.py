@@ -263,15 +263,19 @@ def cluster_report(
     }
 
 
+def _mbit(bytes_per_s: float) -> str:
+    return f"{bytes_per_s * 8 / 1e6:.3g} Mbit/s"
+
+
 def _summary(report: dict[str, Any]) -> str:
     lines = [
         f"cluster of {report['hosts']} hosts, each link "
-        f"{format_bandwidth(report['bandwidth_bytes_per_s'])} each way, {report['wall_s']:.1f} s"
+        f"{_mbit(report['bandwidth_bytes_per_s'])} each way, {report['wall_s']:.1f} s"
     ]
     for i, (sent, peak) in enumerate(zip(report["bytes_sent"], report["peak_bytes_per_s"])):
         lines.append(
             f"  h{i} {report['addresses'][i]:<12} sent {format_bytes(sent)}, "
-            f"peak {format_bandwidth(peak)} over {RATE_WINDOW_S:g} s"
+            f"peak {_mbit(peak)} over {RATE_WINDOW_S:g} s"
         )
     return "\n".join(lines)
 
