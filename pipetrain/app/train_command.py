@@ -17,6 +17,7 @@ from pipetrain.app.arguments import (
 from pipetrain.schedules import RECOMPUTE_MODES, names, spec
 
 if TYPE_CHECKING:
+    from pipetrain.app.train_config import TrainConfig
     from pipetrain.planning import Plan
 
 
@@ -148,6 +149,12 @@ def add_train(commands: argparse._SubParsersAction) -> None:
         metavar="PATH",
         help="write the last step's timeline: .png (predicted and measured) or .json Chrome trace",
     )
+    parser.add_argument(
+        "--ddp",
+        action="store_true",
+        help="train data-parallel instead (DistributedDataParallel): a whole replica on each "
+        "of --stages workers, each on an equal share of every batch",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -188,6 +195,9 @@ def run_train(args: argparse.Namespace) -> None:
         plan=_train_plan(args),
         plan_auto=args.plan == "auto",
     )
+    if args.ddp:
+        _run_ddp(args, config)
+        return
     report = run_training(config)
     if report is None:  # a torchrun rank other than 0: rank 0 reports
         return
@@ -206,3 +216,18 @@ def _train_plan(args: argparse.Namespace) -> Plan | None:
     from pipetrain.planning import Plan
 
     return Plan.load(args.plan)
+
+
+def _run_ddp(args: argparse.Namespace, config: TrainConfig) -> None:
+    """``--ddp``: train ``config`` data-parallel and print its report."""
+    from pipetrain.app.train_ddp import run_ddp_training
+
+    if args.trace:
+        raise ValueError("--trace draws a pipeline's last step, which --ddp has not; leave it out")
+    report = run_ddp_training(config)
+    if report is None:  # a torchrun rank other than 0: rank 0 reports
+        return
+    emit(args, report.to_json(), report.summary())
+    diverged = report.divergence()
+    if diverged is not None:  # after the report, which keeps the losses
+        raise RuntimeError(diverged)

@@ -1,0 +1,245 @@
+"""``pipetrain train --ddp``: the data-parallel baseline for a pipeline run.
+
+The same built-in model, global batch, Adam, learning-rate policy, accumulation and
+clipping as ``pipetrain train``, trained with
+:class:`torch.nn.parallel.DistributedDataParallel`: one whole replica per worker, each
+worker computing the mean loss of its equal share of every batch, the gradients averaged
+over the workers. Equal shards of a mean loss make the averaged gradient the full batch's,
+so the losses are the unpipelined loop's. Local workers come from :func:`pipetrain.launch`;
+under ``torchrun`` (``WORLD_SIZE`` set) each process is one worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.lr_scheduler import LambdaLR
+
+from pipetrain.app.data import BatchStream
+from pipetrain.app.models import build_model, loss_function
+from pipetrain.app.train_config import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_LR,
+    DEFAULT_STAGES,
+    WARMUP_STEPS,
+    TrainConfig,
+    warmup_cosine,
+)
+from pipetrain.app.train_job import Progress, held_out
+from pipetrain.app.train_report import DIVERGENCE_FACTOR
+from pipetrain.runtime import launch
+from pipetrain.units import format_seconds
+
+DDP_PRECISIONS = ("fp32", "bf16")
+
+
+def resolve_ddp(config: TrainConfig, world_size: int | None = None) -> TrainConfig:
+    """``config`` for data parallelism: workers (``stages``), batch and learning rate filled
+    in; a ValueError naming any setting that only a pipeline has, or a batch that does not
+    split into equal shards."""
+    if config.model not in DEFAULT_LR:
+        raise ValueError(f"unknown model {config.model!r}; choose one of {', '.join(DEFAULT_LR)}")
+    pipeline_only = {
+        "--plan": config.plan is not None or config.plan_auto,
+        "--replicas": config.replicas is not None,
+        "--balance": config.balance is not None,
+        "--recompute": config.recompute != "never",
+        "--schedule": config.schedule != "1f1b",
+        "schedule options": bool(config.schedule_options),
+    }
+    given = [name for name, present in pipeline_only.items() if present]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} set a pipeline, which --ddp does not run; leave them out"
+        )
+    if config.precision not in DDP_PRECISIONS:
+        raise ValueError(
+            f"--ddp trains in {' or '.join(DDP_PRECISIONS)}, not {config.precision}; "
+            "give --precision bf16 or leave it out"
+        )
+    workers = config.stages or world_size or DEFAULT_STAGES
+    if world_size is not None and workers != world_size:
+        raise ValueError(
+            f"--stages {workers} differs from the torchrun world size {world_size}; "
+            f"give --stages {world_size} or omit it"
+        )
+    batch = config.batch_size or DEFAULT_BATCH_SIZE[config.model]
+    if batch % workers:
+        raise ValueError(
+            f"--ddp splits each batch of {batch} samples into {workers} equal shards; "
+            f"give a --batch-size divisible by {workers}"
+        )
+    for name in ("steps", "accumulate", "threads"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name} must be a positive integer, got {getattr(config, name)}")
+    return replace(
+        config, stages=workers, batch_size=batch, lr=config.lr or DEFAULT_LR[config.model]
+    )
+
+
+def ddp_worker(config: TrainConfig) -> dict[str, Any] | None:
+    """Train this rank's replica on its shard of every batch; rank 0 returns the losses
+    (the full batch's mean, averaged over the shards), step times and held-out metrics,
+    other ranks ``None``."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model(config.model, seed=config.seed)
+    replica = DistributedDataParallel(model)
+    optimizer = torch.optim.Adam(replica.parameters(), lr=config.learning_rate)
+    updates = -(-config.steps // config.accumulate)
+    scheduler = (
+        None if config.lr_schedule == "constant" else LambdaLR(optimizer, warmup_cosine(updates))
+    )
+    loss_fn = loss_function(config.model)
+    batches = BatchStream(config.model, config.samples, seed=config.seed)
+    share = config.samples // world
+    shard = slice(rank * share, (rank + 1) * share)
+    held = batches.eval_set() if rank == 0 and config.eval_every else None
+    progress = Progress(config.steps, config.samples) if rank == 0 else None
+    autocast = (
+        torch.autocast("cpu", dtype=torch.bfloat16)
+        if config.precision == "bf16"
+        else contextlib.nullcontext()
+    )
+    losses: list[float] = []
+    step_times: list[float] = []
+    evaluations: list[dict[str, float]] = []
+    for step in range(config.steps):
+        inputs, targets = next(batches)
+        update = (step + 1) % config.accumulate == 0 or step == config.steps - 1
+        start = time.perf_counter()
+        # gradients of a step without an update accumulate locally, averaged at the update
+        with replica.no_sync() if not update else contextlib.nullcontext():
+            with autocast:
+                outputs = replica(inputs[shard])
+            loss = loss_fn(outputs.float(), targets[shard])
+            loss.backward()
+        if update:
+            if config.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(replica.parameters(), config.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad()
+            if scheduler is not None:
+                scheduler.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+        step_times.append(time.perf_counter() - start)
+        if progress is not None:
+            progress.update(step + 1, losses[-1])
+        if held is not None and config.eval_every and (step + 1) % config.eval_every == 0:
+            with torch.no_grad():
+                outputs = model.eval()(held[0])
+            model.train()
+            evaluations.append({"step": step + 1, **held_out(config.model, outputs, held[1])})
+            if progress is not None:
+                progress.evaluation(step + 1, evaluations[-1])
+    if rank != 0:
+        return None
+    return {"losses": losses, "step_times_s": step_times, "eval": evaluations}
+
+
+@dataclass(frozen=True)
+class DDPReport:
+    """The outcome of a data-parallel run: losses, step times and held-out metrics."""
+
+    config: TrainConfig
+    losses: list[float]
+    step_times_s: list[float]
+    evaluations: list[dict[str, float]] = field(default_factory=list)
+
+    @property
+    def step_s(self) -> float:
+        """Median step time in seconds, leaving out the warm-up steps when there are more."""
+        return statistics.median(self.step_times_s[WARMUP_STEPS:] or self.step_times_s)
+
+    @property
+    def samples_per_s(self) -> float:
+        """Training samples per second at the median step time."""
+        return self.config.samples / self.step_s
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object of ``pipetrain train --ddp --json``: the keys of a pipeline run's
+        report that mean something without a pipeline, ``schedule`` being ``"ddp"``."""
+        config = self.config
+        return {
+            "model": config.model,
+            "schedule": "ddp",
+            "ddp": True,
+            "stages": config.stages,
+            "workers": config.stages,
+            "batch_size": config.batch_size,
+            "steps": config.steps,
+            "lr": config.lr,
+            "accumulate": config.accumulate,
+            "max_grad_norm": config.max_grad_norm,
+            "lr_schedule": config.lr_schedule,
+            "precision": config.precision,
+            "eval_every": config.eval_every,
+            "eval": self.evaluations,
+            "losses": self.losses,
+            "final_loss": self.losses[-1],
+            "step_times_s": self.step_times_s,
+            "step_s": self.step_s,
+            "samples_per_s": self.samples_per_s,
+            "diverged": self.divergence() is not None,
+        }
+
+    def divergence(self) -> str | None:
+        """Why the run counts as diverged (as a pipeline run's report decides), or ``None``."""
+        tail = self.losses[-max(1, len(self.losses) // 10) :]
+        final = sum(tail) / len(tail)
+        if not final > DIVERGENCE_FACTOR * self.losses[0]:
+            return None
+        return (
+            f"the run diverged: loss {self.losses[0]:.4g} at the first step, {final:.4g} "
+            f"over the last {len(tail)}; lower --lr, or clip with --max-grad-norm"
+        )
+
+    def summary(self) -> str:
+        """A few readable lines: workers, loss, step time and throughput."""
+        config = self.config
+        share = config.samples // (config.stages or 1)
+        held = [
+            f"  held-out          after step {last['step']:g}: "
+            + ", ".join(f"{name} {value:.4f}" for name, value in last.items() if name != "step")
+            for last in self.evaluations[-1:]
+        ]
+        return "\n".join(
+            [
+                f"{config.model}, data-parallel (DDP) on {config.stages} workers, "
+                f"{share} of {config.samples} samples each, {config.steps} steps "
+                f"(Adam, lr {config.lr:g}, {config.lr_schedule}, {config.precision})",
+                f"  loss              {self.losses[0]:.4f} -> {self.losses[-1]:.4f}",
+                *held,
+                f"  step time         {format_seconds(self.step_s)} (median)",
+                f"  throughput        {self.samples_per_s:,.0f} samples/s",
+            ]
+        )
+
+
+def run_ddp_training(config: TrainConfig) -> DDPReport | None:
+    """Train ``config`` data-parallel and report; ``None`` on torchrun ranks other than 0."""
+    if "WORLD_SIZE" in os.environ:
+        started_group = not dist.is_initialized()
+        if started_group:
+            dist.init_process_group("gloo")
+        try:
+            config = resolve_ddp(config, world_size=dist.get_world_size())
+            result = ddp_worker(config)
+        finally:
+            if started_group:
+                dist.destroy_process_group()
+    else:
+        config = resolve_ddp(config)
+        result = launch(ddp_worker, config.workers, config, threads_per_worker=config.threads)[0]
+    if result is None:
+        return None
+    return DDPReport(config, result["losses"], result["step_times_s"], result["eval"])
