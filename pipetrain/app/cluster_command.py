@@ -253,6 +253,7 @@ def cluster_report(
     """The ``cluster`` entry of the JSON output: the links, and what each host sent."""
     sent = [end - start for start, end in zip(before, after)]
     return {
+        "name": cluster.name,
         "hosts": len(cluster.hosts),
         "bandwidth_bytes_per_s": cluster.bytes_per_s,
         "addresses": [host.address for host in cluster.hosts],
