@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 import os
 import sysconfig
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -166,6 +168,21 @@ class BatchStream:
         rows = self._order[self._position : self._position + self.batch_size]
         self._position += self.batch_size
         return self._train_x[rows], self._train_y[rows]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The stream's position: its random generator's state and, for the digits, the
+        epoch's order and the place in it; :meth:`load_state_dict` goes on from there."""
+        state: dict[str, Any] = {"generator": self._generator.get_state()}
+        if self.model_name not in _TEXT_MODELS:
+            state.update(order=self._order.clone(), position=self._position)
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Go on from a position that :meth:`state_dict` returned (of a stream of the same
+        model, batch size and seed)."""
+        self._generator.set_state(state["generator"])
+        if self.model_name not in _TEXT_MODELS:
+            self._order, self._position = state["order"].clone(), int(state["position"])
 
     def eval_set(self) -> tuple[Tensor, Tensor]:
         """A fixed held-out set: the digits test split, or for gpt evenly spaced windows from
