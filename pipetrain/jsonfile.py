@@ -68,6 +68,28 @@ class JsonFile:
 
     @classmethod
     def load(cls: type[T], path: str | PathLike[str]) -> T:
-        """Read what :meth:`save` wrote."""
-        with open(path, encoding="utf-8") as file:
-            return cls.from_dict(json.load(file))
+        """Read what :meth:`save` wrote.
+
+        Raises:
+            ValueError: naming ``path``, when it cannot be read, is not JSON (a truncated
+                file) or does not hold this type.
+        """
+        what = cls.__name__.lower()
+        try:
+            with open(path, encoding="utf-8") as file:
+                text = file.read()
+        except OSError as error:
+            raise ValueError(f"cannot read the {what} {path}: {error.strerror or error}") from error
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"the {what} {path} is not valid JSON ({error}); is the file complete?"
+            ) from error
+        try:
+            return cls.from_dict(data)
+        except (ValueError, KeyError, TypeError) as error:
+            detail = (
+                str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
+            )
+            raise ValueError(f"the {what} {path} cannot be used: {detail}") from error
