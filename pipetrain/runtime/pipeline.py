@@ -10,15 +10,21 @@ of evaluation outputs are actions of the schedule like any other.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Literal, overload
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipetrain.checkpoint import Checkpoint
+from pipetrain.checkpoint import load as load_checkpoint
+from pipetrain.checkpoint import save as save_checkpoint
 from pipetrain.model.layers import to_layers
+from pipetrain.runtime.agreement import check_agreement, settings_of
 from pipetrain.runtime.assembly import OptimizerArg, UpdateSettings, assemble
 from pipetrain.runtime.batch import Data, StepData
 from pipetrain.runtime.config import PipelineConfig
@@ -99,7 +105,8 @@ class Pipeline:
             ``None``).
 
     Raises:
-        ValueError: a setting that cannot run, named with its fix.
+        ValueError: a setting that cannot run, named with its fix; or settings (model
+            structure included) that differ between ranks, on every rank, naming each.
     """
 
     def __init__(
@@ -156,6 +163,20 @@ class Pipeline:
         self.group = group
         self.rank = dist.get_rank(group)
         layers = to_layers(model)
+        # ranks given different settings would train the wrong model: all stop here instead
+        check_agreement(
+            settings_of(
+                config,
+                layers,
+                optimizer=optimizer is not None,
+                max_grad_norm=max_grad_norm,
+                lr_scheduler=lr_scheduler is not None,
+                on_nonfinite=on_nonfinite,
+                precision=precision,
+                loss_scale=loss_scale,
+            ),
+            group,
+        )
         built = config.build(dist.get_world_size(group), len(layers), optimizer is not None)
         self.balance = config.balance_for(len(layers), built)
         self._per_update = config.per_update(built)
@@ -440,3 +461,26 @@ class Pipeline:
         return self.recorder.gather(
             self.group, self.transport.global_rank(0), f"{self.schedule.name} (measured)"
         )
+
+    # checkpoints ------------------------------------------------------------------------
+    def save(
+        self,
+        directory: str | os.PathLike,
+        *,
+        step: int | None = None,
+        extra: Any = None,
+        keep: int | None = None,
+    ) -> Path:
+        """Save the whole training state as ``directory/step-NNNNNNNN`` (``step``: by default
+        the updates so far) and return it; rank 0's ``extra`` (such as the data position)
+        is saved beside. Every rank calls it, after an updating step; the directory appears
+        complete or not at all, and with ``keep`` only the ``keep`` newest stay. See
+        :func:`pipetrain.checkpoint.save`."""
+        return save_checkpoint(self, directory, step=step, extra=extra, keep=keep)
+
+    def load(self, path: str | os.PathLike, *, weights_only: bool = False) -> Checkpoint:
+        """Load a checkpoint saved with any layout (``path``, or the newest complete one
+        under it) and return what was found, with the ``extra`` saved. Every rank calls it;
+        a checkpoint of another model is refused on every rank, naming the differences.
+        See :func:`pipetrain.checkpoint.load`."""
+        return load_checkpoint(self, path, weights_only=weights_only)

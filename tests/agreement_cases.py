@@ -1,0 +1,36 @@
+"""Worker functions for the agreement tests (importable by spawned workers)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch.distributed as dist
+from checkpoint_cases import wide
+from pipeline_cases import mlp
+from torch import nn
+
+import pipetrain
+
+
+def _message(build: Callable[[], object]) -> str:
+    try:
+        build()
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def disagreements() -> dict[str, str]:
+    """Pipelines whose settings differ between the two ranks; the error each rank raised."""
+    rank = dist.get_rank()
+    loss = nn.functional.cross_entropy
+    return {
+        "balance": _message(
+            lambda: pipetrain.Pipeline(mlp(), balance=[[2, 3], [3, 2]][rank], loss_fn=loss)
+        ),
+        "microbatches": _message(
+            lambda: pipetrain.Pipeline(mlp(), microbatches=2 + rank, loss_fn=loss)
+        ),
+        "model": _message(lambda: pipetrain.Pipeline([mlp(), wide()][rank], loss_fn=loss)),
+        "agreed": _message(lambda: pipetrain.Pipeline(mlp(), balance=[2, 3], loss_fn=loss)),
+    }
