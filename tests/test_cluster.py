@@ -1,0 +1,204 @@
+"""``pipetrain cluster``: namespaced hosts with capped links, a 2-node torchrun pipeline over
+them that trains exactly, and nothing left behind after success or Ctrl-C.
+
+Tests that make namespaces skip, with the reason, where that is impossible (not root, no
+iproute2, no network namespaces).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_cli import ROOT, unpipelined_losses
+
+from pipetrain.app import cli
+from pipetrain.app.cluster_net import MIN_BURST_BYTES, Cluster, namespaces
+
+CAP = 50e6 / 8  # 50 Mbit/s in bytes/s
+PAYLOAD = 4_000_000  # bytes sent through a capped link: about 0.64 s at 50 Mbit/s
+JOB_TIMEOUT_S = 100
+
+
+def _namespaces_unavailable() -> str | None:
+    """Why this machine cannot make network namespaces here, or ``None``."""
+    if os.geteuid() != 0:
+        return "making network namespaces needs root"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "iproute2 (ip, tc) is not installed"
+    try:
+        with Cluster(1, CAP):
+            pass
+    except (RuntimeError, OSError, subprocess.SubprocessError) as error:
+        return f"cannot make a namespaced host here: {error}"
+    return None
+
+
+_REASON = _namespaces_unavailable()
+needs_namespaces = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+
+
+def _root_links() -> set[str]:
+    """The link names of this machine's own network namespace."""
+    listed = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True)
+    return {line.split(":")[1].strip() for line in listed.stdout.splitlines()}
+
+
+def _processes_naming(text: str) -> list[int]:
+    """The processes whose command line contains ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+@pytest.fixture
+def runs() -> Iterator[list[str]]:
+    """The names of the clusters a test made (it appends them); afterwards, check that none
+    left a namespace, a process, or a link in this machine's own namespace."""
+    links, names = _root_links(), list[str]()
+    yield names
+    assert names
+    for name in names:
+        assert [ns for ns in namespaces() if ns.startswith(name)] == []
+        assert _processes_naming(name) == []
+    made_here = {link for link in _root_links() - links if link == "br0" or link[:1] == "p"}
+    assert made_here == set()
+
+
+def start_cluster(*args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipetrain", "cluster", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+def finish(process: subprocess.Popen[str], timeout_s: float) -> tuple[str, str]:
+    """The process's output once it ends; past ``timeout_s`` it is interrupted (and so
+    cleans up) and the test fails."""
+    try:
+        return process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGINT)
+        err = process.communicate(timeout=30)[1]
+        pytest.fail(f"the cluster command ran past {timeout_s} s: {err[-3000:]}")
+
+
+def test_without_root_it_says_so_in_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    args = ["cluster", "--hosts", "2", "--bandwidth", "50Mbit/s", "--", "train", "--model", "mlp"]
+    assert cli.main(args) == 2
+    stderr = capsys.readouterr().err
+    assert "needs root" in stderr and len(stderr.strip().splitlines()) == 1, stderr
+
+
+def test_it_runs_only_train(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["cluster", "--hosts", "2", "--bandwidth", "1Gbit/s", "--", "plan"]) == 2
+    assert "runs `pipetrain train`, not 'plan'" in capsys.readouterr().err
+
+
+@needs_namespaces
+def test_a_host_link_sends_no_faster_than_its_cap(runs: list[str]) -> None:
+    receive = (
+        "import socket; s = socket.socket(); s.bind(('0.0.0.0', 5001)); s.listen(); "
+        "c, _ = s.accept(); n = 0\n"
+        "while (d := c.recv(1 << 16)): n += len(d)\n"
+        "print(n)"
+    )
+    with Cluster(2, CAP) as cluster:
+        runs.append(cluster.name)
+        server, client = cluster.hosts
+        receiver = subprocess.Popen(
+            server.command([sys.executable, "-c", receive]), stdout=subprocess.PIPE, text=True
+        )
+        send = (
+            "import socket, time; "
+            f"s = socket.create_connection(('{server.address}', 5001), timeout=20); "
+            f"t = time.perf_counter(); s.sendall(bytes({PAYLOAD})); s.shutdown(socket.SHUT_WR); "
+            "s.recv(1); print(time.perf_counter() - t)"
+        )
+        before = client.tx_bytes()
+        for _ in range(50):  # until the receiver listens
+            sent = subprocess.run(
+                client.command([sys.executable, "-c", send]),
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            if sent.returncode == 0:
+                break
+            time.sleep(0.1)
+        assert sent.returncode == 0, sent.stderr
+        received = receiver.communicate(timeout=30)[0]
+        elapsed = float(sent.stdout)
+        sent_bytes = client.tx_bytes() - before
+    assert int(received) == PAYLOAD
+    assert sent_bytes >= PAYLOAD  # the interface counter saw the payload and its headers
+    # the bucket may start full: at most one burst above the capped rate
+    assert sent_bytes <= CAP * elapsed + MIN_BURST_BYTES * 2
+
+
+@pytest.mark.slow
+@needs_namespaces
+def test_a_two_host_pipeline_trains_exactly_within_the_cap(runs: list[str]) -> None:
+    process = start_cluster(
+        "--hosts", "2", "--bandwidth", "50Mbit/s", "--json", "--timeout", str(JOB_TIMEOUT_S),
+        "--", "train", "--model", "mlp", "--steps", "3", "--microbatches", "2",
+    )  # fmt: skip
+    runs.append(f"ptc{process.pid}-")
+    out, err = finish(process, JOB_TIMEOUT_S + 20)
+    assert process.returncode == 0, err[-3000:]
+    report = json.loads(out)
+    assert report["stages"] == 2 and report["schedule"] == "1f1b"
+    assert report["losses"] == pytest.approx(
+        unpipelined_losses("mlp", 3, report["batch_size"]), rel=1e-5
+    )
+    cluster = report["cluster"]
+    assert cluster["addresses"] == ["198.18.0.1", "198.18.0.2"]
+    assert cluster["bandwidth_bytes_per_s"] == CAP
+    # each host sent its activations or gradients (more than a step's worth of floats)
+    assert all(sent > 64 * 4 for sent in cluster["bytes_sent"])
+    assert all(sent <= CAP * cluster["wall_s"] for sent in cluster["bytes_sent"])
+    burst_per_window = 2 * MIN_BURST_BYTES  # tbf may pass a burst on top of the rate
+    assert all(peak <= CAP + burst_per_window for peak in cluster["peak_bytes_per_s"])
+
+
+@pytest.mark.slow
+@needs_namespaces
+def test_ctrl_c_stops_the_job_and_removes_the_cluster(runs: list[str]) -> None:
+    process = start_cluster(
+        "--hosts", "2", "--bandwidth", "50Mbit/s", "--timeout", str(JOB_TIMEOUT_S),
+        "--", "train", "--model", "mlp", "--steps", "500",
+    )  # fmt: skip
+    runs.append(f"ptc{process.pid}-")
+    assert process.stderr is not None
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    for line in process.stderr:  # interrupt once training is under way (at step 50)
+        if "step " in line or time.monotonic() > deadline:
+            break
+    process.send_signal(signal.SIGINT)
+    _, err = finish(process, 60)
+    assert process.returncode == 130, err[-3000:]
+    assert err.strip().splitlines()[-1] == "pipetrain cluster: interrupted"
