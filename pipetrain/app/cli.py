@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 from pipetrain.app.arguments import MODEL_NAMES, USAGE_ERROR, Parser
 from pipetrain.app.cluster_command import add_cluster, run_cluster
+from pipetrain.app.export_command import add_export, run_export
 from pipetrain.app.plan_commands import add_plan, add_profile, run_plan, run_profile
 from pipetrain.app.simulate_command import add_simulate, run_simulate
 from pipetrain.app.train_command import add_train, run_train
@@ -32,6 +33,7 @@ COMMANDS: dict[
     "plan": (add_plan, run_plan),
     "train": (add_train, run_train),
     "cluster": (add_cluster, run_cluster),
+    "export": (add_export, run_export),
 }
 
 
