@@ -141,7 +141,32 @@ def add_train(commands: argparse._SubParsersAction) -> None:
         type=positive_int,
         default=1,
         metavar="N",
-        help="torch threads per local worker (default 1)",
+        help="torch threads per worker (default 1; under torchrun too)",
+    )
+    parser.add_argument(
+        "--save-dir",
+        metavar="DIR",
+        help="save checkpoints here, and start from the newest complete one found here",
+    )
+    parser.add_argument(
+        "--save-every",
+        type=positive_int,
+        metavar="N",
+        help="save every N steps (default: only after the last step); needs --save-dir",
+    )
+    parser.add_argument(
+        "--keep-checkpoints",
+        type=positive_int,
+        default=2,
+        metavar="N",
+        help="keep the N newest checkpoints (default 2)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=300.0,
+        metavar="S",
+        help="seconds any receive or collective may wait before the run fails (default 300)",
     )
     parser.add_argument(
         "--trace",
@@ -191,6 +216,10 @@ def run_train(args: argparse.Namespace) -> None:
         schedule_options=schedule_options(args),
         seed=args.seed,
         threads=args.threads,
+        save_dir=args.save_dir,
+        save_every=args.save_every,
+        keep_checkpoints=args.keep_checkpoints,
+        timeout_s=args.timeout,
         replicas=args.replicas,
         plan=_train_plan(args),
         plan_auto=args.plan == "auto",
@@ -224,6 +253,8 @@ def _run_ddp(args: argparse.Namespace, config: TrainConfig) -> None:
 
     if args.trace:
         raise ValueError("--trace draws a pipeline's last step, which --ddp has not; leave it out")
+    if args.save_dir is not None:
+        raise ValueError("--save-dir saves a pipeline's state, which --ddp has not; leave it out")
     report = run_ddp_training(config)
     if report is None:  # a torchrun rank other than 0: rank 0 reports
         return

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
+from pipetrain.app.data import BatchStream
 from pipetrain.app.models import build_model
 from pipetrain.model.layers import to_layers
 from pipetrain.planning import Plan
@@ -33,7 +34,10 @@ class TrainConfig:
     to the global norm ``max_grad_norm`` if one is given. ``lr_schedule`` is ``"constant"``
     or ``"warmup-cosine"`` (see :func:`warmup_cosine`); every ``eval_every`` steps the run
     evaluates the model on a fixed held-out batch. ``precision`` is the Pipeline's
-    (``"fp32"``, ``"bf16"`` or ``"fp16"``)."""
+    (``"fp32"``, ``"bf16"`` or ``"fp16"``). With ``save_dir``, the run saves a checkpoint
+    every ``save_every`` steps (a multiple of ``accumulate``) and at its last, keeping the
+    ``keep_checkpoints`` newest, and starts from the newest one there; every receive and
+    collective waits at most ``timeout_s``."""
 
     model: str
     stages: int | None = None
@@ -56,6 +60,10 @@ class TrainConfig:
     lr_schedule: str = "constant"
     eval_every: int | None = None
     precision: str = "fp32"
+    save_dir: str | None = None
+    save_every: int | None = None
+    keep_checkpoints: int = 2
+    timeout_s: float = 300.0
 
     def resolved(self, world_size: int | None = None) -> TrainConfig:
         """The configuration with defaults filled in and checked; ValueError if it cannot run."""
@@ -144,6 +152,11 @@ class TrainConfig:
             )
         if self.eval_every is not None and self.eval_every < 1:
             raise ValueError(f"eval_every must be a positive integer, got {self.eval_every}")
+        self._check_saving()
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout_s}")
+        # the data set must hold a batch (a plan may ask for more than it has)
+        BatchStream(self.model, self.samples, seed=self.seed)
         layers = len(to_layers(build_model(self.model, seed=self.seed)))
         schedule = pipeline.build(self.stages or DEFAULT_STAGES, layers)
         if schedule.asynchronous and self.accumulate > 1:
@@ -153,6 +166,20 @@ class TrainConfig:
             )
         # the Pipeline's own checks, before any worker starts
         check_training(schedule, True, self.max_grad_norm, None, "raise", self.precision)
+
+    def _check_saving(self) -> None:
+        """Raise a ValueError for save settings that cannot work."""
+        if self.save_every is not None and self.save_dir is None:
+            raise ValueError("save_every needs a save directory (--save-dir)")
+        if self.save_every is not None and (
+            self.save_every < 1 or self.save_every % self.accumulate
+        ):
+            raise ValueError(
+                f"save_every {self.save_every} must be a positive multiple of accumulate "
+                f"{self.accumulate}: a checkpoint is taken after an update"
+            )
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be at least 1, got {self.keep_checkpoints}")
 
     def pipeline_config(self) -> PipelineConfig:
         """The pipeline this run trains with; the targets travel from the input stage, so
@@ -165,6 +192,7 @@ class TrainConfig:
             balance=self.balance,
             recompute=self.recompute,
             targets_on_first_stage=True,
+            timeout_s=self.timeout_s,
         )
 
     def updates(self) -> int:

@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from dataclasses import replace
+from datetime import timedelta
 from functools import partial
 from typing import Any, TextIO
 
@@ -26,6 +27,7 @@ from pipetrain.app.models import build_model, loss_function
 from pipetrain.app.plan_job import plan_together
 from pipetrain.app.train_config import TrainConfig
 from pipetrain.app.train_report import TrainReport
+from pipetrain.app.train_resume import check_resumable, resume, save_if_due
 from pipetrain.runtime import Pipeline, launch
 
 
@@ -104,37 +106,37 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
     progress = Progress(config.steps, config.samples) if pipe.rank == 0 else None
     # a fixed held-out batch, read where the inputs are (and on rank 0, which reports)
     held = batches.eval_set() if batches is not None and config.eval_every else None
-    evaluations: list[dict[str, float]] = []
-    losses: list[float] = []
-    step_times: list[float] = []
-    for step in range(config.steps):
+    history = resume(pipe, config, batches)  # from the newest checkpoint, if there is one
+    for step in range(history.steps, config.steps):
         inputs, targets = next(batches) if batches is not None else (None, None)
         # recording costs a barrier per step, so only the last step is recorded
         pipe.recorder.enabled = step == config.steps - 1
         start = time.perf_counter()
         update = (step + 1) % config.accumulate == 0 or step == config.steps - 1
-        losses.append(pipe.train_step(inputs, targets, update=update))
-        step_times.append(time.perf_counter() - start)
+        history.losses.append(pipe.train_step(inputs, targets, update=update))
+        history.step_times_s.append(time.perf_counter() - start)
         if progress is not None:
-            progress.update(step + 1, losses[-1])
+            progress.update(step + 1, history.losses[-1])
         if config.eval_every and (step + 1) % config.eval_every == 0:
             # evaluation is left out of the recorded last step's timeline
             recording, pipe.recorder.enabled = pipe.recorder.enabled, False
             outputs = pipe.eval_step(None if held is None else held[0], to=0)
             pipe.recorder.enabled = recording
             if held is not None and isinstance(outputs, torch.Tensor):
-                evaluations.append({"step": step + 1, **held_out(config.model, outputs, held[1])})
+                metrics = held_out(config.model, outputs, held[1])
+                history.evaluations.append({"step": step + 1, **metrics})
                 if progress is not None:
-                    progress.evaluation(step + 1, evaluations[-1])
+                    progress.evaluation(step + 1, history.evaluations[-1])
+        save_if_due(pipe, config, batches, history)
     timeline = pipe.timeline()
     if timeline is None:
         return None
     return {
         "config": config,
-        "losses": losses,
-        "step_times_s": step_times,
+        "losses": history.losses,
+        "step_times_s": history.step_times_s,
         "timeline": timeline.to_dict(),
-        "eval": evaluations,
+        "eval": history.evaluations,
     }
 
 
@@ -143,19 +145,29 @@ def run_training(config: TrainConfig) -> TrainReport | None:
 
     Under ``torchrun`` (``WORLD_SIZE`` set) it runs in this process on the existing process
     group (a gloo group is started if none is); otherwise it launches one local worker per
-    stage with ``config.threads`` torch threads each.
+    stage with ``config.threads`` torch threads each (under torchrun, this process takes
+    ``config.threads`` too). Every receive and collective waits at most ``config.timeout_s``.
     """
     if "WORLD_SIZE" in os.environ:
         started_group = not dist.is_initialized()
         if started_group:
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", timeout=timedelta(seconds=config.timeout_s))
+        torch.set_num_threads(config.threads)
         try:
             config = config.resolved(world_size=dist.get_world_size())
+            check_resumable(config)
             result = train_worker(config)
         finally:
             if started_group:
                 dist.destroy_process_group()
     else:
         config = config.resolved()
-        result = launch(train_worker, config.workers, config, threads_per_worker=config.threads)[0]
+        check_resumable(config)  # before any worker starts
+        result = launch(
+            train_worker,
+            config.workers,
+            config,
+            threads_per_worker=config.threads,
+            timeout_s=config.timeout_s,
+        )[0]
     return None if result is None else TrainReport.build(result["config"], result)

@@ -1,0 +1,79 @@
+"""Saving and resuming ``pipetrain train`` runs: with a save directory, a run saves every
+``save_every`` steps and at its last, and a restarted run (by hand, or by ``torchrun
+--max-restarts`` after a worker died) goes on from the newest complete checkpoint there,
+with the same losses and weights as a run that was never stopped."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pipetrain.app.data import BatchStream
+from pipetrain.app.train_config import TrainConfig
+from pipetrain.checkpoint import latest
+from pipetrain.checkpoint.directory import step_of
+
+if TYPE_CHECKING:
+    from pipetrain.runtime import Pipeline
+
+
+@dataclass
+class History:
+    """What a run has done: its steps' losses and times and its held-out evaluations."""
+
+    losses: list[float] = field(default_factory=list)
+    step_times_s: list[float] = field(default_factory=list)
+    evaluations: list[dict[str, float]] = field(default_factory=list)
+
+    @property
+    def steps(self) -> int:
+        """Steps done, which is the index of the next step."""
+        return len(self.losses)
+
+
+def check_resumable(config: TrainConfig) -> None:
+    """Raise ValueError if the newest checkpoint in the save directory is already at the
+    run's last step (before any worker starts)."""
+    if config.save_dir is None:
+        return
+    newest = latest(config.save_dir)
+    if newest is not None and step_of(newest) >= config.steps:
+        raise ValueError(
+            f"the newest checkpoint, {newest}, is at step {step_of(newest)}, and the run has "
+            f"{config.steps} steps: nothing is left to train; give more --steps or another "
+            "--save-dir"
+        )
+
+
+def resume(pipe: Pipeline, config: TrainConfig, batches: BatchStream | None) -> History:
+    """Load the newest checkpoint in the save directory into ``pipe`` and ``batches`` and
+    return the history saved with it; an empty history if there is none."""
+    if config.save_dir is None or latest(config.save_dir) is None:
+        return History()
+    found = pipe.load(config.save_dir)
+    saved = found.extra
+    if batches is not None:
+        batches.load_state_dict(saved["data"])
+    if pipe.rank == 0:
+        print(f"resumed from {found.path} after step {found.step}", file=sys.stderr, flush=True)
+    return History(saved["losses"], saved["step_times_s"], saved["evaluations"])
+
+
+def save_if_due(
+    pipe: Pipeline, config: TrainConfig, batches: BatchStream | None, history: History
+) -> None:
+    """Save the run after its latest step if that is a multiple of ``save_every`` or the
+    last; rank 0's data position and history travel with the checkpoint."""
+    step = history.steps
+    if config.save_dir is None:
+        return
+    if step != config.steps and (config.save_every is None or step % config.save_every):
+        return
+    extra = {
+        "data": None if batches is None else batches.state_dict(),
+        "losses": history.losses,
+        "step_times_s": history.step_times_s,
+        "evaluations": history.evaluations,
+    }
+    pipe.save(config.save_dir, step=step, extra=extra, keep=config.keep_checkpoints)
