@@ -114,9 +114,21 @@ def test_without_root_it_says_so_in_one_line(
     assert "needs root" in stderr and len(stderr.strip().splitlines()) == 1, stderr
 
 
-def test_it_runs_only_train(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["cluster", "--hosts", "2", "--bandwidth", "1Gbit/s", "--", "plan"]) == 2
-    assert "runs `pipetrain train`, not 'plan'" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    "job, named",
+    [
+        (["plan"], "runs `pipetrain train`, not 'plan'"),
+        (["train", "--model", "mlp", "--stages", "3"], "--stages 3 but the cluster has --hosts 2"),
+        ([], "give the command to run after --"),
+    ],
+)
+def test_it_runs_a_train_job_that_fits_the_hosts(
+    capsys: pytest.CaptureFixture[str], job: list[str], named: str
+) -> None:
+    # refused before any namespace is made
+    assert cli.main(["cluster", "--hosts", "2", "--bandwidth", "1Gbit/s", "--", *job]) == 2
+    stderr = capsys.readouterr().err
+    assert named in stderr and len(stderr.strip().splitlines()) == 1, stderr
 
 
 @needs_namespaces

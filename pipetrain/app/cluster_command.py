@@ -91,7 +91,8 @@ def _bandwidth(text: str) -> float:
 
 
 def job_arguments(args: argparse.Namespace) -> list[str]:
-    """The ``pipetrain`` arguments to run on every host, checked; ``--json`` added when
+    """The ``pipetrain`` arguments to run on every host, parsed as ``pipetrain`` would (a
+    bad one exits with status 2) and checked against the host count; ``--json`` added when
     the cluster's output is JSON."""
     job = list(args.job)
     if job[:1] == ["--"]:
@@ -104,6 +105,14 @@ def job_arguments(args: argparse.Namespace) -> list[str]:
         )
     if args.json and "--json" not in job:
         job.append("--json")
+    from pipetrain.app.cli import build_parser  # the command line this module is part of
+
+    parsed = build_parser().parse_args(job)  # a bad argument ends here, before any host
+    if parsed.stages is not None and parsed.stages != args.hosts:
+        raise ValueError(
+            f"the job asks for --stages {parsed.stages} but the cluster has --hosts "
+            f"{args.hosts}, one worker each; give the same number or leave out --stages"
+        )
     return job
 
 
