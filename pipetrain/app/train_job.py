@@ -35,12 +35,15 @@ class Progress:
     """Prints ``step i/N, loss, samples/s`` on a stream: rewritten in place on a terminal,
     otherwise one line about every tenth of the run."""
 
-    def __init__(self, steps: int, batch_size: int, stream: TextIO = sys.stderr) -> None:
-        """Report on ``stream`` for a run of ``steps`` steps of ``batch_size`` samples."""
+    def __init__(
+        self, steps: int, batch_size: int, stream: TextIO = sys.stderr, *, start: int = 0
+    ) -> None:
+        """Report on ``stream`` for a run of ``steps`` steps of ``batch_size`` samples that
+        starts after step ``start`` (a resumed run)."""
         self.steps, self.batch_size, self.stream = steps, batch_size, stream
         self.interactive = stream.isatty()
         self.every = 1 if self.interactive else max(1, steps // 10)
-        self._last_step, self._last_time = 0, time.perf_counter()
+        self._last_step, self._last_time = start, time.perf_counter()
 
     def update(self, step: int, loss: float) -> None:
         """Report that ``step`` (counted from 1) finished with ``loss``."""
@@ -103,10 +106,12 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
     batches = (
         BatchStream(config.model, config.samples, seed=config.seed) if 0 in pipe.stages else None
     )
-    progress = Progress(config.steps, config.samples) if pipe.rank == 0 else None
     # a fixed held-out batch, read where the inputs are (and on rank 0, which reports)
     held = batches.eval_set() if batches is not None and config.eval_every else None
     history = resume(pipe, config, batches)  # from the newest checkpoint, if there is one
+    progress = (
+        Progress(config.steps, config.samples, start=history.steps) if pipe.rank == 0 else None
+    )
     for step in range(history.steps, config.steps):
         inputs, targets = next(batches) if batches is not None else (None, None)
         # recording costs a barrier per step, so only the last step is recorded
