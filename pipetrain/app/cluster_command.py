@@ -22,8 +22,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipetrain.app.arguments import non_negative_float, positive_int
+from pipetrain.app.arguments import Parser, non_negative_float, positive_int
 from pipetrain.app.cluster_net import INTERFACE, Cluster, remove_leftovers, require_root
+from pipetrain.app.train_command import add_train
 from pipetrain.units import format_bandwidth, format_bytes, parse_bandwidth
 
 DEFAULT_PORT = 29400
@@ -105,9 +106,9 @@ def job_arguments(args: argparse.Namespace) -> list[str]:
         )
     if args.json and "--json" not in job:
         job.append("--json")
-    from pipetrain.app.cli import build_parser  # the command line this module is part of
-
-    parsed = build_parser().parse_args(job)  # a bad argument ends here, before any host
+    parser = Parser(prog="pipetrain")
+    add_train(parser.add_subparsers(dest="command", required=True))
+    parsed = parser.parse_args(job)  # a bad argument ends here, before any host
     if parsed.stages is not None and parsed.stages != args.hosts:
         raise ValueError(
             f"the job asks for --stages {parsed.stages} but the cluster has --hosts "

@@ -52,7 +52,7 @@ def resolve_ddp(config: TrainConfig, world_size: int | None = None) -> TrainConf
         "--replicas": config.replicas is not None,
         "--balance": config.balance is not None,
         "--recompute": config.recompute != "never",
-        "--schedule": config.schedule != "1f1b",
+        "--schedule": config.schedule != TrainConfig.schedule,  # other than the default
         "schedule options": bool(config.schedule_options),
     }
     given = [name for name, present in pipeline_only.items() if present]
