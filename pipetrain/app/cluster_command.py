@@ -214,8 +214,8 @@ def wait_for(cluster: Cluster, runs: list[HostRun], timeout_s: float) -> float:
     failed_at: float | None = None
     while True:
         now = time.monotonic()
-        for run, sent in zip(runs, cluster.tx_bytes()):
-            run.samples.append((now - start, sent))
+        for run, host in zip(runs, cluster.hosts):
+            run.samples.append((now - start, host.tx_bytes(inside=run.process.pid)))
         codes = [run.process.poll() for run in runs]
         if all(code is not None for code in codes):
             break
