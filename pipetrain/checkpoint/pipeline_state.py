@@ -61,18 +61,18 @@ class Checkpoint:
     layout: dict[str, Any]
 
 
-def _together(group: dist.ProcessGroup | None, rank: int, work: Callable[[], None] | None) -> None:
-    """Run ``work`` on rank 0 and let every rank raise its error (a barrier too)."""
+def _together(group: dist.ProcessGroup | None, rank: int, work: Callable[[], None]) -> None:
+    """Run ``work`` on rank 0 while the others wait; if it fails, every rank raises."""
     error = None
-    if rank == 0 and work is not None:
+    if rank == 0:
         try:
             work()
-        except OSError as failure:
+        except Exception as failure:  # reported on every rank, which would otherwise wait
             error = f"{type(failure).__name__}: {failure}"
     errors: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(errors, error, group=group)
     if errors[0] is not None:
-        raise OSError(f"saving the checkpoint failed on rank 0: {errors[0]}")
+        raise RuntimeError(f"saving the checkpoint failed on rank 0: {errors[0]}")
 
 
 def _precision(pipe: Pipeline) -> Any:
@@ -153,6 +153,10 @@ def save(
     default the updates applied so far). The directory appears only once every rank has
     written its part, so a save that dies half-way is never loaded; with ``keep``, only the
     ``keep`` newest checkpoints stay.
+
+    Raises:
+        RuntimeError: on every rank, if rank 0 could not prepare, rename or prune the
+            directories, or a step's gradients wait for an update.
     """
     step = pipe.updates if step is None else step
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
