@@ -16,6 +16,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -80,6 +81,8 @@ def resolve_ddp(config: TrainConfig, world_size: int | None = None) -> TrainConf
     for name in ("steps", "accumulate", "threads"):
         if getattr(config, name) < 1:
             raise ValueError(f"{name} must be a positive integer, got {getattr(config, name)}")
+    if not config.timeout_s > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {config.timeout_s}")
     return replace(
         config, stages=workers, batch_size=batch, lr=config.lr or DEFAULT_LR[config.model]
     )
@@ -226,11 +229,14 @@ class DDPReport:
 
 
 def run_ddp_training(config: TrainConfig) -> DDPReport | None:
-    """Train ``config`` data-parallel and report; ``None`` on torchrun ranks other than 0."""
+    """Train ``config`` data-parallel and report; ``None`` on torchrun ranks other than 0.
+    Each worker takes ``config.threads`` torch threads (under torchrun too), and every
+    collective waits at most ``config.timeout_s``."""
     if "WORLD_SIZE" in os.environ:
         started_group = not dist.is_initialized()
         if started_group:
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", timeout=timedelta(seconds=config.timeout_s))
+        torch.set_num_threads(config.threads)
         try:
             config = resolve_ddp(config, world_size=dist.get_world_size())
             result = ddp_worker(config)
@@ -239,7 +245,13 @@ def run_ddp_training(config: TrainConfig) -> DDPReport | None:
                 dist.destroy_process_group()
     else:
         config = resolve_ddp(config)
-        result = launch(ddp_worker, config.workers, config, threads_per_worker=config.threads)[0]
+        result = launch(
+            ddp_worker,
+            config.workers,
+            config,
+            threads_per_worker=config.threads,
+            timeout_s=config.timeout_s,
+        )[0]
     if result is None:
         return None
     return DDPReport(config, result["losses"], result["step_times_s"], result["eval"])
