@@ -214,3 +214,28 @@ def test_ctrl_c_stops_the_job_and_removes_the_cluster(runs: list[str]) -> None:
     _, err = finish(process, 60)
     assert process.returncode == 130, err[-3000:]
     assert err.strip().splitlines()[-1] == "pipetrain cluster: interrupted"
+
+
+@pytest.mark.slow
+@needs_namespaces
+def test_ddp_over_two_hosts_trains_exactly_and_sends_its_gradients(runs: list[str]) -> None:
+    from pipetrain.app.models import build_model
+
+    steps = 3
+    process = start_cluster(
+        "--hosts", "2", "--bandwidth", "50Mbit/s", "--json", "--timeout", str(JOB_TIMEOUT_S),
+        "--", "train", "--model", "mlp", "--ddp", "--steps", str(steps),
+    )  # fmt: skip
+    runs.append(f"ptc{process.pid}-")
+    out, err = finish(process, JOB_TIMEOUT_S + 20)
+    assert process.returncode == 0, err[-3000:]
+    report = json.loads(out)
+    assert report["schedule"] == "ddp" and report["workers"] == 2
+    assert report["losses"] == pytest.approx(
+        unpipelined_losses("mlp", steps, report["batch_size"]), rel=1e-5
+    )
+    # averaging a gradient over 2 hosts, each must send at least half of it every step
+    gradient_bytes = 4 * sum(p.numel() for p in build_model("mlp").parameters())
+    cluster = report["cluster"]
+    assert all(sent >= steps * gradient_bytes / 2 for sent in cluster["bytes_sent"])
+    assert all(sent <= CAP * cluster["wall_s"] for sent in cluster["bytes_sent"])
