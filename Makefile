@@ -9,7 +9,7 @@ CORES := $(shell nproc 2>/dev/null || echo 2)
 STAGES := $(shell n=$(CORES); [ $$n -lt 2 ] && n=2; [ $$n -gt 6 ] && n=6; echo $$n)
 THREADS := $(shell n=$$(( $(CORES) / $(STAGES) )); [ $$n -lt 1 ] && n=1; echo $$n)
 
-.PHONY: demo test timelines
+.PHONY: demo test test-slow timelines
 
 # torch first and pinned (a CPU build here); an unpinned torch would pull the multi-GB CUDA
 # build. A torch already in .venv is kept, so a chosen build can be installed beforehand.
@@ -28,7 +28,11 @@ test: $(INSTALLED)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest -m "not slow"
+
+# the cases over 30 s each (restarts under torchrun, emulated clusters); CI runs them too
+test-slow: $(INSTALLED)
+	$(PYTHON) -m pytest -m slow
 
 timelines: $(INSTALLED)
 	$(PYTHON) docs/make_timelines.py
