@@ -53,7 +53,7 @@ def reference_loop(model: nn.Module, start: int = 0, **loaded: Any) -> dict[str,
     return {"losses": losses, "state": model.state_dict(), "found": found}
 
 
-def _pipe(model: nn.Module, **config: Any) -> pipetrain.Pipeline:
+def make_pipe(model: nn.Module, **config: Any) -> pipetrain.Pipeline:
     return pipetrain.Pipeline(
         model,
         loss_fn=nn.functional.cross_entropy,
@@ -63,7 +63,7 @@ def _pipe(model: nn.Module, **config: Any) -> pipetrain.Pipeline:
     )
 
 
-def _train(pipe: pipetrain.Pipeline, start: int, stop: int) -> list[float]:
+def train_steps(pipe: pipetrain.Pipeline, start: int, stop: int) -> list[float]:
     return [pipe.train_step(x, y) for x, y in data()[start:stop]]
 
 
@@ -78,7 +78,7 @@ def _optimizer_state(pipe: pipetrain.Pipeline) -> dict[str, Any]:
     return copy.deepcopy(named_optimizer.entries(pipe.optimizer, names))
 
 
-def _run(pipe: pipetrain.Pipeline, root: str, start: int) -> dict[str, Any]:
+def load_and_train(pipe: pipetrain.Pipeline, root: str, start: int) -> dict[str, Any]:
     """Load the newest checkpoint under ``root`` and train from update ``start``."""
     found = checkpoint.load(pipe, root)
     loaded = {"state": _state(pipe), "optimizer": _optimizer_state(pipe), "found": found}
@@ -88,7 +88,7 @@ def _run(pipe: pipetrain.Pipeline, root: str, start: int) -> dict[str, Any]:
     loaded["versions"] = {
         s: (st.newest, list(st.versions)) for s, st in pipe.weights.stashes.items()
     }
-    loaded["losses"] = _train(pipe, start, UPDATES)
+    loaded["losses"] = train_steps(pipe, start, UPDATES)
     loaded["final"] = _state(pipe)
     return loaded
 
@@ -96,13 +96,13 @@ def _run(pipe: pipetrain.Pipeline, root: str, start: int) -> dict[str, Any]:
 def same_layout(root: str, group: dist.ProcessGroup, **config: Any) -> dict[str, Any]:
     """Uninterrupted, and saved after ``SAVED_AT`` then resumed in a new pipeline (the model
     built afresh, which reseeds the random state)."""
-    whole = _pipe(mlp(dropout=0.3), group=group, **config)
-    uninterrupted = {"losses": _train(whole, 0, UPDATES), "final": _state(whole)}
-    first = _pipe(mlp(dropout=0.3), group=group, **config)
-    _train(first, 0, SAVED_AT)
+    whole = make_pipe(mlp(dropout=0.3), group=group, **config)
+    uninterrupted = {"losses": train_steps(whole, 0, UPDATES), "final": _state(whole)}
+    first = make_pipe(mlp(dropout=0.3), group=group, **config)
+    train_steps(first, 0, SAVED_AT)
     checkpoint.save(first, root, extra={"next": SAVED_AT}, keep=1)
-    second = _pipe(mlp(dropout=0.3), group=group, **config)
-    return {"uninterrupted": uninterrupted, "resumed": _run(second, root, SAVED_AT)}
+    second = make_pipe(mlp(dropout=0.3), group=group, **config)
+    return {"uninterrupted": uninterrupted, "resumed": load_and_train(second, root, SAVED_AT)}
 
 
 def layouts(root: str) -> dict[str, Any]:
@@ -112,8 +112,8 @@ def layouts(root: str) -> dict[str, Any]:
     result: dict[str, Any] = {}
     saved = os.path.join(root, "two")
     if rank < 2:
-        pipe = _pipe(mlp(), balance=[2, 3], microbatches=2, group=pair)
-        result["saving"] = _train(pipe, 0, SAVED_AT)
+        pipe = make_pipe(mlp(), balance=[2, 3], microbatches=2, group=pair)
+        result["saving"] = train_steps(pipe, 0, SAVED_AT)
         pipe.precision.load_state_dict(SCALER)  # a loss scaler's state travels too
         for step in (1, SAVED_AT):  # an older checkpoint to be pruned
             checkpoint.save(pipe, saved, step=step, extra={"next": SAVED_AT}, keep=1)
@@ -128,17 +128,54 @@ def layouts(root: str) -> dict[str, Any]:
             schedule="pipedream",
         )
     dist.barrier()
-    result["three"] = _run(
-        _pipe(mlp(seed=5), balance=[1, 2, 2], microbatches=3, schedule="gpipe"), saved, SAVED_AT
+    result["three"] = load_and_train(
+        make_pipe(mlp(seed=5), balance=[1, 2, 2], microbatches=3, schedule="gpipe"), saved, SAVED_AT
     )
-    result["replicated"] = _run(
-        _pipe(mlp(seed=5), balance=[2, 3], replicas=[2, 1], microbatches=4), saved, SAVED_AT
+    result["replicated"] = load_and_train(
+        make_pipe(mlp(seed=5), balance=[2, 3], replicas=[2, 1], microbatches=4), saved, SAVED_AT
     )
-    pipedream = _pipe(mlp(seed=5), balance=[1, 2, 2], microbatches=3, schedule="pipedream")
-    result["pipedream_three"] = _run(pipedream, os.path.join(root, "pipedream"), SAVED_AT)
+    pipedream = make_pipe(mlp(seed=5), balance=[1, 2, 2], microbatches=3, schedule="pipedream")
+    result["pipedream_three"] = load_and_train(pipedream, os.path.join(root, "pipedream"), SAVED_AT)
     try:
-        checkpoint.load(_pipe(wide(), balance=[1, 2, 2]), saved)
+        checkpoint.load(make_pipe(wide(), balance=[1, 2, 2]), saved)
         result["refused"] = "no error"
     except checkpoint.CheckpointMismatch as error:
         result["refused"] = str(error)
     return result
+
+
+def merged(results: list[dict[str, Any]], key: str) -> dict[str, torch.Tensor]:
+    """The entries ``key`` of every rank's result, in one dictionary."""
+    state: dict[str, torch.Tensor] = {}
+    for result in results:
+        state.update(result[key])
+    return state
+
+
+def assert_close_state(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """The same names, and values equal up to float rounding."""
+    assert sorted(got) == sorted(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def assert_equal_state(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """The same names, and values equal bit for bit."""
+    assert sorted(got) == sorted(expected)
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+
+
+def assert_loaded_as_exported(runs: list[dict[str, Any]], exported: dict[str, Any]) -> None:
+    """The ranks of ``runs`` together hold the exported weights, and each its parameters'
+    exported optimizer state and the exported scheduler state."""
+    assert_equal_state(merged(runs, "state"), exported["model"])
+    for run in runs:
+        for key, value in run["optimizer"].items():
+            kind, name, *rest = key.split("/")
+            if kind == "optimizer_group":
+                assert value == exported["optimizer"]["groups"][name], key
+            else:
+                assert torch.equal(value, exported["optimizer"]["state"][name][rest[0]]), key
+        if run["scheduler"] is not None:
+            assert run["scheduler"] == exported["lr_scheduler"]

@@ -35,25 +35,6 @@ def reference() -> dict[str, Any]:
     return cases.reference_loop(mlp())
 
 
-def merged(results: list[dict[str, Any]], key: str) -> dict[str, torch.Tensor]:
-    state: dict[str, torch.Tensor] = {}
-    for result in results:
-        state.update(result[key])
-    return state
-
-
-def assert_close_state(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    assert sorted(got) == sorted(expected)
-    for name, value in expected.items():
-        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
-
-
-def assert_equal_state(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    assert sorted(got) == sorted(expected)
-    for name, value in expected.items():
-        assert torch.equal(got[name], value), name
-
-
 @pytest.mark.parametrize("layout", ["three", "replicated"])
 def test_a_checkpoint_of_two_stages_continues_on_another_layout_as_the_unpipelined_run(
     ranks: list[dict[str, Any]], reference: dict[str, Any], layout: str
@@ -65,7 +46,7 @@ def test_a_checkpoint_of_two_stages_continues_on_another_layout_as_the_unpipelin
         assert run["found"].step == cases.SAVED_AT and run["found"].extra == {"next": 2}
         assert run["found"].layout["balance"] == [2, 3]
         assert run["precision"] == cases.SCALER
-    assert_close_state(merged(runs, "final"), reference["state"])
+    cases.assert_close_state(cases.merged(runs, "final"), reference["state"])
 
 
 def test_the_unpipelined_model_loads_a_checkpoint_and_continues(
@@ -74,7 +55,7 @@ def test_the_unpipelined_model_loads_a_checkpoint_and_continues(
     resumed = cases.reference_loop(mlp(seed=5), cases.SAVED_AT, path=root / "two")
     assert resumed["found"].path == step_path(root / "two", cases.SAVED_AT)
     assert resumed["losses"] == pytest.approx(reference["losses"][cases.SAVED_AT :], rel=1e-5)
-    assert_close_state(resumed["state"], reference["state"])
+    cases.assert_close_state(resumed["state"], reference["state"])
 
 
 def test_every_layout_loads_the_same_weights_and_optimizer_state(
@@ -84,17 +65,7 @@ def test_every_layout_loads_the_same_weights_and_optimizer_state(
     checkpoint.export(root / "two", out)
     exported = torch.load(out, weights_only=False)
     for layout in ("three", "replicated"):
-        runs = [rank[layout] for rank in ranks]
-        assert_equal_state(merged(runs, "state"), exported["model"])
-        for run in runs:
-            for key, value in run["optimizer"].items():
-                kind, name, *rest = key.split("/")
-                if kind == "optimizer_group":
-                    assert value == exported["optimizer"]["groups"][name], key
-                else:
-                    assert torch.equal(value, exported["optimizer"]["state"][name][rest[0]]), key
-            if run["scheduler"] is not None:
-                assert run["scheduler"] == exported["lr_scheduler"]
+        cases.assert_loaded_as_exported([rank[layout] for rank in ranks], exported)
     names = {name for name, _ in mlp().named_parameters()}
     assert set(exported["optimizer"]["state"]) == names
     assert exported["progress"] == {"step": 2, "updates": 2, "skipped_updates": 0}
@@ -112,7 +83,7 @@ def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(
         run = rank[schedule]
         expected = run["uninterrupted"]
         assert run["resumed"]["losses"] == expected["losses"][cases.SAVED_AT :]
-        assert_equal_state(run["resumed"]["final"], expected["final"])
+        cases.assert_equal_state(run["resumed"]["final"], expected["final"])
 
 
 def test_pipedream_weight_versions_resume_on_another_layout(
@@ -121,7 +92,7 @@ def test_pipedream_weight_versions_resume_on_another_layout(
     checkpoint.export(root / "pipedream", tmp_path / "pd.pt")
     exported = torch.load(tmp_path / "pd.pt", weights_only=False)
     runs = [rank["pipedream_three"] for rank in ranks]
-    assert_equal_state(merged(runs, "state"), exported["model"])
+    cases.assert_equal_state(cases.merged(runs, "state"), exported["model"])
     updates = exported["progress"]["updates"]
     assert updates == 2 * cases.SAVED_AT  # pipedream: an update per mini-batch
     for run in runs:
