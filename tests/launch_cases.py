@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from pipeline_cases import batch, mlp
+from torch import nn
 
 import pipetrain
 
@@ -31,3 +33,22 @@ def killed_while_a_peer_waits() -> None:
     if int(os.environ["RANK"]) == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     dist.recv(torch.empty(1), src=1)
+
+
+def train_until_stopped(directory: str, timeout_s: float) -> None:
+    """Train a two-stage pipeline, writing this worker's PID to ``directory/RANK.pid`` after
+    its first step, for up to a minute (until a peer is stopped and the run fails)."""
+    rank = int(os.environ["RANK"])
+    pipe = pipetrain.Pipeline(
+        mlp(),
+        microbatches=2,
+        loss_fn=nn.functional.cross_entropy,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.01),
+        timeout_s=timeout_s,
+    )
+    x, y = batch()
+    pipe.train_step(x, y)
+    (Path(directory) / f"{rank}.pid").write_text(str(os.getpid()))
+    started = time.monotonic()
+    while time.monotonic() - started < 60:
+        pipe.train_step(x, y)

@@ -1,5 +1,6 @@
 """No worker outlives the local launcher: SIGINT, SIGTERM and SIGKILL of the launcher end
-every worker within seconds, without leaked semaphores."""
+every worker within seconds, without leaked semaphores; a frozen (SIGSTOPped) worker is
+named, by rank, within the run's timeout."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import pipetrain
 
 TESTS = Path(__file__).parent
 WORKERS, LIMIT_S = 2, 10.0
+FROZEN_TIMEOUT_S = 10.0
 
 
 def running(pid: int) -> bool:
@@ -73,8 +76,7 @@ def test_every_worker_ends_soon_after_the_launcher(tmp_path: Path, sent: signal.
         signal.SIGKILL: -9,
     }
     assert launcher.returncode == expected[sent], errors
-    if sent != signal.SIGKILL:  # after SIGKILL, multiprocessing's tracker frees them, warning
-        assert "leaked semaphore" not in errors
+    assert "leaked semaphore" not in errors  # multiprocessing's resource tracker's warning
 
 
 def test_a_killed_worker_is_named_with_its_signal() -> None:
@@ -82,3 +84,50 @@ def test_a_killed_worker_is_named_with_its_signal() -> None:
         pipetrain.LaunchError, match="worker rank 1 failed: worker was killed by SIGKILL"
     ):
         pipetrain.launch(launch_cases.killed_while_a_peer_waits, 2, timeout_s=30)
+
+
+def stop_when_training(directory: Path, rank: int, stopped: dict[str, float]) -> None:
+    """Once both workers have trained a step, SIGSTOP the worker of ``rank``; record its PID
+    and when it was stopped."""
+    deadline = time.monotonic() + 60
+    files = [directory / f"{r}.pid" for r in range(WORKERS)]
+    while not all(f.exists() and f.read_text() for f in files):
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
+    time.sleep(0.5)  # a few steps in
+    stopped["pid"] = int(files[rank].read_text())
+    stopped["at"] = time.monotonic()
+    os.kill(int(stopped["pid"]), signal.SIGSTOP)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("frozen", [0, 1])
+def test_a_stopped_worker_is_named_within_the_timeout(tmp_path: Path, frozen: int) -> None:
+    stopped: dict[str, float] = {}
+    stopper = threading.Thread(target=stop_when_training, args=(tmp_path, frozen, stopped))
+    stopper.start()
+    try:
+        with pytest.raises(pipetrain.LaunchError) as caught:
+            pipetrain.launch(
+                launch_cases.train_until_stopped,
+                WORKERS,
+                str(tmp_path),
+                FROZEN_TIMEOUT_S,
+                timeout_s=FROZEN_TIMEOUT_S,
+                threads_per_worker=1,
+            )
+        reported = time.monotonic()
+    finally:
+        stopper.join()
+        if "pid" in stopped and running(int(stopped["pid"])):
+            os.kill(int(stopped["pid"]), signal.SIGCONT)
+            os.kill(int(stopped["pid"]), signal.SIGKILL)
+    assert "at" in stopped, f"the run failed before a worker was stopped: {caught.value}"
+    took = reported - stopped["at"]
+    print(f"rank {frozen} stopped: named {took:.1f} s later: {caught.value}")
+    assert caught.value.rank == frozen
+    assert f"worker rank {frozen} failed" in str(caught.value)
+    assert f"rank {frozen} froze" in str(caught.value)
+    assert took < FROZEN_TIMEOUT_S
+    assert not running(int(stopped["pid"])), "the stopped worker was left behind"

@@ -49,9 +49,10 @@ def report_origin(rank: int, stage: int | None, message: str) -> PipelineError:
 
 def _from_record(rank: int, stage: int | None, record: str) -> PipelineError:
     origin_rank, origin_stage, message = record.split("\n", 2)
+    where = "" if origin_stage == "None" else f" (stage {origin_stage})"
     return PipelineError(
-        f"rank {rank} (stage {stage}) stopped because rank {origin_rank} "
-        f"(stage {origin_stage}) failed first: {message}",
+        f"rank {rank} (stage {stage}) stopped because rank {origin_rank}{where} "
+        f"failed first: {message}",
         int(origin_rank),
         None if origin_stage == "None" else int(origin_stage),
     )

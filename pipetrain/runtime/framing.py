@@ -178,7 +178,7 @@ class FramedTransport(ABC):
         """An uninitialised byte buffer on the wire device."""
         return torch.empty(size, dtype=torch.uint8, device=self.wire_device)
 
-    def _wait(self, work: Work, peer: int) -> None:
+    def _wait(self, work: Work, peer: int | None) -> None:
         try:
             finished = work.wait(self.timeout)
         except RuntimeError as error:

@@ -2,24 +2,26 @@
 
 No worker outlives the launcher: SIGINT, SIGTERM or SIGHUP of the launcher stops every
 worker before the launcher ends, and a worker whose launcher died (even by SIGKILL) ends
-at once (Linux) or within a quarter of a second (elsewhere).
+at once (Linux) or within a quarter of a second (elsewhere). Workers report through pipes,
+not multiprocessing queues, so a launcher killed outright leaves no semaphore behind.
 """
 
 from __future__ import annotations
 
 import ctypes
 import io
+import math
 import multiprocessing as mp
 import os
-import queue
 import signal
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
+from multiprocessing.connection import Connection, wait
 from types import FrameType
 from typing import Any
 
@@ -29,6 +31,7 @@ import torch.distributed as dist
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _PARENT_POLL_S = 0.25
 _STOP_GRACE_S = 3.0  # a stopped worker's time to end on SIGTERM before SIGKILL
+_ORIGIN_GRACE_S = 1.0  # a worker another names as the origin of a failure: its time to report
 _FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP")
 
 
@@ -66,7 +69,7 @@ def _worker(
     backend: str,
     timeout_s: float,
     threads: int,
-    results: mp.Queue,
+    results: Connection,
     fn: Callable,
     args: tuple,
 ) -> None:
@@ -90,13 +93,11 @@ def _worker(
         # as bytes: tensors shared through file descriptors would die with this process
         payload = io.BytesIO()
         torch.save(result, payload)
-        results.put((rank, True, payload.getvalue(), ""))
+        results.send((True, payload.getvalue(), ""))
         dist.destroy_process_group()
     except BaseException as error:  # reported to the parent, which raises it
         origin = getattr(error, "origin_rank", rank)
-        results.put(
-            (rank, False, (f"{type(error).__name__}: {error}", origin), traceback.format_exc())
-        )
+        results.send((False, (f"{type(error).__name__}: {error}", origin), traceback.format_exc()))
 
 
 def launch(
@@ -112,8 +113,9 @@ def launch(
 
     ``fn`` must be importable (defined at module level). If any worker raises, the others
     are given ``timeout_s`` to stop, then ended, and a :class:`LaunchError` carries the
-    message of the rank where the failure began. Every collective and receive times out
-    after ``timeout_s``. SIGINT, SIGTERM or SIGHUP of this process (in the main thread)
+    message of the rank where the failure began (a worker that the others name as frozen
+    gets one second, then is ended). Every collective and receive times out after
+    ``timeout_s``. SIGINT, SIGTERM or SIGHUP of this process (in the main thread)
     stops every worker before it takes effect, and workers end when this process dies.
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
@@ -128,7 +130,7 @@ def launch(
         wait_for_workers=False,
     )
     context = mp.get_context("spawn")
-    results: mp.Queue = context.Queue()
+    pipes = [context.Pipe(duplex=False) for _ in range(nprocs)]
     workers = [
         context.Process(
             target=_worker,
@@ -140,7 +142,7 @@ def launch(
                 backend,
                 timeout_s,
                 threads,
-                results,
+                pipes[rank][1],
                 fn,
                 args,
             ),
@@ -149,32 +151,17 @@ def launch(
         for rank in range(nprocs)
     ]
     outcomes: dict[int, tuple] = {}
-    deadline = None
     try:
         with _signals_stop(workers):
-            for worker in workers:
+            for worker, (_, sending) in zip(workers, pipes):
                 worker.start()
-            while len(outcomes) < nprocs:
-                try:
-                    rank, ok, value, trace = results.get(timeout=0.2)
-                    outcomes[rank] = (ok, value, trace)
-                    if not ok and deadline is None:
-                        deadline = time.monotonic() + timeout_s
-                except queue.Empty:
-                    dead = [
-                        r
-                        for r, w in enumerate(workers)
-                        if not w.is_alive() and w.exitcode not in (0, None) and r not in outcomes
-                    ]
-                    for r in dead:
-                        outcomes[r] = (False, (_ended(workers[r].exitcode), r), "")
-                        deadline = deadline or time.monotonic() + timeout_s
-                if deadline is not None and time.monotonic() > deadline:
-                    break
+                sending.close()  # the worker's end: a worker that dies closes the last copy
+            _collect(workers, [receiving for receiving, _ in pipes], outcomes, timeout_s)
     except BaseException:
         _stop(workers)  # interrupted: the workers must not go on without the launcher
         raise
     finally:
+        _stop([worker for rank, worker in enumerate(workers) if rank not in outcomes])
         for worker in workers:
             if worker.pid is None:
                 continue  # never started
@@ -182,20 +169,63 @@ def launch(
             if worker.is_alive():
                 worker.kill()
                 worker.join()
+        for receiving, _ in pipes:
+            receiving.close()
     failures = {rank: outcome for rank, outcome in outcomes.items() if not outcome[0]}
     if failures or len(outcomes) < nprocs:
         if not failures:
             raise LaunchError(
                 f"workers {sorted(set(range(nprocs)) - set(outcomes))} did not finish", -1, ""
             )
-        # a worker that died without a word (a signal, a crash) broke its peers' connections;
-        # else the first origin a failure names, else the lowest rank
-        died = [rank for rank, (_, _, trace) in failures.items() if not trace]
-        named = [value[1] for _, value, _ in failures.values() if value[1] in failures]
-        origin = (died or named or [min(failures)])[0]
-        message, _ = failures[origin][1]
-        raise LaunchError(f"worker rank {origin} failed: {message}", origin, failures[origin][2])
+        origin, message, trace = _origin(failures)
+        raise LaunchError(f"worker rank {origin} failed: {message}", origin, trace)
     return [torch.load(io.BytesIO(outcomes[rank][1]), weights_only=False) for rank in range(nprocs)]
+
+
+def _collect(
+    workers: Sequence[mp.process.BaseProcess],
+    pipes: Sequence[Connection],
+    outcomes: dict[int, tuple],
+    timeout_s: float,
+) -> None:
+    """Fill ``outcomes`` (rank: ``(ok, value, traceback)``) from the workers' reports and
+    ends; after the first failure, the others have ``timeout_s`` to report, and a worker
+    that another names as the failure's origin (a frozen one) only a moment."""
+    open_pipes = dict(zip(pipes, range(len(pipes))))
+    silent: set[int] = set()  # ranks whose pipe closed without a report
+    deadline = None
+    while len(outcomes) < len(workers):
+        for ready in wait(list(open_pipes), timeout=0.2):
+            assert isinstance(ready, Connection)  # only connections are waited on
+            rank = open_pipes.pop(ready)
+            try:
+                outcomes[rank] = ready.recv()
+            except EOFError:
+                silent.add(rank)
+        for rank in sorted(silent - set(outcomes)):
+            if not workers[rank].is_alive():
+                outcomes[rank] = (False, (_ended(workers[rank].exitcode), rank), "")
+        failures = [value for ok, value, _ in outcomes.values() if not ok]
+        if failures and deadline is None:
+            deadline = time.monotonic() + timeout_s
+        if any(origin not in outcomes for _, origin in failures if origin is not None):
+            deadline = min(deadline or math.inf, time.monotonic() + _ORIGIN_GRACE_S)
+        if deadline is not None and time.monotonic() > deadline:
+            return
+
+
+def _origin(failures: dict[int, tuple]) -> tuple[int, str, str]:
+    """The rank where a failure began, its message and its traceback: a worker that died
+    without a word (a signal, a crash), which broke its peers' connections; else the first
+    origin a failure names, its own report if it made one (else the namer's: it froze);
+    else the lowest rank."""
+    died = [rank for rank, (_, _, trace) in failures.items() if not trace]
+    if died:
+        return died[0], failures[died[0]][1][0], ""
+    named = [(value[1], rank) for rank, (_, value, _) in failures.items() if value[1] is not None]
+    reported = [(origin, origin) for origin, _ in named if origin in failures]
+    origin, reporter = (reported or named or [(min(failures), min(failures))])[0]
+    return origin, failures[reporter][1][0], failures[reporter][2]
 
 
 def _ended(exitcode: int | None) -> str:
@@ -210,9 +240,11 @@ def _ended(exitcode: int | None) -> str:
 
 def _stop(workers: Sequence[mp.process.BaseProcess]) -> None:
     """Terminate the started ``workers``; kill those still alive after a short grace."""
-    started = [worker for worker in workers if worker.pid is not None]
+    started = [worker for worker in workers if worker.pid is not None and worker.is_alive()]
     for worker in started:
         worker.terminate()
+        with suppress(ProcessLookupError):  # a stopped worker acts on SIGTERM once continued
+            os.kill(worker.pid, signal.SIGCONT)  # type: ignore[arg-type]  # started: has a pid
     deadline = time.monotonic() + _STOP_GRACE_S
     for worker in started:
         worker.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -2,7 +2,9 @@
 
 Sends are asynchronous (``isend``); receives can be posted early and waited on later.
 Gloo cannot send from GPU memory, so under gloo a GPU stage's messages travel through
-pinned host buffers.
+pinned host buffers. Every wait, for a transfer or the transport's all-reduces, ends within
+the timeout, and well before it when the peer waited for has frozen
+(:mod:`pipetrain.runtime.heartbeat`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from pipetrain.runtime.framing import FramedTransport
+from pipetrain.runtime.framing import FramedTransport, Work
+from pipetrain.runtime.heartbeat import Watch, beat
 from pipetrain.runtime.transport import PeerError
 
 
@@ -31,11 +34,18 @@ class TorchTransport(FramedTransport):
     def __init__(
         self, device: torch.device, group: dist.ProcessGroup | None = None, timeout_s: float = 300.0
     ) -> None:
-        """Use ``group`` (the default group if ``None``); a wait longer than ``timeout_s``
-        raises."""
+        """Use ``group`` (the default group if ``None``); a wait longer than ``timeout_s``,
+        or for a peer whose heartbeat stopped, raises :class:`PeerError`."""
         super().__init__(device, _wire_device(device, group), timeout_s)
         self.group = group
         self._pinned = self.wire_device != device  # host buffers that stage a GPU's data
+        # NCCL's waits order GPU streams, which belong to the caller's thread, and NCCL
+        # has a watchdog of its own: there the caller waits itself
+        self._watch = None if dist.get_backend(group) == "nccl" else Watch(self.timeout)
+        if self._watch is not None:
+            beat()
+        me = dist.get_rank()
+        self._others = [r for r in dist.get_process_group_ranks(group or _world()) if r != me]
 
     def global_rank(self, peer: int) -> int:
         """The default group's rank of ``peer``, a rank of this transport's group."""
@@ -47,6 +57,25 @@ class TorchTransport(FramedTransport):
             size, dtype=torch.uint8, device=self.wire_device, pin_memory=self._pinned
         )
 
+    def _wait(self, work: Work, peer: int | None) -> None:
+        others = self._others if peer is None else [self.global_rank(peer)]
+        self._await(work, peer, others, "answer")
+
+    def _await(self, work: Work, peer: int | None, peers: list[int], what: str) -> None:
+        """Wait for ``work`` with the global ranks ``peers`` (``peer``: the group's rank
+        named in errors; ``None``: the whole group)."""
+        if self._watch is None:
+            super()._wait(work, peer)
+            return
+        try:
+            finished = self._watch.wait(work, peers)
+        except PeerError:
+            raise
+        except RuntimeError as error:
+            raise PeerError(peer, str(error)) from error
+        if not finished:
+            raise PeerError(peer, f"no {what} within {self.timeout.total_seconds():g} s")
+
     def _irecv(self, buffer: torch.Tensor, peer: int) -> dist.Work:
         return _started(dist.irecv(buffer, src=self.global_rank(peer), group=self.group), peer)
 
@@ -55,18 +84,24 @@ class TorchTransport(FramedTransport):
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the group, in place."""
-        dist.all_reduce(tensor, group=self.group)
+        self.all_reduce_start(tensor)()
 
     def all_reduce_start(self, tensor: torch.Tensor) -> Callable[[], None]:
-        """Start summing ``tensor`` over the group, in place; return the wait for the sum.
-        Every rank must start its all-reduces in the same order."""
+        """Start summing ``tensor`` over the group, in place; return the wait for the sum,
+        which raises :class:`PeerError` as a receive's does. Every rank must start its
+        all-reduces in the same order."""
         work = dist.all_reduce(tensor, group=self.group, async_op=True)
         assert work is not None  # async_op=True always returns the work
 
         def wait() -> None:
-            work.wait()
+            self._await(work, None, self._others, "all-reduce")
 
         return wait
+
+
+def _world() -> dist.ProcessGroup:
+    """The default process group."""
+    return dist.distributed_c10d._get_default_group()
 
 
 def _started(work: dist.Work | None, peer: int) -> dist.Work:
