@@ -3,6 +3,7 @@
 - :mod:`~pipetrain.runtime.config`: :class:`PipelineConfig`, what a run is;
 - :mod:`~pipetrain.runtime.pipeline`: :class:`Pipeline`, the facade;
 - :mod:`~pipetrain.runtime.assembly`: builds and wires a rank;
+- :mod:`~pipetrain.runtime.steps`: the schedules a pipeline plays, and playing one;
 - :mod:`~pipetrain.runtime.precision`: autocast and the fp16 loss scale;
 - :mod:`~pipetrain.runtime.executor`: plays a rank's actions, dispatching each one;
 - :mod:`~pipetrain.runtime.stage`: one stage's passes and the tensors between them;

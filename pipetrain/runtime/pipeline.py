@@ -1,18 +1,17 @@
 """`Pipeline`: train a sequential model with pipeline parallelism over a process group.
 
-The pipeline builds this rank's part and wires it: stage modules and their
-:class:`~pipetrain.runtime.stage.Stage` state, the :class:`~pipetrain.runtime.weights.Weights`
-(versions and the optimizer), gradient reducers for replicated stages, the transport and
-the recorder; the :class:`~pipetrain.runtime.executor.Executor` then plays the schedule
-against them. Targets shipped from the input stage, the loss all-reduce and the gathering
-of evaluation outputs are actions of the schedule like any other.
+The pipeline checks that every rank was given the same settings, prepares the schedules
+(:mod:`~pipetrain.runtime.steps`), has :mod:`~pipetrain.runtime.assembly` build and wire
+this rank's parts, and offers the training loop's calls; a
+:class:`~pipetrain.runtime.steps.StepPlayer` plays each step. Targets shipped from the
+input stage, the loss all-reduce and the gathering of evaluation outputs are actions of
+the schedule like any other.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -26,23 +25,19 @@ from pipetrain.checkpoint import save as save_checkpoint
 from pipetrain.model.layers import to_layers
 from pipetrain.runtime.agreement import check_agreement, settings_of
 from pipetrain.runtime.assembly import OptimizerArg, UpdateSettings, assemble
-from pipetrain.runtime.batch import Data, StepData
+from pipetrain.runtime.batch import Data
 from pipetrain.runtime.config import PipelineConfig
-from pipetrain.runtime.executor import ActionFailed, Outcome
-from pipetrain.runtime.failure import explain_peer_failure, report_origin
-from pipetrain.runtime.outputs import Destination, check_destination, deliver
+from pipetrain.runtime.outputs import Destination, check_destination
 from pipetrain.runtime.precision import LossScale, Precision
 from pipetrain.runtime.stage import LossFn
+from pipetrain.runtime.steps import Outputs, StepPlayer, prepare
 from pipetrain.runtime.torch_transport import default_device
-from pipetrain.runtime.transport import PeerError, Tensors
-from pipetrain.runtime.update import LRSchedulerFactory, NonFiniteError, check_training
-from pipetrain.schedules import Schedule, forward_only, with_targets_shipped
+from pipetrain.runtime.update import LRSchedulerFactory, check_training
+from pipetrain.schedules import Schedule
 from pipetrain.timeline import Timeline
 
 if TYPE_CHECKING:
     from pipetrain.planning import Plan
-
-Outputs = torch.Tensor | tuple[torch.Tensor, ...]
 
 
 class Pipeline:
@@ -177,19 +172,14 @@ class Pipeline:
             ),
             group,
         )
-        built = config.build(dist.get_world_size(group), len(layers), optimizer is not None)
-        self.balance = config.balance_for(len(layers), built)
-        self._per_update = config.per_update(built)
-        if config.targets_on_first_stage:
-            built = replace(built, ranks=with_targets_shipped(built.ranks, built.stage_ranks))
-        self.schedule: Schedule = built
+        prepared = prepare(config, dist.get_world_size(group), len(layers), optimizer is not None)
+        built = self.schedule = prepared.schedule
+        self.balance = prepared.balance
+        self._per_update = prepared.per_update
         check_training(
             built, optimizer is not None, max_grad_norm, lr_scheduler, on_nonfinite, precision
         )
-        # evaluation runs the forwards alone on the newest weights, as a schedule of its own
-        self._evaluation = replace(
-            built, ranks=forward_only(built.ranks, built.stage_ranks), asynchronous=False
-        )
+        self._evaluation = prepared.evaluation
         self.microbatches = built.microbatches
         self.device = (
             torch.device(config.device) if config.device is not None else default_device(group)
@@ -216,6 +206,9 @@ class Pipeline:
         self.transport, self.recorder = self._rank.transport, self._rank.recorder
         self.weights = self._rank.weights
         self.precision: Precision = self._rank.updater.precision
+        self._player = StepPlayer(
+            self._rank, self.rank, group, prepared, config.targets_on_first_stage, self.device
+        )
         self._accumulated = False  # gradients of non-updating steps wait for an update
 
     # parameters -----------------------------------------------------------------------
@@ -244,67 +237,6 @@ class Pipeline:
         self.weights.reset()
 
     # steps ----------------------------------------------------------------------------
-    def _data(self, inputs: Data | None, targets: Data | None, training: bool) -> StepData:
-        """The step's data this rank reads, split into micro-batches."""
-        return StepData.for_rank(
-            self.schedule,
-            self.rank,
-            inputs,
-            targets if training else None,
-            training=training,
-            ships_targets=self.config.targets_on_first_stage,
-            per_update=self._per_update,
-            device=self.device,
-        )
-
-    def _run(
-        self,
-        schedule: Schedule,
-        data: StepData,
-        update: bool = True,
-        to: Destination | None = None,
-    ) -> tuple[Outcome, Outputs | None]:
-        """Play ``schedule`` on ``data``; with ``to``, also deliver the last stage's outputs
-        there (see :func:`~pipetrain.runtime.outputs.deliver`)."""
-        if self.recorder.enabled:
-            dist.barrier(group=self.group)
-            self.recorder.reset()
-        stage = min(self.stages)
-        outputs: Tensors | None = None
-        try:
-            outcome = self._rank.executor.run(schedule, data, update)
-            self.transport.flush()
-            if to is not None:
-                world = dist.get_world_size(self.group)
-                outputs = deliver(
-                    self.transport,
-                    self.rank,
-                    world,
-                    schedule.stage_ranks,
-                    schedule.microbatches,
-                    outcome.outputs,
-                    to,
-                )
-        except NonFiniteError as error:
-            if not schedule.asynchronous:
-                raise  # every rank refused the same update: nothing failed
-            raise report_origin(
-                self.rank, stage, f"rank {self.rank} (stage {stage}) failed: {error}"
-            ) from error
-        except ActionFailed as error:
-            raise report_origin(self.rank, error.stage, str(error)) from error
-        except PeerError as error:
-            raise explain_peer_failure(self.rank, stage, str(error)) from error
-        except Exception as error:
-            raise report_origin(
-                self.rank,
-                stage,
-                f"rank {self.rank} (stage {stage}) failed: {type(error).__name__}: {error}",
-            ) from error
-        if outputs is None:
-            return outcome, None
-        return outcome, outputs[0] if len(outputs) == 1 else outputs
-
     @overload
     def train_step(
         self,
@@ -374,7 +306,7 @@ class Pipeline:
                 f"{self.schedule.name} updates the weights inside every step, so it cannot "
                 "accumulate gradients over steps; use update=True (or a synchronous schedule)"
             )
-        data = self._data(inputs, targets, training=True)
+        data = self._player.data(inputs, targets, training=True)
         data.keep_outputs = return_outputs
         if not self._accumulated:
             for parameter in self.parameters():
@@ -382,7 +314,7 @@ class Pipeline:
             self._rank.updater.start()
         self._accumulated = not update
         gather = self.schedule.stage_ranks[-1][0]
-        outcome, outputs = self._run(
+        outcome, outputs = self._player.play(
             self.schedule, data, update, to=gather if return_outputs else None
         )
         assert outcome.loss is not None  # every training schedule ends with LOSS
@@ -439,13 +371,13 @@ class Pipeline:
         only the first stage's ranks read ``inputs``.
         """
         check_destination(to, dist.get_world_size(self.group))
-        data = self._data(inputs, None, training=False)
+        data = self._player.data(inputs, None, training=False)
         modes = [(m, m.training) for module in self.stages.values() for m in module.modules()]
         try:
             for module in self.stages.values():
                 module.eval()
             with torch.no_grad():
-                _, outputs = self._run(self._evaluation, data, to=to)
+                _, outputs = self._player.play(self._evaluation, data, to=to)
         finally:
             for layer, training in modes:
                 layer.training = training

@@ -1,0 +1,133 @@
+"""The schedules a pipeline plays, and playing one on a rank.
+
+:func:`prepare` turns a :class:`~pipetrain.runtime.config.PipelineConfig` into the training
+schedule (with the targets' transfer when the input stage ships them) and the forward-only
+schedule that evaluation runs. A :class:`StepPlayer` splits a step's data for its rank, has
+the executor play a schedule on it, delivers the last stage's outputs where asked, and
+turns any failure into a :class:`~pipetrain.runtime.failure.PipelineError` naming the rank
+and stage where it began.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from pipetrain.runtime.assembly import Rank
+from pipetrain.runtime.batch import Data, StepData
+from pipetrain.runtime.config import PipelineConfig
+from pipetrain.runtime.executor import ActionFailed, Outcome
+from pipetrain.runtime.failure import explain_peer_failure, report_origin
+from pipetrain.runtime.outputs import Destination, deliver
+from pipetrain.runtime.transport import PeerError, Tensors
+from pipetrain.runtime.update import NonFiniteError
+from pipetrain.schedules import Schedule, forward_only, with_targets_shipped
+
+Outputs = torch.Tensor | tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What :func:`prepare` makes: the training and evaluation schedules, the layers per
+    stage, and the micro-batches of each update."""
+
+    schedule: Schedule
+    evaluation: Schedule
+    balance: list[int]
+    per_update: int
+
+
+def prepare(config: PipelineConfig, world: int, layers: int, has_optimizer: bool) -> Prepared:
+    """The schedules ``config`` runs on ``world`` ranks for a model of ``layers`` layers."""
+    built = config.build(world, layers, has_optimizer)
+    balance = config.balance_for(layers, built)
+    per_update = config.per_update(built)
+    if config.targets_on_first_stage:
+        built = replace(built, ranks=with_targets_shipped(built.ranks, built.stage_ranks))
+    # evaluation runs the forwards alone on the newest weights, as a schedule of its own
+    evaluation = replace(
+        built, ranks=forward_only(built.ranks, built.stage_ranks), asynchronous=False
+    )
+    return Prepared(built, evaluation, balance, per_update)
+
+
+class StepPlayer:
+    """Plays schedules on one rank's parts (``parts``, rank ``rank`` of ``group``)."""
+
+    def __init__(
+        self,
+        parts: Rank,
+        rank: int,
+        group: dist.ProcessGroup | None,
+        prepared: Prepared,
+        ships_targets: bool,
+        device: torch.device,
+    ) -> None:
+        """Play ``prepared``'s schedules; ``ships_targets`` when the input stage's ranks
+        are given the targets."""
+        self.parts, self.rank, self.group = parts, rank, group
+        self.prepared, self.ships_targets, self.device = prepared, ships_targets, device
+
+    def data(self, inputs: Data | None, targets: Data | None, training: bool) -> StepData:
+        """The step's data this rank reads, split into micro-batches."""
+        return StepData.for_rank(
+            self.prepared.schedule,
+            self.rank,
+            inputs,
+            targets if training else None,
+            training=training,
+            ships_targets=self.ships_targets,
+            per_update=self.prepared.per_update,
+            device=self.device,
+        )
+
+    def play(
+        self,
+        schedule: Schedule,
+        data: StepData,
+        update: bool = True,
+        to: Destination | None = None,
+    ) -> tuple[Outcome, Outputs | None]:
+        """Play ``schedule`` on ``data``; with ``to``, also deliver the last stage's outputs
+        there (see :func:`~pipetrain.runtime.outputs.deliver`)."""
+        parts = self.parts
+        if parts.recorder.enabled:
+            dist.barrier(group=self.group)
+            parts.recorder.reset()
+        stage = min(parts.stages)
+        outputs: Tensors | None = None
+        try:
+            outcome = parts.executor.run(schedule, data, update)
+            parts.transport.flush()
+            if to is not None:
+                world = dist.get_world_size(self.group)
+                outputs = deliver(
+                    parts.transport,
+                    self.rank,
+                    world,
+                    schedule.stage_ranks,
+                    schedule.microbatches,
+                    outcome.outputs,
+                    to,
+                )
+        except NonFiniteError as error:
+            if not schedule.asynchronous:
+                raise  # every rank refused the same update: nothing failed
+            raise report_origin(
+                self.rank, stage, f"rank {self.rank} (stage {stage}) failed: {error}"
+            ) from error
+        except ActionFailed as error:
+            raise report_origin(self.rank, error.stage, str(error)) from error
+        except PeerError as error:
+            raise explain_peer_failure(self.rank, stage, str(error)) from error
+        except Exception as error:
+            raise report_origin(
+                self.rank,
+                stage,
+                f"rank {self.rank} (stage {stage}) failed: {type(error).__name__}: {error}",
+            ) from error
+        if outputs is None:
+            return outcome, None
+        return outcome, outputs[0] if len(outputs) == 1 else outputs
