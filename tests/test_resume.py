@@ -8,13 +8,16 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 from pipetrain import checkpoint
+from pipetrain.app import cli
 from pipetrain.app.data import BatchStream
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,31 +88,59 @@ def test_a_batch_stream_goes_on_from_a_saved_position(model: str) -> None:
         assert torch.equal(x, want_x) and torch.equal(y, want_y)
 
 
-def train(*args: str) -> subprocess.CompletedProcess[str]:
-    """``pipetrain train ARGS`` on local workers."""
-    return subprocess.run(
-        [sys.executable, "-m", "pipetrain", "train", "--model", "mlp", "--json", *args],
-        capture_output=True, text=True, cwd=ROOT, env=environment(), timeout=120,
-    )  # fmt: skip
+@dataclass
+class Run:
+    """What ``pipetrain ARGS`` did: its exit status and what it and its workers wrote."""
+
+    returncode: int
+    stdout: str
+    stderr: str
 
 
-def losses(run: subprocess.CompletedProcess[str]) -> list[float]:
+def pipetrain_command(capfd: pytest.CaptureFixture[str], *args: str) -> Run:
+    """``pipetrain ARGS`` in this process (its workers are new processes, as from a shell),
+    which spares the test a Python and torch start per run."""
+    capfd.readouterr()
+    status = cli.main(list(args))
+    out, err = capfd.readouterr()
+    return Run(status, out, err)
+
+
+def train(capfd: pytest.CaptureFixture[str], *args: str) -> Run:
+    """``pipetrain train --model mlp --json ARGS`` on local workers."""
+    return pipetrain_command(capfd, "train", "--model", "mlp", "--json", *args)
+
+
+def losses(run: Run) -> list[float]:
     assert run.returncode == 0, run.stderr
     return json.loads(run.stdout.strip().splitlines()[-1])["losses"]
 
 
-@pytest.mark.slow
-def test_a_run_started_again_goes_on_from_its_newest_checkpoint(tmp_path: Path) -> None:
+def test_a_run_started_again_goes_on_from_its_newest_checkpoint(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The uninterrupted run goes on in another process while the first part runs here."""
     common = ["--schedule", "gpipe", "--microbatches", "2", "--batch-size", "16"]
-    whole = losses(train(*common, "--steps", "9"))
+    with (tmp_path / "whole.out").open("w") as out:
+        uninterrupted = subprocess.Popen(
+            [sys.executable, "-m", "pipetrain", "train", "--model", "mlp", "--json", *common,
+             "--steps", "9"],
+            stdout=out, stderr=subprocess.DEVNULL, cwd=ROOT, env=environment(),
+        )  # fmt: skip
     saves = str(tmp_path / "saves")
-    first = losses(train(*common, "--steps", "6", "--save-dir", saves, "--save-every", "3"))
+    try:
+        first = losses(
+            train(capfd, *common, "--steps", "6", "--save-dir", saves, "--save-every", "3")
+        )
+    finally:
+        assert uninterrupted.wait(timeout=120) == 0
+    whole = losses(Run(0, (tmp_path / "whole.out").read_text(), ""))
     assert [p.name for p in checkpoint.checkpoints(saves)] == ["step-00000003", "step-00000006"]
-    again = train(*common, "--steps", "9", "--save-dir", saves, "--keep-checkpoints", "1")
+    again = train(capfd, *common, "--steps", "9", "--save-dir", saves, "--keep-checkpoints", "1")
     assert "after step 6" in again.stderr
     assert first == whole[:6] and losses(again) == whole
     assert [p.name for p in checkpoint.checkpoints(saves)] == ["step-00000009"]
-    done = train(*common, "--steps", "9", "--save-dir", saves)
+    done = train(capfd, *common, "--steps", "9", "--save-dir", saves)
     assert done.returncode == 2 and "nothing is left to train" in done.stderr
     assert "samples/s" not in done.stderr, "no worker may start"
 
@@ -120,40 +151,55 @@ def final(save_dir: Path) -> dict:
     return torch.load(path, weights_only=False)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_a_killed_worker_resumes_under_torchrun_as_if_never_stopped(tmp_path: Path) -> None:
-    whole = subprocess.run(
-        [sys.executable, "-m", "pipetrain", *TRAIN, "--save-dir", str(tmp_path / "whole")],
-        capture_output=True, text=True, cwd=ROOT, env=environment(), timeout=120,
-    )  # fmt: skip
-    assert whole.returncode == 0, whole.stderr
-    saves = tmp_path / "killed"
-    agent = subprocess.Popen(
-        [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", "2", "--max-restarts", "3", "--monitor-interval", "0.2",
-            "-m", "pipetrain", *TRAIN, "--save-dir", str(saves),
-        ],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=environment(),
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 90
-        while checkpoint.latest(saves) is None:
-            assert agent.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
-            time.sleep(0.01)
-        victim = worker(agent.pid, 1)
-        assert victim is not None
+def kill_at_first_checkpoint(
+    agent: subprocess.Popen[bytes], saves: Path, killed: dict[str, Path | None]
+) -> None:
+    """SIGKILL torchrun's worker of rank 1 as soon as a checkpoint appears in ``saves``;
+    record the newest checkpoint right after."""
+    deadline = time.monotonic() + 90
+    while checkpoint.latest(saves) is None:
+        if agent.poll() is not None or time.monotonic() > deadline:
+            return
+        time.sleep(0.01)
+    victim = worker(agent.pid, 1)
+    if victim is not None:
         os.kill(victim, signal.SIGKILL)
-        killed_after = checkpoint.latest(saves)
-        out, err = agent.communicate(timeout=150)
+        killed["after"] = checkpoint.latest(saves)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_killed_worker_resumes_under_torchrun_as_if_never_stopped(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The uninterrupted run goes on in this process while torchrun's runs."""
+    saves, logs = tmp_path / "killed", {name: tmp_path / f"agent.{name}" for name in ("out", "err")}
+    with logs["out"].open("w") as out, logs["err"].open("w") as err:
+        agent = subprocess.Popen(
+            [
+                sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2", "--max-restarts", "3", "--monitor-interval", "0.2",
+                "-m", "pipetrain", *TRAIN, "--save-dir", str(saves),
+            ],
+            stdout=out, stderr=err, cwd=ROOT, env=environment(),
+        )  # fmt: skip
+    killed: dict[str, Path | None] = {}
+    killer = threading.Thread(target=kill_at_first_checkpoint, args=(agent, saves, killed))
+    killer.start()
+    try:
+        whole = pipetrain_command(capfd, *TRAIN, "--save-dir", str(tmp_path / "whole"))
+        killer.join()
+        agent.wait(timeout=150)
     finally:
+        killer.join()
         if agent.poll() is None:
             agent.kill()
             agent.wait()
-    assert agent.returncode == 0, err
-    assert "resumed from" in err, f"the run ended before the kill ({killed_after}): {err}"
-    resumed = json.loads(out.strip().splitlines()[-1])
+    agent_out, agent_err = logs["out"].read_text(), logs["err"].read_text()
+    assert whole.returncode == 0, whole.stderr
+    assert "after" in killed, f"no worker was killed: {agent_err}"
+    assert agent.returncode == 0, agent_err
+    assert "resumed from" in agent_err, f"the run ended before the kill ({killed}): {agent_err}"
+    resumed = json.loads(agent_out.strip().splitlines()[-1])
     expected = json.loads(whole.stdout.strip().splitlines()[-1])
     assert resumed["losses"] == expected["losses"]
     got, wanted = final(saves), final(tmp_path / "whole")
