@@ -68,7 +68,12 @@ class Pipeline:
             them to the last stage, so only the input stage's ranks need to load data.
         device: where this rank computes (by default its GPU under NCCL, else the CPU).
         group: the process group (the default one if ``None``).
-        timeout_s: how long any transfer may wait.
+        timeout_s: how long any transfer, and the loss and gradient-norm all-reduces, may
+            wait; a peer that froze (its heartbeat stopped) is named within seconds instead
+            (gloo; see :mod:`pipetrain.runtime.heartbeat`). The other collectives (the
+            agreement check at construction, checkpoints, replicas' gradients) wait as long
+            as the process group's timeout, which :func:`pipetrain.launch` and ``pipetrain
+            train --timeout`` set from the same value.
         record: record a measured timeline of every step (see :meth:`timeline`).
         bucket_bytes: a replicated stage all-reduces its gradients in buckets of up to this
             size, each started as soon as the update's last backward has produced it. By
