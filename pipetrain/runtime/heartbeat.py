@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
+from contextlib import suppress
 from datetime import timedelta
 from typing import Any
 
@@ -57,7 +58,8 @@ def _store() -> dist.Store | None:
 
 def beat() -> None:
     """Start this process's heartbeat in the default process group's store (once per group;
-    one started for an earlier group stops). Without a store nothing starts."""
+    one started for an earlier group stops). Without a store, or with one that cannot open
+    a second connection, nothing starts: no peer then takes this rank for frozen."""
     global _beating
     store = _store()
     if store is None:
@@ -67,17 +69,18 @@ def beat() -> None:
         if _beating[0] is group:
             return
         _beating[1].set()
-    own = store.clone()  # type: ignore[attr-defined]  # its own connection, unshared
+    try:
+        own = store.clone()  # type: ignore[attr-defined]  # its own connection, unshared
+    except (RuntimeError, AttributeError):  # a store that cannot be cloned: no heartbeat,
+        return  # so no peer ever takes this rank for frozen
     key, stop = f"{_KEY}{dist.get_rank()}", threading.Event()
 
     def run() -> None:
-        try:
-            while True:
+        while True:
+            with suppress(RuntimeError):  # a store that failed once may answer the next beat
                 own.add(key, 1)
-                if stop.wait(BEAT_S):
-                    return
-        except RuntimeError:  # the store is gone: the group has ended
-            return
+            if stop.wait(BEAT_S):
+                return
 
     threading.Thread(target=run, name="pipetrain-heartbeat", daemon=True).start()
     _beating = (group, stop)
