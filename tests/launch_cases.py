@@ -28,6 +28,25 @@ if __name__ == "__main__":
     pipetrain.launch(idle, 2, sys.argv[1], timeout_s=60, threads_per_worker=1)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (Linux: reads /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def killed_while_a_peer_waits() -> None:
     """Rank 1 ends by SIGKILL while rank 0 waits for a message from it."""
     if int(os.environ["RANK"]) == 1:

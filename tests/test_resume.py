@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launch_cases import descendants
 
 from pipetrain import checkpoint
 from pipetrain.app import cli
@@ -42,25 +43,6 @@ def environment() -> dict[str, str]:
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     return env
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process below ``pid``."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parent = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def worker(agent: int, rank: int) -> int | None:
