@@ -15,6 +15,7 @@ from pipeline_cases import batch, mlp
 from torch import nn
 
 import pipetrain
+from pipetrain.runtime.torch_transport import TorchTransport
 
 
 def idle(directory: str) -> None:
@@ -71,3 +72,15 @@ def train_until_stopped(directory: str, timeout_s: float) -> None:
     started = time.monotonic()
     while time.monotonic() - started < 60:
         pipe.train_step(x, y)
+
+
+def slow_peer(delay_s: float) -> float:
+    """Rank 1 computes for ``delay_s`` (its process alive and beating) before it sends; rank
+    0 waits for the message. Returns what rank 0 received (rank 1: what it sent)."""
+    transport = TorchTransport(torch.device("cpu"), timeout_s=30)
+    if int(os.environ["RANK"]) == 1:
+        time.sleep(delay_s)
+        transport.send((torch.full((1,), 7.0),), 0, "slow")
+        transport.flush()
+        return 7.0
+    return float(transport.receive(1, "slow")[0])

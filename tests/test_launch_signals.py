@@ -16,6 +16,7 @@ import launch_cases
 import pytest
 
 import pipetrain
+from pipetrain.runtime import heartbeat
 
 TESTS = Path(__file__).parent
 WORKERS, LIMIT_S = 2, 10.0
@@ -133,3 +134,9 @@ def test_a_stopped_worker_is_named_within_the_timeout(tmp_path: Path, frozen: in
     assert f"rank {frozen} froze" in str(caught.value)
     assert took < FROZEN_TIMEOUT_S
     assert not running(int(stopped["pid"])), "the stopped worker was left behind"
+
+
+def test_a_slow_peer_is_waited_for_not_taken_for_frozen() -> None:
+    """Silent for longer than a frozen peer's heartbeat may be, but alive: no error."""
+    delay_s = 2 * heartbeat.STALE_S
+    assert pipetrain.launch(launch_cases.slow_peer, WORKERS, delay_s, timeout_s=30) == [7.0, 7.0]
