@@ -47,7 +47,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=500)
     parser.add_argument("--topology", default="8x16GB/s,8x10Gbit/s")
     parser.add_argument("--batch-size", type=int, default=2048)
+    parser.add_argument(
+        "--schedules",
+        help="comma-separated families to plan over (default: the planner's own default)",
+    )
     args = parser.parse_args()
+    schedules = args.schedules.split(",") if args.schedules else None
     profile = synthetic_profile(args.layers)
     topology = Topology.parse(args.topology)
 
@@ -61,7 +66,13 @@ def main() -> None:
     replicate_s = time.perf_counter() - start
 
     start = time.perf_counter()
-    chosen = plan(profile, topology=topology, batch_size=args.batch_size, memory_limit=80e9)
+    chosen = plan(
+        profile,
+        topology=topology,
+        batch_size=args.batch_size,
+        memory_limit=80e9,
+        schedules=schedules,
+    )
     plan_s = time.perf_counter() - start
 
     rng = np.random.default_rng(1)
@@ -74,7 +85,13 @@ def main() -> None:
         ),
     )
     start = time.perf_counter()
-    varied = plan(measured, topology=topology, batch_size=args.batch_size, memory_limit=80e9)
+    varied = plan(
+        measured,
+        topology=topology,
+        batch_size=args.batch_size,
+        memory_limit=80e9,
+        schedules=schedules,
+    )
     varied_s = time.perf_counter() - start
 
     print(f"{args.layers} layers on {topology} ({topology.workers} workers)")
