@@ -86,28 +86,40 @@ def beat() -> None:
     _beating = (group, stop)
 
 
+def _serve(
+    jobs: queue.SimpleQueue[Work | None],
+    done: threading.Lock,
+    outcome: list[bool | BaseException],
+    timeout: timedelta,
+) -> None:
+    """A watch's waiter thread: wait for each work of ``jobs`` (``None``: the watch is gone,
+    stop), put how it ended in ``outcome`` and release ``done``. It holds no reference to
+    the watch, so that a dropped transport's watch is collected and ends its thread."""
+    while (work := jobs.get()) is not None:
+        try:
+            outcome[0] = work.wait(timeout)
+        except BaseException as error:  # handed to the caller, which raises it
+            outcome[0] = error
+        done.release()
+
+
 class Watch:
     """Waits for transfers and collectives of one transport, naming a frozen peer."""
 
     def __init__(self, timeout: timedelta) -> None:
         """A wait fails after ``timeout``, or once a peer waited for has frozen."""
         self.timeout = timeout
-        self._jobs: queue.SimpleQueue[Work] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Work | None] = queue.SimpleQueue()
         self._done = threading.Lock()
         self._done.acquire()
-        self._outcome: bool | BaseException = False
+        self._outcome: list[bool | BaseException] = [False]
         self._seen: dict[int, tuple[bytes, float]] = {}  # peer: counter, when first read
         self._stuck: str | None = None  # a wait given up on, which the waiter still holds
         self._waiter: threading.Thread | None = None
 
-    def _serve(self) -> None:
-        while True:
-            work = self._jobs.get()
-            try:
-                self._outcome = work.wait(self.timeout)
-            except BaseException as error:  # handed to the caller, which raises it
-                self._outcome = error
-            self._done.release()
+    def __del__(self) -> None:
+        """End the waiter thread (once it is done with a wait it may still hold)."""
+        self._jobs.put(None)
 
     def wait(self, work: Work, peers: Sequence[int]) -> bool:
         """Wait for ``work``, which involves the global ranks ``peers``: ``True`` once done,
@@ -121,7 +133,12 @@ class Watch:
         if self._stuck is not None:
             raise PeerError(None, self._stuck)
         if self._waiter is None:
-            self._waiter = threading.Thread(target=self._serve, name="pipetrain-wait", daemon=True)
+            self._waiter = threading.Thread(
+                target=_serve,
+                args=(self._jobs, self._done, self._outcome, self.timeout),
+                name="pipetrain-wait",
+                daemon=True,
+            )
             self._waiter.start()
         self._jobs.put(work)
         deadline = time.monotonic() + self.timeout.total_seconds() + STALE_S
@@ -135,9 +152,10 @@ class Watch:
             error = PeerFrozen(*frozen)
             report_origin(frozen[0], None, error.reason)  # the culprit, for every rank
             raise error
-        if isinstance(self._outcome, BaseException):
-            raise self._outcome
-        return self._outcome
+        outcome = self._outcome[0]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
 
     def _frozen(self, peers: Sequence[int]) -> tuple[int, float] | None:
         """The first of ``peers`` whose heartbeat has not moved for :data:`STALE_S`, and
