@@ -117,6 +117,10 @@ class Work(Protocol):
         """Block until done; ``False`` (or an error) if not done within ``timeout``."""
         ...
 
+    def is_completed(self) -> bool:
+        """Whether it is done already (then :meth:`wait` returns at once)."""
+        ...
+
 
 class FramedReceive:
     """A posted receive: call :meth:`wait` for the tensors."""

@@ -132,6 +132,8 @@ class Watch:
         """
         if self._stuck is not None:
             raise PeerError(None, self._stuck)
+        if work.is_completed():  # most sends, and receives whose data is there: no hand-off
+            return work.wait(self.timeout)
         if self._waiter is None:
             self._waiter = threading.Thread(
                 target=_serve,

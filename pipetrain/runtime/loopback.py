@@ -121,6 +121,9 @@ class _Sent:
     def wait(self, timeout: timedelta) -> bool:
         return True
 
+    def is_completed(self) -> bool:
+        return True
+
 
 class _Arrival:
     """A loopback receive into ``buffer``, completed by :meth:`wait`."""
@@ -129,6 +132,9 @@ class _Arrival:
         self, group: LoopbackGroup, sender: int, receiver: int, buffer: torch.Tensor
     ) -> None:
         self._group, self._sender, self._receiver, self._buffer = group, sender, receiver, buffer
+
+    def is_completed(self) -> bool:
+        return False  # the message is taken by wait
 
     def wait(self, timeout: timedelta) -> bool:
         deadline = time.monotonic() + timeout.total_seconds()
