@@ -98,6 +98,7 @@ def losses(run: Run) -> list[float]:
     return json.loads(run.stdout.strip().splitlines()[-1])["losses"]
 
 
+@pytest.mark.slow  # 17 s alone, up to 30 s on 2 busy cores
 def test_a_run_started_again_goes_on_from_its_newest_checkpoint(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -149,6 +150,7 @@ def kill_at_first_checkpoint(
         killed["after"] = checkpoint.latest(saves)
 
 
+@pytest.mark.slow  # 18 s alone, up to 35 s on 2 busy cores
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_killed_worker_resumes_under_torchrun_as_if_never_stopped(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
