@@ -8,16 +8,7 @@ unit costs within that.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from pipetrain.schedules.builtin.vshape import (
-    CHUNKS,
-    check_v,
-    generate_v,
-    v_in_flight,
-    v_placement,
-)
-from pipetrain.schedules.registry import Generated, Options, ScheduleSpec
+from pipetrain.schedules.builtin.vshape import v_spec
 
 
 def slots(ranks: int) -> int:
@@ -25,28 +16,8 @@ def slots(ranks: int) -> int:
     return 2 * ((ranks + 2) // 2)
 
 
-def generate(
-    ranks: int, microbatches: int, replicas: Sequence[int] | None, options: Options
-) -> Generated:
-    """The V's shortest order at unit costs holding at most :func:`slots` per rank."""
-    return generate_v(ranks, microbatches, slots(ranks))
-
-
-def in_flight(stage: int, microbatches: int, replicas: Sequence[int], chunks: int) -> int:
-    """Chunk micro-batches rank ``stage`` holds at once, read from the order."""
-    return v_in_flight(slots(len(replicas)), stage, microbatches, replicas)
-
-
-SPEC = ScheduleSpec(
-    name="v-half",
-    summary="V-Half: two chunks per rank in a V, B and W apart; half of 1F1B's activation memory",
-    generate=generate,
-    options=(CHUNKS,),
-    check=check_v("v-half"),
-    chunk_option="virtual",
-    placement=v_placement,
-    split_backward=True,
-    in_flight=in_flight,
-    default_costs={"forward_s": 1.0, "backward_s": 1.0, "weight_s": 1.0},
-    planned_by_default=True,
+SPEC = v_spec(
+    "v-half",
+    "V-Half: two chunks per rank in a V, B and W apart; half of 1F1B's activation memory",
+    slots,
 )

@@ -24,7 +24,7 @@ from pipetrain.schedules.builtin.unit_time import (
     repeated_block,
     shortest,
 )
-from pipetrain.schedules.registry import Generated, Option, Options
+from pipetrain.schedules.registry import Generated, Option, Options, ScheduleSpec
 
 CHUNKS = Option("virtual", 2, "model chunks per rank (a V holds 2)", minimum=2)
 """The chunk count of a V, as an option so that plans and the command line name it as they
@@ -156,3 +156,30 @@ def _peaks(ranks: int, microbatches: int, slots: int) -> tuple[int, ...]:
 def v_in_flight(slots: int, stage: int, microbatches: int, replicas: Sequence[int]) -> int:
     """Chunk micro-batches rank ``stage`` holds at once in :func:`v_orders`."""
     return _peaks(len(replicas), microbatches, slots)[stage]
+
+
+def v_spec(name: str, summary: str, slots: Callable[[int], int]) -> ScheduleSpec:
+    """A V family's spec: on p ranks, orders holding at most ``slots(p)`` chunk
+    micro-batches per rank, split backward, F = B = W as default costs."""
+
+    def generate(
+        ranks: int, microbatches: int, replicas: Sequence[int] | None, options: Options
+    ) -> Generated:
+        return generate_v(ranks, microbatches, slots(ranks))
+
+    def in_flight(stage: int, microbatches: int, replicas: Sequence[int], chunks: int) -> int:
+        return v_in_flight(slots(len(replicas)), stage, microbatches, replicas)
+
+    return ScheduleSpec(
+        name=name,
+        summary=summary,
+        generate=generate,
+        options=(CHUNKS,),
+        check=check_v(name),
+        chunk_option="virtual",
+        placement=v_placement,
+        split_backward=True,
+        in_flight=in_flight,
+        default_costs={"forward_s": 1.0, "backward_s": 1.0, "weight_s": 1.0},
+        planned_by_default=True,
+    )
