@@ -35,7 +35,7 @@ from pipetrain.app.train_config import (
     warmup_cosine,
 )
 from pipetrain.app.train_job import Progress, held_out
-from pipetrain.app.train_report import DIVERGENCE_FACTOR
+from pipetrain.app.train_report import divergence, run_keys
 from pipetrain.runtime import launch
 from pipetrain.units import format_seconds
 
@@ -173,38 +173,16 @@ class DDPReport:
         report that mean something without a pipeline, ``schedule`` being ``"ddp"``."""
         config = self.config
         return {
-            "model": config.model,
+            **run_keys(config, self.losses, self.step_times_s, self.evaluations, self.step_s),
             "schedule": "ddp",
             "ddp": True,
             "stages": config.stages,
             "workers": config.stages,
-            "batch_size": config.batch_size,
-            "steps": config.steps,
-            "lr": config.lr,
-            "accumulate": config.accumulate,
-            "max_grad_norm": config.max_grad_norm,
-            "lr_schedule": config.lr_schedule,
-            "precision": config.precision,
-            "eval_every": config.eval_every,
-            "eval": self.evaluations,
-            "losses": self.losses,
-            "final_loss": self.losses[-1],
-            "step_times_s": self.step_times_s,
-            "step_s": self.step_s,
-            "samples_per_s": self.samples_per_s,
-            "diverged": self.divergence() is not None,
         }
 
     def divergence(self) -> str | None:
         """Why the run counts as diverged (as a pipeline run's report decides), or ``None``."""
-        tail = self.losses[-max(1, len(self.losses) // 10) :]
-        final = sum(tail) / len(tail)
-        if not final > DIVERGENCE_FACTOR * self.losses[0]:
-            return None
-        return (
-            f"the run diverged: loss {self.losses[0]:.4g} at the first step, {final:.4g} "
-            f"over the last {len(tail)}; lower --lr, or clip with --max-grad-norm"
-        )
+        return divergence(self.losses)
 
     def summary(self) -> str:
         """A few readable lines: workers, loss, step time and throughput."""

@@ -15,6 +15,48 @@ DIVERGENCE_FACTOR = 10.0
 """A run whose final loss exceeds its first this many times over has diverged."""
 
 
+def divergence(losses: list[float]) -> str | None:
+    """Why a run with these per-step ``losses`` counts as diverged, or ``None``: its last
+    tenth of steps' mean loss is more than :data:`DIVERGENCE_FACTOR` times its first step's."""
+    tail = losses[-max(1, len(losses) // 10) :]
+    final = sum(tail) / len(tail)
+    if not final > DIVERGENCE_FACTOR * losses[0]:
+        return None
+    return (
+        f"the run diverged: loss {losses[0]:.4g} at the first step, {final:.4g} "
+        f"over the last {len(tail)}; lower --lr, or clip with --max-grad-norm"
+    )
+
+
+def run_keys(
+    config: TrainConfig,
+    losses: list[float],
+    step_times_s: list[float],
+    evaluations: list[dict[str, float]],
+    step_s: float,
+) -> dict[str, Any]:
+    """The JSON keys every ``pipetrain train`` report has: the settings, the losses and
+    held-out metrics, and the step times."""
+    return {
+        "model": config.model,
+        "batch_size": config.batch_size,
+        "steps": config.steps,
+        "lr": config.lr,
+        "accumulate": config.accumulate,
+        "max_grad_norm": config.max_grad_norm,
+        "lr_schedule": config.lr_schedule,
+        "precision": config.precision,
+        "eval_every": config.eval_every,
+        "eval": evaluations,
+        "losses": losses,
+        "final_loss": losses[-1],
+        "step_times_s": step_times_s,
+        "step_s": step_s,
+        "samples_per_s": config.samples / step_s,
+        "diverged": divergence(losses) is not None,
+    }
+
+
 def _placement(config: TrainConfig) -> str:
     """``"2 stages"``, or ``"2 stages on 3 workers"`` when stages are replicated."""
     if config.replicas is None:
@@ -67,43 +109,20 @@ class TrainReport:
         """The JSON object printed by ``pipetrain train --json``."""
         config = self.config
         return {
-            "model": config.model,
+            **run_keys(config, self.losses, self.step_times_s, self.evaluations, self.step_s),
             "schedule": config.schedule,
             "stages": config.stages,
             "microbatches": config.microbatches,
-            "batch_size": config.batch_size,
-            "steps": config.steps,
-            "lr": config.lr,
-            "accumulate": config.accumulate,
-            "max_grad_norm": config.max_grad_norm,
-            "lr_schedule": config.lr_schedule,
-            "precision": config.precision,
-            "eval_every": config.eval_every,
-            "eval": self.evaluations,
-            "losses": self.losses,
-            "final_loss": self.losses[-1],
-            "step_times_s": self.step_times_s,
-            "step_s": self.step_s,
-            "samples_per_s": self.samples_per_s,
             "bubble_fraction": self.measured.bubble_fraction,
             "recorded_step_s": self.measured.makespan,
             "predicted_step_s": self.predicted.makespan,
             "predicted_bubble_fraction": self.predicted.bubble_fraction,
             "planned_step_s": config.planned_step_s,
-            "diverged": self.divergence() is not None,
         }
 
     def divergence(self) -> str | None:
-        """Why the run counts as diverged, or ``None``: its last tenth of steps' mean loss
-        is more than :data:`DIVERGENCE_FACTOR` times its first step's."""
-        tail = self.losses[-max(1, len(self.losses) // 10) :]
-        final = sum(tail) / len(tail)
-        if not final > DIVERGENCE_FACTOR * self.losses[0]:
-            return None
-        return (
-            f"the run diverged: loss {self.losses[0]:.4g} at the first step, {final:.4g} "
-            f"over the last {len(tail)}; lower --lr, or clip with --max-grad-norm"
-        )
+        """Why the run counts as diverged (see :func:`divergence`), or ``None``."""
+        return divergence(self.losses)
 
     def summary(self) -> str:
         """A few readable lines: loss, step time, throughput, measured against predicted."""
