@@ -12,11 +12,9 @@ under ``torchrun`` (``WORLD_SIZE`` set) each process is one worker.
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
 import time
 from dataclasses import dataclass, field, replace
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -34,9 +32,8 @@ from pipetrain.app.train_config import (
     TrainConfig,
     warmup_cosine,
 )
-from pipetrain.app.train_job import Progress, held_out
+from pipetrain.app.train_job import Progress, held_out, run_on_workers
 from pipetrain.app.train_report import divergence, run_keys
-from pipetrain.runtime import launch
 from pipetrain.units import format_seconds
 
 DDP_PRECISIONS = ("fp32", "bf16")
@@ -209,27 +206,8 @@ class DDPReport:
 def run_ddp_training(config: TrainConfig) -> DDPReport | None:
     """Train ``config`` data-parallel and report; ``None`` on torchrun ranks other than 0.
     Each worker takes ``config.threads`` torch threads (under torchrun too), and every
-    collective waits at most ``config.timeout_s``."""
-    if "WORLD_SIZE" in os.environ:
-        started_group = not dist.is_initialized()
-        if started_group:
-            dist.init_process_group("gloo", timeout=timedelta(seconds=config.timeout_s))
-        torch.set_num_threads(config.threads)
-        try:
-            config = resolve_ddp(config, world_size=dist.get_world_size())
-            result = ddp_worker(config)
-        finally:
-            if started_group:
-                dist.destroy_process_group()
-    else:
-        config = resolve_ddp(config)
-        result = launch(
-            ddp_worker,
-            config.workers,
-            config,
-            threads_per_worker=config.threads,
-            timeout_s=config.timeout_s,
-        )[0]
+    collective waits at most ``config.timeout_s`` (see :func:`run_on_workers`)."""
+    config, result = run_on_workers(ddp_worker, config, resolve_ddp)
     if result is None:
         return None
     return DDPReport(config, result["losses"], result["step_times_s"], result["eval"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
 from functools import partial
@@ -145,34 +146,50 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
     }
 
 
-def run_training(config: TrainConfig) -> TrainReport | None:
-    """Train as ``config`` says and report; ``None`` on torchrun ranks other than 0.
+def run_on_workers(
+    worker: Callable[[TrainConfig], dict[str, Any] | None],
+    config: TrainConfig,
+    ready: Callable[[TrainConfig, int | None], TrainConfig],
+) -> tuple[TrainConfig, dict[str, Any] | None]:
+    """Run ``worker`` on every rank with the configuration ``ready`` fills in and checks for
+    the world size (``None``: before local workers start); return that configuration and
+    rank 0's result (``None`` on other torchrun ranks).
 
     Under ``torchrun`` (``WORLD_SIZE`` set) it runs in this process on the existing process
-    group (a gloo group is started if none is); otherwise it launches one local worker per
-    stage with ``config.threads`` torch threads each (under torchrun, this process takes
-    ``config.threads`` too). Every receive and collective waits at most ``config.timeout_s``.
+    group (a gloo group is started if none is), with ``config.threads`` torch threads;
+    otherwise it launches ``config.workers`` local workers with that many threads each.
+    Every receive and collective waits at most ``config.timeout_s``.
     """
-    if "WORLD_SIZE" in os.environ:
-        started_group = not dist.is_initialized()
-        if started_group:
-            dist.init_process_group("gloo", timeout=timedelta(seconds=config.timeout_s))
-        torch.set_num_threads(config.threads)
-        try:
-            config = config.resolved(world_size=dist.get_world_size())
-            check_resumable(config)
-            result = train_worker(config)
-        finally:
-            if started_group:
-                dist.destroy_process_group()
-    else:
-        config = config.resolved()
-        check_resumable(config)  # before any worker starts
+    if "WORLD_SIZE" not in os.environ:
+        config = ready(config, None)  # before any worker starts
         result = launch(
-            train_worker,
+            worker,
             config.workers,
             config,
             threads_per_worker=config.threads,
             timeout_s=config.timeout_s,
         )[0]
+        return config, result
+    started_group = not dist.is_initialized()
+    if started_group:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=config.timeout_s))
+    torch.set_num_threads(config.threads)
+    try:
+        config = ready(config, dist.get_world_size())
+        return config, worker(config)
+    finally:
+        if started_group:
+            dist.destroy_process_group()
+
+
+def _ready(config: TrainConfig, world_size: int | None) -> TrainConfig:
+    config = config.resolved(world_size=world_size)
+    check_resumable(config)
+    return config
+
+
+def run_training(config: TrainConfig) -> TrainReport | None:
+    """Train as ``config`` says and report; ``None`` on torchrun ranks other than 0 (see
+    :func:`run_on_workers`)."""
+    _, result = run_on_workers(train_worker, config, _ready)
     return None if result is None else TrainReport.build(result["config"], result)
