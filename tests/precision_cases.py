@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from pipeline_cases import batch, mlp
 from torch import nn
-from training_cases import MAX_NORM, adamw, scheduler
+from training_cases import MAX_NORM, adamw, loop_pipeline, scheduler
 
 import pipetrain
 from pipetrain.runtime.precision import LossScale
@@ -72,15 +72,7 @@ def pipelined_loop(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ``precision``)."""
     results = []
     for config in configs:
-        pipe = pipetrain.Pipeline(
-            mlp(),
-            loss_fn=nn.functional.cross_entropy,
-            optimizer=adamw,
-            lr_scheduler=scheduler,
-            max_grad_norm=MAX_NORM,
-            loss_scale=LOSS_SCALE,
-            **config,
-        )
+        pipe = loop_pipeline(loss_scale=LOSS_SCALE, **config)
         losses, skipped, scales = [], [], []
         for x, y in data():
             before = pipe.skipped_updates

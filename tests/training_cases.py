@@ -56,18 +56,23 @@ def reference_loop(updates: int = UPDATES) -> dict[str, Any]:
     return {"losses": losses, "norms": norms, "state": model.state_dict()}
 
 
+def loop_pipeline(**settings: Any) -> pipetrain.Pipeline:
+    """The test MLP on a pipeline with the loop's AdamW, schedule and clipping."""
+    return pipetrain.Pipeline(
+        mlp(),
+        loss_fn=nn.functional.cross_entropy,
+        optimizer=adamw,
+        lr_scheduler=scheduler,
+        max_grad_norm=MAX_NORM,
+        **settings,
+    )
+
+
 def training_loop(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The loop of :func:`reference_loop` on a pipeline per config."""
     results = []
     for config in configs:
-        pipe = pipetrain.Pipeline(
-            mlp(),
-            loss_fn=nn.functional.cross_entropy,
-            optimizer=adamw,
-            lr_scheduler=scheduler,
-            max_grad_norm=MAX_NORM,
-            **config,
-        )
+        pipe = loop_pipeline(**config)
         losses = []
         for k, (x, y) in enumerate(calls()):
             losses.append(pipe.train_step(x, y, update=k % ACCUMULATE == ACCUMULATE - 1))
