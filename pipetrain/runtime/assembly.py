@@ -16,11 +16,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.model.layers import StageModule, stage_bounds
+from pipetrain.model.frontend import FrontEnd, shared_parameters
+from pipetrain.model.layers import stage_bounds
 from pipetrain.runtime.executor import Executor
 from pipetrain.runtime.precision import LossScale, Precision
 from pipetrain.runtime.recorder import Recorder
 from pipetrain.runtime.reduce import GradientReducer, replica_reducers
+from pipetrain.runtime.shared import SharedGradients, counted_once
 from pipetrain.runtime.stage import LossFn, Stage
 from pipetrain.runtime.torch_transport import TorchTransport
 from pipetrain.runtime.update import LRSchedulerFactory, Updater
@@ -47,7 +49,7 @@ class UpdateSettings:
 class Rank:
     """One rank's built parts."""
 
-    stages: dict[int, StageModule]
+    stages: dict[int, nn.Module]
     optimizer: torch.optim.Optimizer | None
     transport: TorchTransport
     recorder: Recorder
@@ -55,12 +57,13 @@ class Rank:
     weights: Weights
     reducers: dict[int, GradientReducer]
     executor: Executor
+    shared: SharedGradients
 
 
 def assemble(
     schedule: Schedule,
     rank: int,
-    layers: Sequence[tuple[str, nn.Module]],
+    front: FrontEnd,
     balance: Sequence[int],
     loss_fn: LossFn,
     optimizer: OptimizerArg,
@@ -73,32 +76,32 @@ def assemble(
     bucket_bytes: float | None,
     settings: UpdateSettings,
 ) -> Rank:
-    """Build rank ``rank``'s stages of the named ``layers`` (cut by ``balance``) and wire them."""
+    """Build rank ``rank``'s stages of the model (``front``'s layers cut by ``balance``)
+    and wire them."""
     bounds = stage_bounds(balance)
-    stages = {
-        stage: StageModule(layers[slice(*bounds[stage])]).to(device)
-        for stage in schedule.stages_of(rank)
-    }
-    parameters = [p for module in stages.values() for p in module.parameters()]
+    stages = {stage: front.stage(*bounds[stage]).to(device) for stage in schedule.stages_of(rank)}
+    shared = shared_parameters(front, balance)
+    if shared and schedule.asynchronous:
+        raise ValueError(
+            f"parameters {[s.names[s.stages[0]] for s in shared][:3]} are used by several "
+            f"stages, which {schedule.name} would update at different times and so untie; "
+            "use a synchronous schedule, or cut the model so that one stage holds them"
+        )
+    # a parameter two of this rank's stages use is one tensor: optimized once
+    parameters = list({id(p): p for m in stages.values() for p in m.parameters()}.values())
     updates = optimizer is not None  # the same on every rank, unlike the optimizer built
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         # a stage of parameter-free layers (activations, pooling) has nothing to optimize
         optimizer = optimizer(iter(parameters)) if parameters else None
     transport = TorchTransport(device, group, timeout_s)
-    # a replicated stage's gradients enter the global norm once, from its first replica
-    counted = [
-        p
-        for stage, module in stages.items()
-        if schedule.stage_ranks[stage][0] == rank
-        for p in module.parameters()
-        if p.requires_grad
-    ]
+    sharing = SharedGradients(shared, schedule, stages, transport.global_rank)
     precision = Precision(settings.precision, device, settings.loss_scale)
     updater = Updater(
         optimizer,
         active=updates,
         parameters=[p for p in parameters if p.requires_grad],
-        counted=counted,
+        counted=counted_once(stages, schedule, rank, shared),
+        reduce_shared=sharing.reduce,
         all_reduce=transport.all_reduce,
         all_reduce_start=transport.all_reduce_start,
         device=device,
@@ -118,10 +121,13 @@ def assemble(
             microbatches=schedule.microbatches,
             split_backward=schedule.split_backward,
             precision=precision,
+            output_of=front.outputs,
         )
         for index in stages
     }
     recorder = Recorder(rank, device, enabled=record)
     reducers = replica_reducers(stages, schedule, transport.global_rank, device, bucket_bytes)
     executor = Executor(rank, runners, transport, weights, recorder, reducers)
-    return Rank(stages, optimizer, transport, recorder, updater, weights, reducers, executor)
+    return Rank(
+        stages, optimizer, transport, recorder, updater, weights, reducers, executor, sharing
+    )

@@ -22,7 +22,9 @@ from torch import nn
 from pipetrain.checkpoint import Checkpoint
 from pipetrain.checkpoint import load as load_checkpoint
 from pipetrain.checkpoint import save as save_checkpoint
-from pipetrain.model.layers import to_layers
+from pipetrain.model.capture import Inputs
+from pipetrain.model.frontend import front_end
+from pipetrain.model.graph import GraphModel
 from pipetrain.runtime.agreement import check_agreement, settings_of
 from pipetrain.runtime.assembly import OptimizerArg, UpdateSettings, assemble
 from pipetrain.runtime.batch import Data
@@ -40,6 +42,17 @@ if TYPE_CHECKING:
     from pipetrain.planning import Plan
 
 
+def _model_loss(output: Any, target: Any) -> torch.Tensor:
+    """The loss a model computes itself (``output.loss``, as Hugging Face models do)."""
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(
+            f"the model returned a {type(output).__name__} without a loss: give the labels "
+            "among the inputs (labels=...), or pass loss_fn=(output, target) -> loss"
+        )
+    return loss
+
+
 class Pipeline:
     """Train ``model`` split into stages over the ranks of a process group.
 
@@ -48,14 +61,21 @@ class Pipeline:
     rank builds only its own stage(s).
 
     Args:
-        model: a module whose children are the layers, or a sequence of layers.
-        balance: layers per stage (by default shared out evenly); for a family with several
-            stages per rank, one entry per model stage.
+        model: any ``nn.Module``, captured as a graph with :func:`torch.export.export` on
+            ``example_inputs`` and cut into stages (at ``split_points``, or between its
+            blocks, see :mod:`pipetrain.model.graph`); or a model given as layers (an
+            ``nn.Sequential``, a list of modules, or a module with ``pipeline_layers()``).
+            A parameter that several stages use stays one parameter: the stages' parts of
+            its gradient are summed before every update (synchronous families).
+        balance: layers (graph: segments) per stage, by default shared out evenly (graph:
+            by parameters); for a family with several stages per rank, one per model stage.
         microbatches: micro-batches per update (for ``pipedream``, mini-batches per call).
         schedule: a registered family's name (:func:`pipetrain.schedules.names`), or a
             :class:`~pipetrain.schedules.Schedule` value, built or read with
             :meth:`Schedule.from_text <pipetrain.schedules.Schedule.from_text>`.
-        loss_fn: ``(output, target) -> mean loss``.
+        loss_fn: ``(output, target) -> mean loss``; ``output`` is what the model returns
+            (a tensor, tuple, dict or ``ModelOutput``). Omitted for a captured model, the
+            model's own ``output.loss`` is used (give the labels among the inputs).
         recompute: ``"never"``, ``"except_last"`` or ``"always"``.
         optimizer: an optimizer, or a function from this rank's parameters to one; stepped
             once per updating :meth:`train_step` (or :meth:`update`), or at every update of
@@ -104,6 +124,12 @@ class Pipeline:
             :class:`~pipetrain.runtime.precision.LossScale` (GradScaler's defaults if
             ``None``).
 
+        example_inputs: a sample of a captured model's inputs with at least 2 rows (a
+            tensor, tuple, or dict of keyword inputs, such as ``{"input_ids": ids[:2]}``);
+            the steps' inputs are then given the same way.
+        split_points: module paths each starting a stage of a captured model, such as
+            ``["transformer.h.6"]``.
+
     Raises:
         ValueError: a setting that cannot run, named with its fix; or settings (model
             structure included) that differ between ranks, on every rank, naming each.
@@ -111,7 +137,7 @@ class Pipeline:
 
     def __init__(
         self,
-        model: nn.Module | Sequence[nn.Module],
+        model: nn.Module | Sequence[nn.Module] | GraphModel,
         balance: Sequence[int] | None = None,
         microbatches: int = 1,
         schedule: str | Schedule = "1f1b",
@@ -134,6 +160,8 @@ class Pipeline:
         on_nonfinite: str = "raise",
         precision: str = "fp32",
         loss_scale: LossScale | None = None,
+        example_inputs: Inputs | None = None,
+        split_points: Sequence[str] | None = None,
     ) -> None:
         """Build this rank's stage(s), the schedule and the transport."""
         if not dist.is_initialized():
@@ -141,6 +169,10 @@ class Pipeline:
                 "Pipeline needs an initialized torch.distributed process group: run under "
                 "torchrun, or start workers with pipetrain.launch(fn, nprocs=N)"
             )
+        self.front = front = front_end(model, example_inputs, split_points)
+        self._own_loss = loss_fn is None and isinstance(front, GraphModel)
+        if self._own_loss:
+            loss_fn = _model_loss
         if loss_fn is None or not callable(loss_fn):
             raise TypeError(
                 f"loss_fn must be a callable (output, target) -> mean loss, got {loss_fn!r}"
@@ -162,12 +194,11 @@ class Pipeline:
         )
         self.group = group
         self.rank = dist.get_rank(group)
-        layers = to_layers(model)
         # ranks given different settings would train the wrong model: all stop here instead
         check_agreement(
             settings_of(
                 config,
-                layers,
+                front.layers,
                 optimizer=optimizer is not None,
                 max_grad_norm=max_grad_norm,
                 lr_scheduler=lr_scheduler is not None,
@@ -177,7 +208,7 @@ class Pipeline:
             ),
             group,
         )
-        prepared = prepare(config, dist.get_world_size(group), len(layers), optimizer is not None)
+        prepared = prepare(config, dist.get_world_size(group), front, optimizer is not None)
         built = self.schedule = prepared.schedule
         self.balance = prepared.balance
         self._per_update = prepared.per_update
@@ -192,7 +223,7 @@ class Pipeline:
         self._rank = assemble(
             built,
             self.rank,
-            layers,
+            front,
             self.balance,
             loss_fn,
             optimizer,
@@ -210,6 +241,8 @@ class Pipeline:
         self.optimizer = self._rank.optimizer
         self.transport, self.recorder = self._rank.transport, self._rank.recorder
         self.weights = self._rank.weights
+        self.shared_parameters: list[str] = self._rank.shared.names
+        """Parameters several stages use (each by its first stage's name), kept one."""
         self.precision: Precision = self._rank.updater.precision
         self._player = StepPlayer(
             self._rank, self.rank, group, prepared, config.targets_on_first_stage, self.device
@@ -311,7 +344,7 @@ class Pipeline:
                 f"{self.schedule.name} updates the weights inside every step, so it cannot "
                 "accumulate gradients over steps; use update=True (or a synchronous schedule)"
             )
-        data = self._player.data(inputs, targets, training=True)
+        data = self._player.data(*self._step_data(inputs, targets), training=True)
         data.keep_outputs = return_outputs
         if not self._accumulated:
             for parameter in self.parameters():
@@ -324,7 +357,31 @@ class Pipeline:
         )
         assert outcome.loss is not None  # every training schedule ends with LOSS
         loss = float(outcome.loss) * self._per_update / self.microbatches
-        return (loss, outputs) if return_outputs else loss
+        return (loss, self._outputs(outputs)) if return_outputs else loss
+
+    def _inputs(self, inputs: Inputs | None) -> Data | None:
+        return None if inputs is None else self.front.inputs(inputs)
+
+    def _outputs(self, outputs: Outputs | None) -> Any:
+        """Gathered outputs nested as the model returns them."""
+        if outputs is None:
+            return None
+        return self.front.outputs((outputs,) if isinstance(outputs, torch.Tensor) else outputs)
+
+    def _step_data(self, inputs: Inputs | None, targets: Data | None) -> tuple[Any, Any]:
+        """A step's inputs as the first stage takes them, and its targets: with the
+        model's own loss, a stand-in of the batch's size that weighs each micro-batch."""
+        flat = self._inputs(inputs)
+        if not self._own_loss or targets is not None:
+            return flat, targets
+        if flat is None:
+            if self.schedule.stages - 1 in self.schedule.stages_of(self.rank):
+                raise ValueError(
+                    f"rank {self.rank} holds the last stage, which takes the model's own loss "
+                    "and needs the inputs too (their batch size weighs each micro-batch)"
+                )
+            return None, None
+        return flat, torch.zeros(len(flat[0]))
 
     def update(self) -> None:
         """Apply the gradients accumulated by ``train_step(..., update=False)`` calls, as an
@@ -376,7 +433,7 @@ class Pipeline:
         only the first stage's ranks read ``inputs``.
         """
         check_destination(to, dist.get_world_size(self.group))
-        data = self._player.data(inputs, None, training=False)
+        data = self._player.data(self._inputs(inputs), None, training=False)
         modes = [(m, m.training) for module in self.stages.values() for m in module.modules()]
         try:
             for module in self.stages.values():
@@ -386,7 +443,7 @@ class Pipeline:
         finally:
             for layer, training in modes:
                 layer.training = training
-        return outputs
+        return self._outputs(outputs)
 
     def timeline(self) -> Timeline | None:
         """The last step's measured timeline, gathered on rank 0 (``None`` on other ranks).

@@ -68,9 +68,13 @@ class Stage:
         microbatches: int,
         split_backward: bool,
         precision: Precision | None = None,
+        output_of: Callable[[Tensors], Any] | None = None,
     ) -> None:
-        """Stage ``index``, whose module and weight versions ``weights`` holds."""
+        """Stage ``index``, whose module and weight versions ``weights`` holds; the last
+        stage's outputs reach the loss as ``output_of`` nests them (by default one tensor,
+        or a tuple of several)."""
         self.index, self.weights, self.loss_fn, self.last = index, weights, loss_fn, last
+        self.output_of = output_of or (lambda tensors: tensors[0] if len(tensors) == 1 else tensors)
         self.precision = precision or Precision("fp32", torch.device("cpu"))
         self.recompute, self.microbatches = recompute, microbatches
         self.split_backward = split_backward
@@ -119,8 +123,7 @@ class Stage:
             outputs = as_tuple(self.weights.run(self.index, version, inputs))
             if target is None:
                 return outputs, None
-            output = outputs[0] if len(outputs) == 1 else outputs
-            loss = self.loss_fn(output, target.target)
+            loss = self.loss_fn(self.output_of(outputs), target.target)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(

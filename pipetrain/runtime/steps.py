@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from pipetrain.model.frontend import FrontEnd
 from pipetrain.runtime.assembly import Rank
 from pipetrain.runtime.batch import Data, StepData
 from pipetrain.runtime.config import PipelineConfig
@@ -39,10 +40,19 @@ class Prepared:
     per_update: int
 
 
-def prepare(config: PipelineConfig, world: int, layers: int, has_optimizer: bool) -> Prepared:
-    """The schedules ``config`` runs on ``world`` ranks for a model of ``layers`` layers."""
+def prepare(config: PipelineConfig, world: int, front: FrontEnd, has_optimizer: bool) -> Prepared:
+    """The schedules ``config`` runs on ``world`` ranks for the model ``front`` holds."""
+    layers = len(front.layers)
+    if front.split and config.balance is None:
+        stages = config.build(world, None, has_optimizer).stages
+        if stages != layers:
+            raise ValueError(
+                f"split_points make {layers} stages but the schedule on {world} "
+                f"ranks runs {stages}; give {stages - 1} split points"
+            )
     built = config.build(world, layers, has_optimizer)
-    balance = config.balance_for(layers, built)
+    default = front.balance(built.stages) if config.balance is None else None
+    balance = default or config.balance_for(layers, built)
     per_update = config.per_update(built)
     if config.targets_on_first_stage:
         built = replace(built, ranks=with_targets_shipped(built.ranks, built.stage_ranks))

@@ -78,6 +78,8 @@ class Updater:
     every update's all-reduce and counts the updates). ``parameters`` are this rank's
     trainable parameters; ``counted`` those whose gradients enter the global norm here.
     ``all_reduce`` sums a tensor over every rank (``None``: this rank is the whole group).
+    ``reduce_shared`` sums the parts of parameters several stages share, once per update,
+    before anything reads the gradients.
     """
 
     def __init__(
@@ -94,6 +96,7 @@ class Updater:
         on_nonfinite: str = "raise",
         lr_scheduler: LRSchedulerFactory | None = None,
         precision: Precision | None = None,
+        reduce_shared: Callable[[], None] | None = None,
     ) -> None:
         """Step ``optimizer`` at each update, under the given policies."""
         check_policy(max_grad_norm, on_nonfinite)
@@ -106,6 +109,8 @@ class Updater:
         self.counted = list(self.parameters if counted is None else counted)
         self.all_reduce = all_reduce
         self.all_reduce_start = all_reduce_start
+        self.reduce_shared = reduce_shared
+        self._shared = False
         self.device = torch.device(device)
         self.max_grad_norm, self.on_nonfinite = max_grad_norm, on_nonfinite
         self.lr_scheduler = (
@@ -120,8 +125,9 @@ class Updater:
         return [t.grad for t in tensors if t.grad is not None]
 
     def start(self) -> None:
-        """Forget the unscaling of gradients that have been cleared for a new update."""
+        """Forget the unscaling (and sharing) of gradients cleared for a new update."""
         self._found_inf = None
+        self._shared = False
 
     def _unscaled(self) -> torch.Tensor:
         """Unscale this update's gradients once (fp16); whether they overflowed here."""
@@ -129,10 +135,17 @@ class Updater:
             self._found_inf = self.precision.unscale_(self.parameters)
         return self._found_inf
 
+    def _share(self) -> None:
+        """Sum the shared parameters' parts, once per update, before anything reads them."""
+        if not self._shared and self.reduce_shared is not None:
+            self.reduce_shared()
+            self._shared = True
+
     def _reduced(self, loss: torch.Tensor | None) -> tuple[torch.Tensor, float, bool]:
         """The global gradient norm (a tensor), the step's loss and whether any rank's
         gradients overflowed, over every rank."""
         local_loss = torch.zeros((), device=self.device) if loss is None else loss.float()
+        self._share()
         overflowed = self._unscaled().to(self.device)  # before the norm: it is of unscaled grads
         stats = torch.stack(
             [_square_norm(self._grads(self.counted), self.device), local_loss, overflowed]
@@ -158,6 +171,7 @@ class Updater:
         step's loss) and the global gradient norm are finite, clip, and step. Under fp16 an
         overflow of finite-loss gradients skips the update and backs the scale off."""
         if not self.active:
+            self._share()  # the gradients are the result: they must be the model's
             return
         norm, total_loss, overflowed = self._reduced(loss)
         self._found_inf = None

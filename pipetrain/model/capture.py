@@ -1,0 +1,138 @@
+"""Capture any ``nn.Module`` as a graph with :func:`torch.export.export`.
+
+The model is exported once from a sample of its inputs (a tensor, a tuple, or a dict of
+keyword inputs such as ``{"input_ids": ..., "attention_mask": ...}``) with every dimension
+of every tensor input dynamic, so micro-batches of any size and sequence length run the
+same graph. Inputs that are not tensors (``use_cache=False``) are fixed at capture. A
+model whose ``forward`` takes ``use_cache`` and was not given it is captured with
+``use_cache=False``: a training step has no use for a key/value cache.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.export import Dim
+from torch.utils import _pytree as pytree
+
+Inputs = torch.Tensor | Sequence[torch.Tensor] | Mapping[str, Any]
+"""A model's inputs: one tensor, positional tensors, or keyword inputs by name."""
+
+
+@dataclass
+class Captured:
+    """A captured model: its graph (parameters and buffers are the model's own objects,
+    under their full-model names), the names of its tensor inputs in the order a step
+    passes them, the constants fixed at capture, and how its outputs nest."""
+
+    module: fx.GraphModule
+    input_names: list[str]
+    constants: dict[fx.Node, Any]
+    output_spec: pytree.TreeSpec
+    keyword: bool
+
+
+def _arguments(example: Inputs) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if isinstance(example, torch.Tensor):
+        return (example,), {}
+    if isinstance(example, Mapping):
+        return (), dict(example)
+    if isinstance(example, Sequence) and not isinstance(example, (str, bytes)):
+        return tuple(example), {}
+    raise TypeError(
+        f"example_inputs is a {type(example).__name__}; give a tensor, a tuple of tensors, "
+        "or a dict of keyword inputs such as {'input_ids': ids[:2]}"
+    )
+
+
+def _dynamic(value: Any) -> Any:
+    """Every dimension of a tensor dynamic; anything else fixed."""
+    if isinstance(value, torch.Tensor):
+        return dict.fromkeys(range(value.dim()), Dim.AUTO)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_dynamic(v) for v in value)
+    if isinstance(value, Mapping):
+        return {k: _dynamic(v) for k, v in value.items()}
+    return None
+
+
+def _name(path: tuple[Any, ...]) -> str:
+    """A readable name for an input's pytree path: ``input_ids`` or ``args[0]``."""
+    where, *rest = path
+    if where == pytree.SequenceKey(1) and len(rest) == 1:
+        return str(rest[0].key)
+    return ("args" if where == pytree.SequenceKey(0) else "kwargs") + pytree.keystr(tuple(rest))
+
+
+def capture(model: nn.Module, example_inputs: Inputs) -> Captured:
+    """Export ``model`` on ``example_inputs`` (a sample with at least 2 rows) as a graph.
+
+    Raises ValueError for a sample that would fix the batch size, and RuntimeError naming
+    the model when export fails.
+    """
+    args, kwargs = _arguments(example_inputs)
+    if "use_cache" in inspect.signature(model.forward).parameters and "use_cache" not in kwargs:
+        kwargs["use_cache"] = False
+    tensors = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
+    if not tensors:
+        raise ValueError("example_inputs holds no tensor; give a sample of the model's inputs")
+    for tensor in tensors:
+        if tensor.dim() == 0 or tensor.shape[0] < 2:
+            raise ValueError(
+                f"an example input of shape {list(tensor.shape)} has fewer than 2 rows; give "
+                "a sample of at least 2 rows (a batch of 1 would be fixed into the graph)"
+            )
+    bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    dynamic = {name: _dynamic(value) for name, value in bound.items()}
+    try:
+        exported = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
+    except Exception as error:  # export's own errors are many and unrelated
+        raise RuntimeError(
+            f"torch.export could not capture the {type(model).__name__}: {error}. Give the "
+            "model as a sequence of layers instead (nn.Sequential or pipeline_layers())"
+        ) from error
+    module = exported.module()
+    assert isinstance(module, fx.GraphModule)
+    leaves = pytree.tree_flatten_with_path((args, kwargs))[0]
+    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+    names, constants = [], {}
+    for node, (path, value) in zip(placeholders, leaves):
+        if isinstance(value, torch.Tensor):
+            names.append(_name(path))
+        else:
+            constants[node] = value
+    for node in list(module.graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            module.graph.erase_node(node)  # checks the capture's sample shapes only
+    spec = module._out_spec
+    assert spec is not None  # an exported module always has one
+    return Captured(module, names, constants, spec, keyword=not args)
+
+
+def flatten_inputs(captured: Captured, inputs: Inputs) -> tuple[torch.Tensor, ...]:
+    """A step's inputs as the tuple of tensors the captured graph takes, checked against
+    the names captured."""
+    args, kwargs = _arguments(inputs)
+    if captured.keyword:
+        given = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        missing = [n for n in captured.input_names if n not in given]
+        extra = [n for n in given if n not in captured.input_names]
+        if missing or extra or args:
+            raise ValueError(
+                f"the inputs' tensors are {sorted(given)} but the model was captured with "
+                f"{captured.input_names}; pass the same keyword inputs as example_inputs"
+            )
+        return tuple(given[n] for n in captured.input_names)
+    values = [v for v in pytree.tree_leaves(args) if isinstance(v, torch.Tensor)]
+    if len(values) != len(captured.input_names) or kwargs:
+        raise ValueError(
+            f"the model was captured with {len(captured.input_names)} positional tensor "
+            f"inputs; got {len(values)} tensors"
+            + (f" and keywords {sorted(kwargs)}" if kwargs else "")
+        )
+    return tuple(values)

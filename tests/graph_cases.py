@@ -1,0 +1,81 @@
+"""Worker functions for the graph front-end tests (importable by spawned workers): stock
+Hugging Face models captured as graphs, and the unpipelined runs they are compared with."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+import pipetrain
+from pipetrain.model.graph import GraphModel
+
+VOCAB, LENGTH, BATCH, STEPS, LR = 64, 8, 12, 3, 0.5
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def hf_model(name: str, seed: int = 0) -> torch.nn.Module:
+    """A small stock Hugging Face causal LM: ``gpt2`` (tied), ``llama`` (tied),
+    ``llama-untied``; 4 blocks, no dropout."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    if name == "gpt2":
+        config = GPT2Config(
+            n_layer=4, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        return GPT2LMHeadModel(config)
+    config = LlamaConfig(
+        num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+        tie_word_embeddings=name == "llama", bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def batch(seed: int) -> dict[str, torch.Tensor]:
+    """Token ids with their labels (the model shifts them itself)."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (BATCH, LENGTH), generator=generator)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def reference(name: str) -> dict[str, Any]:
+    """The unpipelined model trained with SGD (momentum) on the same batches, using its own loss."""
+    model = hf_model(name)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss = model(**batch(step)).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return {"losses": losses, "state": model.state_dict()}
+
+
+def train(name: str, configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One capture of ``name``, then for each config a pipeline trained from the same
+    initial weights with the model's own loss: its losses, this rank's state and the
+    names it holds of each shared parameter."""
+    model = hf_model(name)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    graph = GraphModel(model, {k: v[:2] for k, v in batch(0).items()})
+    results = []
+    for config in configs:
+        model.load_state_dict(initial)
+        pipe = pipetrain.Pipeline(
+            graph,
+            loss_fn=None,
+            microbatches=2 * torch.distributed.get_world_size(),
+            optimizer=lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9),
+            timeout_s=60,
+            **config,
+        )
+        losses = [pipe.train_step(batch(step)) for step in range(STEPS)]
+        state = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
+        results.append({"losses": losses, "state": state, "shared": pipe.shared_parameters})
+    return results
