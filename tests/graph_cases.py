@@ -79,3 +79,73 @@ def train(name: str, configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         state = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
         results.append({"losses": losses, "state": state, "shared": pipe.shared_parameters})
     return results
+
+
+class UNet(torch.nn.Module):
+    """A small U-Net: each encoder's output skips to the decoder of its level."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.enc1 = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU())
+        self.enc2 = nn.Sequential(nn.MaxPool2d(2), nn.Conv2d(8, 16, 3, padding=1), nn.ReLU())
+        self.mid = nn.Sequential(
+            nn.MaxPool2d(2), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Upsample(scale_factor=2)
+        )
+        self.dec2 = nn.Sequential(
+            nn.Conv2d(32, 8, 3, padding=1), nn.ReLU(), nn.Upsample(scale_factor=2)
+        )
+        self.dec1 = nn.Conv2d(16, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e1 = self.enc1(x)
+        e2 = self.enc2(e1)
+        d2 = self.dec2(torch.cat([self.mid(e2), e2], 1))
+        return self.dec1(torch.cat([d2, e1], 1))
+
+
+def images(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(BATCH, 3, 8, 8, generator=generator), torch.randn(
+        BATCH, 3, 8, 8, generator=generator
+    )
+
+
+def unet_reference() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = UNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        x, y = images(step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return {"losses": losses, "state": model.state_dict()}
+
+
+def train_unet(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The U-Net pipelined per config, from the same initial weights."""
+    torch.manual_seed(0)
+    model = UNet()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    graph = GraphModel(model, images(0)[0][:2])
+    results = []
+    for config in configs:
+        model.load_state_dict(initial)
+        pipe = pipetrain.Pipeline(
+            graph,
+            loss_fn=torch.nn.functional.mse_loss,
+            microbatches=2 * torch.distributed.get_world_size(),
+            optimizer=lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9),
+            timeout_s=60,
+            **config,
+        )
+        losses = [pipe.train_step(*images(step)) for step in range(STEPS)]
+        state = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
+        cuts = [sum(pipe.balance[:stage]) for stage in range(1, len(pipe.balance))]
+        crossing = [graph.crossing(cut) for cut in cuts]
+        results.append({"losses": losses, "state": state, "crossing": crossing})
+    return results

@@ -21,16 +21,27 @@ SCHEDULES = [
 ]
 
 
-def assert_trains_as_unpipelined(name: str, per_rank: list[list[dict[str, Any]]]) -> None:
-    expected = cases.reference(name)
-    aliases = _aliases(name)
+def _aliases(name: str) -> list[set[str]]:
+    """Each parameter's names in the model (two for a tied one)."""
+    model = cases.hf_model(name)
+    names: dict[int, set[str]] = {}
+    for key, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), set()).add(key)
+    return list(names.values())
+
+
+def assert_same_training(
+    expected: dict[str, Any], per_rank: list[list[dict[str, Any]]], aliases: list[set[str]]
+) -> None:
+    """Every schedule's losses and final parameters and buffers equal the reference's;
+    the copies of a shared parameter are bit-identical."""
     for index, config in enumerate(SCHEDULES):
-        results = [rank[index] for rank in per_rank]
         state: dict[str, torch.Tensor] = {}
-        for result in results:
+        for rank in per_rank:
+            result = rank[index]
             assert result["losses"] == pytest.approx(expected["losses"], rel=1e-4), config
             for key, value in result["state"].items():
-                if key in state:  # a shared parameter: every copy bit-identical
+                if key in state:
                     assert torch.equal(state[key], value), (config, key)
                 state[key] = value
         assert set(state) <= set(expected["state"]), set(state) - set(expected["state"])
@@ -42,17 +53,27 @@ def assert_trains_as_unpipelined(name: str, per_rank: list[list[dict[str, Any]]]
             )
 
 
-def _aliases(name: str) -> list[set[str]]:
-    """Each parameter's names in the model (two for a tied one)."""
-    model = cases.hf_model(name)
-    names: dict[int, set[str]] = {}
-    for key, parameter in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(parameter), set()).add(key)
-    return list(names.values())
+@pytest.mark.parametrize(
+    ("name", "world"),
+    [
+        ("gpt2", 2),
+        pytest.param("gpt2", 3, marks=pytest.mark.slow),
+        ("llama", 3),
+        pytest.param("llama", 2, marks=pytest.mark.slow),
+        ("llama-untied", 2),
+        pytest.param("llama-untied", 3, marks=pytest.mark.slow),
+    ],
+)
+def test_stock_causal_lm_trains_as_unpipelined(name: str, world: int) -> None:
+    per_rank = pipetrain.launch(cases.train, world, name, SCHEDULES, timeout_s=240)
+    tied = name != "llama-untied"
+    assert bool(per_rank[0][0]["shared"]) == tied, per_rank[0][0]["shared"]
+    assert_same_training(cases.reference(name), per_rank, _aliases(name))
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_gpt2_tied_trains_as_unpipelined(world: int) -> None:
-    per_rank = pipetrain.launch(cases.train, world, "gpt2", SCHEDULES, timeout_s=240)
-    assert per_rank[0][0]["shared"], "GPT-2's embedding and head are tied across stages"
-    assert_trains_as_unpipelined("gpt2", per_rank)
+def test_unet_skips_cross_stages_and_train_as_unpipelined(world: int) -> None:
+    per_rank = pipetrain.launch(cases.train_unet, world, SCHEDULES, timeout_s=240)
+    for result in per_rank[0]:
+        assert any(len(values) > 1 for values in result["crossing"]), result["crossing"]
+    assert_same_training(cases.unet_reference(), per_rank, [])

@@ -248,6 +248,10 @@ class GraphModel:
         root = self.captured.module
         return GraphStage(root, self._graph(start, stop, False), self._graph(start, stop, True))
 
+    def crossing(self, segment: int) -> list[str]:
+        """The names of the values crossing the cut before ``segment``."""
+        return [value.name for value in self._crossing(segment)]
+
     def balance(self, stages: int) -> list[int]:
         """Segments per stage: the split points' one each, else balanced by parameters
         (the largest stage's parameters as few as possible)."""
