@@ -312,9 +312,11 @@ def unpipelined_losses(
             with torch.no_grad():
                 outputs = model.eval()(eval_inputs)
             model.train()
-            accuracy = float((outputs.argmax(dim=1) == eval_targets).float().mean())
             loss = loss_function(model_name)(outputs, eval_targets)
-            evaluations.append({"step": step + 1, "loss": loss.item(), "accuracy": accuracy})
+            evaluations.append({"step": step + 1, "loss": loss.item()})
+            if isinstance(outputs, torch.Tensor):
+                accuracy = float((outputs.argmax(dim=1) == eval_targets).float().mean())
+                evaluations[-1]["accuracy"] = accuracy
     return losses
 
 
@@ -620,3 +622,19 @@ def test_zero_bubble_fills_unspecified_costs_with_ones(capsys: pytest.CaptureFix
     )
     expected = simulate(build("zb-h1", 3, 6), Costs(forward_s=2.0, backward_s=1.0, weight_s=1.0))
     assert result["makespan"] == pytest.approx(expected.makespan)
+
+
+def test_train_runs_a_stock_hugging_face_model_as_the_unpipelined_one() -> None:
+    pytest.importorskip("transformers")
+    result = run_cli(
+        "train", "--model", "hf-llama", "--stages", "2", "--steps", "3", "--microbatches", "2",
+        "--eval-every", "3", "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    evaluations: list[dict[str, float]] = []
+    expected = unpipelined_losses(
+        "hf-llama", 3, report["batch_size"], evaluations=evaluations, eval_every=3
+    )
+    assert report["losses"] == pytest.approx(expected, rel=1e-4)
+    assert report["eval"][0]["loss"] == pytest.approx(evaluations[0]["loss"], rel=1e-4)

@@ -9,10 +9,17 @@ import torch
 from torch import nn
 
 from pipetrain.app.data import BatchStream
-from pipetrain.app.models import MODEL_NAMES, build_model, loss_function
+from pipetrain.app.models import MODEL_NAMES, build_model, loss_function, model_layers
 from pipetrain.model.layers import to_layers
 
-OUTPUT_SHAPES = {"mlp": (16, 10), "cnn": (16, 10), "uneven-mlp": (16, 10), "gpt": (16, 64, 256)}
+OUTPUT_SHAPES = {
+    "mlp": (16, 10),
+    "cnn": (16, 10),
+    "uneven-mlp": (16, 10),
+    "gpt": (16, 64, 256),
+    "hf-gpt2": (16, 64, 256),
+    "hf-llama": (16, 64, 256),
+}
 
 
 def test_every_model_name_has_expected_output() -> None:
@@ -24,10 +31,11 @@ def test_output_shape_and_finite_loss(name: str) -> None:
     model = build_model(name)
     inputs, targets = next(BatchStream(name, 16))
     outputs = model(inputs)
-    assert outputs.shape == OUTPUT_SHAPES[name]
+    logits = outputs if isinstance(outputs, torch.Tensor) else outputs.logits
+    assert logits.shape == OUTPUT_SHAPES[name]
     loss = loss_function(name)(outputs, targets)
     assert loss.shape == () and math.isfinite(loss.item())
-    assert len(to_layers(model)) >= 4
+    assert model_layers(name) >= 4
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)

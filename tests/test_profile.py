@@ -370,8 +370,15 @@ def test_argument_errors() -> None:
         profile(model, inputs, targets, loss, warmup=-1)
     with pytest.raises(ValueError, match="optimizer_state_factor"):
         profile(model, inputs, targets, loss, optimizer_state_factor=-1.0)
-    with pytest.raises(TypeError, match="cannot split"):
-        profile(nn.Linear(6, 3), inputs, targets, loss)
+    with pytest.raises(ValueError, match="fewer than 2 rows"):
+        profile(nn.Linear(6, 3), inputs[:1], targets[:1], loss)
+
+
+def test_a_module_without_blocks_is_captured_as_one_layer() -> None:
+    inputs, targets, loss = torch.randn(4, 6), torch.randint(0, 3, (4,)), nn.CrossEntropyLoss()
+    measured = profile(nn.Linear(6, 3), inputs, targets, loss, repeats=1, warmup=0)
+    assert [layer.name for layer in measured.layers] == ["model"]
+    assert measured.layers[0].parameter_bytes == (6 * 3 + 3) * 4
 
 
 def test_in_place_layers_can_be_profiled() -> None:

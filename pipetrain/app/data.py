@@ -29,7 +29,7 @@ _SKIPPED_DIRS = frozenset(
     {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 )
 _DIGIT_MODELS = {"mlp": True, "uneven-mlp": True, "cnn": False}  # name -> flat inputs
-_TEXT_MODELS = frozenset({"gpt"})
+_TEXT_MODELS = frozenset({"gpt", "hf-gpt2", "hf-llama"})
 
 
 @functools.lru_cache(maxsize=1)
@@ -91,9 +91,9 @@ def _read_stdlib(max_bytes: int) -> bytes:
 class BatchStream:
     """An endless iterator of ``(inputs, targets)`` training batches for a built-in model.
 
-    - ``"gpt"``: random windows of ``seq_len + 1`` bytes from the first 90% of
-      :func:`stdlib_corpus`; inputs are the first ``seq_len`` bytes and targets the same
-      window shifted by one, both int64 (B, T).
+    - ``"gpt"``, ``"hf-gpt2"``, ``"hf-llama"``: random windows of ``seq_len + 1`` bytes from
+      the first 90% of :func:`stdlib_corpus`; inputs are the first ``seq_len`` bytes and
+      targets the same window shifted by one, both int64 (B, T).
     - ``"mlp"``, ``"uneven-mlp"``, ``"cnn"``: the digits training split, reshuffled every
       epoch; a last partial batch is dropped so every batch has ``batch_size`` rows.
 

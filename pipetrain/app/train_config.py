@@ -9,15 +9,28 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from pipetrain.app.data import BatchStream
-from pipetrain.app.models import build_model
-from pipetrain.model.layers import to_layers
+from pipetrain.app.models import model_layers
 from pipetrain.planning import Plan
 from pipetrain.runtime import PipelineConfig
 from pipetrain.runtime.update import check_training
 from pipetrain.schedules import Schedule, spec
 
-DEFAULT_LR = {"mlp": 3e-3, "uneven-mlp": 3e-3, "cnn": 3e-3, "gpt": 3e-3}
-DEFAULT_BATCH_SIZE = {"mlp": 64, "uneven-mlp": 64, "cnn": 64, "gpt": 16}
+DEFAULT_LR = {
+    "mlp": 3e-3,
+    "uneven-mlp": 3e-3,
+    "cnn": 3e-3,
+    "gpt": 3e-3,
+    "hf-gpt2": 3e-3,
+    "hf-llama": 3e-3,
+}
+DEFAULT_BATCH_SIZE = {
+    "mlp": 64,
+    "uneven-mlp": 64,
+    "cnn": 64,
+    "gpt": 16,
+    "hf-gpt2": 16,
+    "hf-llama": 16,
+}
 DEFAULT_STAGES = 2
 WARMUP_STEPS = 2  # left out of the median step time: first steps pay for allocation and set-up
 LR_SCHEDULES = ("constant", "warmup-cosine")
@@ -157,7 +170,7 @@ class TrainConfig:
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout_s}")
         # the data set must hold a batch (a plan may ask for more than it has)
         BatchStream(self.model, self.samples, seed=self.seed)
-        layers = len(to_layers(build_model(self.model, seed=self.seed)))
+        layers = model_layers(self.model, self.seed)
         schedule = pipeline.build(self.stages or DEFAULT_STAGES, layers)
         if schedule.asynchronous and self.accumulate > 1:
             raise ValueError(
@@ -199,7 +212,7 @@ class TrainConfig:
         """The updates a run makes: one per ``accumulate`` steps (and at the last), or, for
         an asynchronous schedule, every update it makes inside each step."""
         pipeline = self.pipeline_config()
-        layers = len(to_layers(build_model(self.model, seed=self.seed)))
+        layers = model_layers(self.model, self.seed)
         schedule = pipeline.build(self.stages or DEFAULT_STAGES, layers)
         if schedule.asynchronous:
             return self.steps * (schedule.microbatches // pipeline.per_update(schedule))

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
 from pipetrain.app.data import BatchStream
-from pipetrain.app.models import build_model, loss_function
+from pipetrain.app.models import TEXT_MODELS, build_model, example_inputs, loss_function
 from pipetrain.app.plan_job import plan_together
 from pipetrain.app.train_config import TrainConfig
 from pipetrain.app.train_report import TrainReport
@@ -68,10 +68,10 @@ class Progress:
         self.stream.flush()
 
 
-def held_out(model_name: str, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+def held_out(model_name: str, outputs: Any, targets: torch.Tensor) -> dict[str, float]:
     """Held-out loss, and for the digits classifiers the accuracy (a fraction)."""
     metrics = {"loss": float(loss_function(model_name)(outputs, targets))}
-    if model_name != "gpt":
+    if model_name not in TEXT_MODELS:
         metrics["accuracy"] = float((outputs.argmax(dim=1) == targets).float().mean())
     return metrics
 
@@ -102,6 +102,7 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
         max_grad_norm=config.max_grad_norm,
         precision=config.precision,
         lr_scheduler=None if factor is None else partial(LambdaLR, lr_lambda=factor),
+        example_inputs=example_inputs(config.model),
     )
     # only the input stage's ranks load data; the targets travel to the last stage
     batches = (
@@ -128,7 +129,7 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
             recording, pipe.recorder.enabled = pipe.recorder.enabled, False
             outputs = pipe.eval_step(None if held is None else held[0], to=0)
             pipe.recorder.enabled = recording
-            if held is not None and isinstance(outputs, torch.Tensor):
+            if held is not None and outputs is not None:
                 metrics = held_out(config.model, outputs, held[1])
                 history.evaluations.append({"step": step + 1, **metrics})
                 if progress is not None:

@@ -159,11 +159,8 @@ class GraphModel:
         blocks = _blocks(model)
         first = self._first_use()
         starts = sorted({(first[b], b) for b in blocks if b in first})
-        if not starts:
-            raise ValueError(
-                f"no module of the {type(model).__name__} appears in its captured graph; "
-                "name split_points, or give the model as a sequence of layers"
-            )
+        if not starts:  # a model without blocks is one segment
+            return ["model"], [0]
         names, cuts = [], []
         if starts[0][0] > 0:
             names, cuts = ["start"], [0]

@@ -21,7 +21,8 @@ import torch
 from torch import Tensor, nn
 
 from pipetrain.checks import is_int, non_negative_int, non_negative_number, positive_int
-from pipetrain.model.layers import to_layers
+from pipetrain.model.frontend import front_end
+from pipetrain.model.graph import GraphModel
 from pipetrain.profiler.costs import LayerCost, Profile
 from pipetrain.profiler.timing import LossFn, OptimizerFactory, Timer, time_in_sequence
 from pipetrain.profiler.values import (
@@ -37,7 +38,7 @@ from pipetrain.profiler.values import (
 
 def profile(
     model: nn.Module | Sequence[nn.Module],
-    sample_inputs: Tensor | tuple[Tensor, ...],
+    sample_inputs: Tensor | tuple[Tensor, ...] | dict[str, Any],
     sample_targets: Any,
     loss_fn: LossFn,
     microbatch_size: int | None = None,
@@ -49,8 +50,11 @@ def profile(
 ) -> Profile:
     """Measure forward and backward time, activation, weight and memory sizes of every layer.
 
-    Layers come from :func:`pipetrain.model.layers.to_layers`. ``sample_inputs`` (a tensor or a
-    tuple of tensors fed to the first layer) and ``sample_targets`` are cut to the first
+    Layers come from :func:`pipetrain.model.frontend.front_end`: a model given as layers
+    keeps them, any other module is captured on ``sample_inputs`` and its segments are the
+    layers (as :class:`~pipetrain.Pipeline` cuts it, so a plan's balance applies to both).
+    ``sample_inputs`` (a tensor, a tuple of tensors fed to the first layer, or a captured
+    model's dict of keyword inputs) and ``sample_targets`` are cut to the first
     ``microbatch_size`` samples (default: all of them). Times are medians over ``repeats``
     runs after ``warmup`` untimed runs, in training mode. The last layer's forward and
     backward include ``loss_fn(output, targets)``.
@@ -81,9 +85,13 @@ def profile(
     afterwards.
     """
     _check_counts(repeats, warmup, optimizer_state_factor)
-    layers = to_layers(model)
+    front = front_end(model, sample_inputs)
+    layers = front.layers
     container = model if isinstance(model, nn.Module) else nn.ModuleList(m for _, m in layers)
-    inputs = sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,)
+    flat = front.inputs(sample_inputs)
+    inputs = flat if isinstance(flat, tuple) else (flat,)
+    if isinstance(front, GraphModel):
+        loss_fn = _on_model_outputs(loss_fn, front)
     size = _microbatch_size(inputs, microbatch_size)
     with _preserved(container, device) as target_device:
         arguments = tuple(to_device(first(x, size), target_device) for x in inputs)
@@ -117,6 +125,15 @@ def profile(
             if cost.weight_backward_s is not None:
                 cost.weight_backward_s = share * backward_s
     return Profile(costs, microbatch_size=size, input_bytes=nbytes(inputs, size), spread=spread)
+
+
+def _on_model_outputs(loss_fn: LossFn, front: GraphModel) -> LossFn:
+    """``loss_fn`` given the last segment's outputs nested as the model returns them."""
+
+    def loss(output: Any, target: Any) -> Tensor:
+        return loss_fn(front.outputs(output if isinstance(output, tuple) else (output,)), target)
+
+    return loss
 
 
 class _LayerRun:

@@ -67,9 +67,10 @@ def time_in_sequence(
     count = len(layers)
     times: list[list[list[float]]] = [[[], [], []] for _ in range(count)]
     whole: list[list[float]] = [[], [], []]
-    trainable: list[Tensor] = [
-        p for _, module in layers for p in module.parameters() if p.requires_grad
-    ]
+    # a parameter two layers share (tied weights) is stepped once
+    trainable: list[Tensor] = list(
+        {id(p): p for _, module in layers for p in module.parameters() if p.requires_grad}.values()
+    )
     whole_stepper = optimizer(trainable) if trainable else None
     steppers: list[torch.optim.Optimizer | None] = []
     for _, module in layers:
