@@ -149,3 +149,26 @@ def train_unet(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         crossing = [graph.crossing(cut) for cut in cuts]
         results.append({"losses": losses, "state": state, "crossing": crossing})
     return results
+
+
+def train_pipedream(name: str) -> dict[str, Any]:
+    """The tied model on pipedream (one update per mini-batch, stashed weights): this rank's
+    copy of each shared parameter before and after, and the losses."""
+    model = hf_model(name)
+    pipe = pipetrain.Pipeline(
+        model,
+        example_inputs={k: v[:2] for k, v in batch(0).items()},
+        schedule="pipedream",
+        microbatches=4,
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+        timeout_s=60,
+    )
+    before = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
+    losses = [pipe.train_step(batch(step)) for step in range(STEPS)]
+    after = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
+    shared = pipe.shared_parameters
+    return {
+        "losses": losses,
+        "before": {k: before[k] for k in shared if k in before},
+        "after": {k: after[k] for k in shared if k in after},
+    }

@@ -77,3 +77,13 @@ def test_unet_skips_cross_stages_and_train_as_unpipelined(world: int) -> None:
     for result in per_rank[0]:
         assert any(len(values) > 1 for values in result["crossing"]), result["crossing"]
     assert_same_training(cases.unet_reference(), per_rank, [])
+
+
+def test_pipedream_keeps_tied_copies_identical() -> None:
+    per_rank = pipetrain.launch(cases.train_pipedream, 3, "gpt2", timeout_s=240)
+    first, last = per_rank[0], per_rank[-1]
+    assert first["after"] and set(first["after"]) == set(last["after"])
+    for key, value in first["after"].items():
+        assert torch.equal(value, last["after"][key]), key
+        assert not torch.equal(value, first["before"][key]), "the tied weight was updated"
+    assert all(loss == loss for loss in first["losses"])  # finite, not NaN

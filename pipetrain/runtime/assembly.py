@@ -81,11 +81,11 @@ def assemble(
     bounds = stage_bounds(balance)
     stages = {stage: front.stage(*bounds[stage]).to(device) for stage in schedule.stages_of(rank)}
     shared = shared_parameters(front, balance)
-    if shared and schedule.asynchronous:
+    if shared and schedule.asynchronous and any(len(r) > 1 for r in schedule.stage_ranks):
         raise ValueError(
             f"parameters {[s.names[s.stages[0]] for s in shared][:3]} are used by several "
-            f"stages, which {schedule.name} would update at different times and so untie; "
-            "use a synchronous schedule, or cut the model so that one stage holds them"
+            f"stages, which {schedule.name} cannot keep equal with replicated stages; "
+            "use a synchronous schedule, no replicas, or a cut with one stage holding them"
         )
     # a parameter two of this rank's stages use is one tensor: optimized once
     parameters = list({id(p): p for m in stages.values() for p in m.parameters()}.values())
@@ -110,7 +110,7 @@ def assemble(
         lr_scheduler=settings.lr_scheduler,
         precision=precision,
     )
-    weights = Weights(stages, optimizer, schedule.asynchronous, updater)
+    weights = Weights(stages, optimizer, schedule.asynchronous, updater, sharing.reduce)
     runners = {
         index: Stage(
             index,

@@ -2,7 +2,9 @@
 
 Each stage holding such a parameter keeps its own copy and computes its part of the
 gradient; before every synchronous update the holders' ranks sum those parts, so every
-copy takes the same update and stays bit-identical. A replicated holder's replicas already
+copy takes the same update and stays bit-identical. An asynchronous stage sums its part of
+update ``k`` with the other holders' parts of their update ``k`` before applying it, so
+it waits for the slowest holder to reach that update. A replicated holder's replicas already
 hold the same (summed) gradient, so each adds its share ``1 / replicas``. On a rank
 holding two of the stages the copies are one tensor, whose gradient already adds both.
 """
@@ -32,7 +34,7 @@ class SharedGradients:
         """Make the process group of each shared parameter's ranks. Every rank must call
         it with the same ``shared``: torch.distributed needs every rank to create every
         group, in the same order."""
-        self._entries: list[tuple[nn.Parameter, float, dist.ProcessGroup]] = []
+        self._entries: list[tuple[int, nn.Parameter, float, dist.ProcessGroup]] = []
         for item in shared:
             ranks = sorted({r for s in item.stages for r in schedule.stage_ranks[s]})
             if len(ranks) < 2:
@@ -43,12 +45,15 @@ class SharedGradients:
                 continue
             parameters = dict(modules[held[0]].named_parameters(remove_duplicate=False))
             share = 1.0 / len(schedule.stage_ranks[held[0]])
-            self._entries.append((parameters[item.names[held[0]]], share, group))
+            self._entries.append((held[0], parameters[item.names[held[0]]], share, group))
         self.names = [item.names[item.stages[0]] for item in shared]
 
-    def reduce(self) -> None:
-        """Sum the holders' gradients into every copy (a missing gradient counts as zero)."""
-        for parameter, share, group in self._entries:
+    def reduce(self, stage: int | None = None) -> None:
+        """Sum the holders' gradients into every copy (a missing gradient counts as zero):
+        of every shared parameter on this rank, or of those ``stage`` holds."""
+        for held, parameter, share, group in self._entries:
+            if stage is not None and held != stage:
+                continue
             if parameter.grad is None:
                 parameter.grad = torch.zeros_like(parameter)
             if share != 1.0:

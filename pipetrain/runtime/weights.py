@@ -14,7 +14,7 @@ Nothing is swapped in place under autograd.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -98,11 +98,14 @@ class Weights:
         optimizer: torch.optim.Optimizer | None,
         asynchronous: bool,
         updater: Updater | None = None,
+        share: Callable[[int], None] | None = None,
     ) -> None:
         """Hold ``modules``; step ``optimizer`` (if any) synchronously or, with
         ``asynchronous``, at every stage's update on stashed versions. ``updater`` applies
-        the updates (by default: the optimizer's step alone)."""
+        the updates (by default: the optimizer's step alone); ``share(stage)`` sums an
+        asynchronous stage's parts of parameters other stages share before its update."""
         self.modules = dict(modules)
+        self.share = share
         self.updater = updater if updater is not None else Updater(optimizer)
         self.asynchronous = asynchronous
         self.updating = True
@@ -201,6 +204,8 @@ class Weights:
             return
         stash = self.stashes[stage]
         stash.load_gradients()
+        if self.share is not None:
+            self.share(stage)
         live = list(stash.live.values())
         if not self.updater.defers:
             self.updater.step_local(live, stage)
