@@ -172,3 +172,81 @@ def train_pipedream(name: str) -> dict[str, Any]:
         "before": {k: before[k] for k in shared if k in before},
         "after": {k: after[k] for k in shared if k in after},
     }
+
+
+class Block(torch.nn.Module):
+    """A residual block with batch normalization."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(channels, channels, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.bn(self.conv(x)))
+
+
+class ResNet(torch.nn.Module):
+    """A small ResNet: a stem, four residual blocks with batch norm, a pooled head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.blocks = torch.nn.ModuleList(Block(8) for _ in range(4))
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean((2, 3)))
+
+
+def labelled_images(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(BATCH, 3, 8, 8, generator=generator), torch.randint(
+        0, 4, (BATCH,), generator=generator
+    )
+
+
+def resnet_reference(microbatches: int) -> dict[str, Any]:
+    """The unpipelined ResNet run micro-batch by micro-batch (batch statistics per
+    micro-batch, each loss weighted by its share of the samples), then stepped."""
+    torch.manual_seed(0)
+    model = ResNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        x, y = labelled_images(step)
+        total = 0.0
+        for xs, ys in zip(x.tensor_split(microbatches), y.tensor_split(microbatches)):
+            loss = torch.nn.functional.cross_entropy(model(xs), ys) * len(ys) / len(y)
+            loss.backward()
+            total += loss.item()
+        optimizer.step()
+        losses.append(total)
+    return {"losses": losses, "state": model.state_dict()}
+
+
+def train_resnet(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ResNet pipelined per config, from the same initial weights and buffers."""
+    torch.manual_seed(0)
+    model = ResNet()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    graph = GraphModel(model, labelled_images(0)[0][:2])
+    results = []
+    for config in configs:
+        model.load_state_dict(initial)
+        pipe = pipetrain.Pipeline(
+            graph,
+            loss_fn=torch.nn.functional.cross_entropy,
+            microbatches=2 * torch.distributed.get_world_size(),
+            optimizer=lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9),
+            timeout_s=60,
+            **config,
+        )
+        losses = [pipe.train_step(*labelled_images(step)) for step in range(STEPS)]
+        state = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
+        results.append({"losses": losses, "state": state})
+    return results

@@ -31,11 +31,15 @@ def _aliases(name: str) -> list[set[str]]:
 
 
 def assert_same_training(
-    expected: dict[str, Any], per_rank: list[list[dict[str, Any]]], aliases: list[set[str]]
+    expected: dict[str, Any],
+    per_rank: list[list[dict[str, Any]]],
+    aliases: list[set[str]],
+    configs: list[dict[str, Any]] = SCHEDULES,
 ) -> None:
-    """Every schedule's losses and final parameters and buffers equal the reference's;
-    the copies of a shared parameter are bit-identical."""
-    for index, config in enumerate(SCHEDULES):
+    """Every config's losses and final parameters and buffers equal the reference's; the
+    copies of a shared parameter are bit-identical."""
+    assert set(expected["state"]) <= set().union(*(r[0]["state"] for r in per_rank)) or aliases
+    for index, config in enumerate(configs):
         state: dict[str, torch.Tensor] = {}
         for rank in per_rank:
             result = rank[index]
@@ -87,3 +91,13 @@ def test_pipedream_keeps_tied_copies_identical() -> None:
         assert torch.equal(value, last["after"][key]), key
         assert not torch.equal(value, first["before"][key]), "the tied weight was updated"
     assert all(loss == loss for loss in first["losses"])  # finite, not NaN
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("recompute", ["never", "except_last", "always"])
+def test_resnet_batch_norm_trains_as_unpipelined_micro_batch_by_micro_batch(
+    world: int, recompute: str
+) -> None:
+    configs = [{**config, "recompute": recompute} for config in SCHEDULES]
+    per_rank = pipetrain.launch(cases.train_resnet, world, configs, timeout_s=240)
+    assert_same_training(cases.resnet_reference(2 * world), per_rank, [], configs)

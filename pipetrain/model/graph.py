@@ -210,6 +210,9 @@ class GraphModel:
             return env[node]
 
         for node in self._order[self._cuts[start] : self._cuts[stop]]:
+            if evaluation and _counts_batches(node):
+                env[node] = lookup(node.args[0])  # eval-mode batch norm counts nothing
+                continue
             env[node] = copied = graph.node_copy(node, lookup)
             flag = _MODE_FLAGS.get(node.target)
             if evaluation and flag is not None and len(copied.args) > flag:
@@ -266,6 +269,17 @@ class GraphModel:
     def outputs(self, tensors: Sequence[torch.Tensor]) -> Any:
         """The last stage's flat outputs nested as the model returns them."""
         return torch.utils._pytree.tree_unflatten(list(tensors), self.captured.output_spec)
+
+
+def _counts_batches(node: fx.Node) -> bool:
+    """Batch norm's in-place count of the batches it has seen (training mode only)."""
+    counter = node.args[0] if node.args else None
+    return (
+        node.target is _aten.add_.Tensor
+        and isinstance(counter, fx.Node)
+        and counter.op == "get_attr"
+        and str(counter.target).endswith("num_batches_tracked")
+    )
 
 
 def _is_size(node: fx.Node) -> bool:
