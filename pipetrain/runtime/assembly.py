@@ -95,6 +95,7 @@ def assemble(
         optimizer = optimizer(iter(parameters)) if parameters else None
     transport = TorchTransport(device, group, timeout_s)
     sharing = SharedGradients(shared, schedule, stages, transport.global_rank)
+    sharing.synchronize()
     precision = Precision(settings.precision, device, settings.loss_scale)
     updater = Updater(
         optimizer,

@@ -35,6 +35,7 @@ class SharedGradients:
         it with the same ``shared``: torch.distributed needs every rank to create every
         group, in the same order."""
         self._entries: list[tuple[int, nn.Parameter, float, dist.ProcessGroup]] = []
+        self._sources: list[int] = []  # each entry's first holder, by the world's rank
         for item in shared:
             ranks = sorted({r for s in item.stages for r in schedule.stage_ranks[s]})
             if len(ranks) < 2:
@@ -46,7 +47,15 @@ class SharedGradients:
             parameters = dict(modules[held[0]].named_parameters(remove_duplicate=False))
             share = 1.0 / len(schedule.stage_ranks[held[0]])
             self._entries.append((held[0], parameters[item.names[held[0]]], share, group))
+            self._sources.append(global_rank(ranks[0]))
         self.names = [item.names[item.stages[0]] for item in shared]
+
+    def synchronize(self) -> None:
+        """Make every copy equal to its first holder's (after building: the stages may have
+        been initialized on their own ranks)."""
+        with torch.no_grad():
+            for (_, parameter, _, group), source in zip(self._entries, self._sources):
+                dist.broadcast(parameter, src=source, group=group)
 
     def reduce(self, stage: int | None = None) -> None:
         """Sum the holders' gradients into every copy (a missing gradient counts as zero):
