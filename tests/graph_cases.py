@@ -250,3 +250,19 @@ def train_resnet(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         state = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
         results.append({"losses": losses, "state": state})
     return results
+
+
+def save_tied(directory: str) -> dict[str, torch.Tensor]:
+    """GPT-2 trained 2 steps with AdamW on 2 stages and saved; this rank's state."""
+    model = hf_model("gpt2")
+    pipe = pipetrain.Pipeline(
+        model,
+        example_inputs={k: v[:2] for k, v in batch(0).items()},
+        microbatches=2,
+        optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR),
+        timeout_s=60,
+    )
+    for step in range(2):
+        pipe.train_step(batch(step))
+    pipe.save(directory)
+    return {k: v.detach().clone() for k, v in pipe.state_dict().items()}

@@ -3,6 +3,7 @@ model, train as the unpipelined model does, with tied weights kept one parameter
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import graph_cases as cases
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 import pipetrain
+from pipetrain.checkpoint import load_full
 
 pytest.importorskip("transformers")
 
@@ -101,3 +103,16 @@ def test_resnet_batch_norm_trains_as_unpipelined_micro_batch_by_micro_batch(
     configs = [{**config, "recompute": recompute} for config in SCHEDULES]
     per_rank = pipetrain.launch(cases.train_resnet, world, configs, timeout_s=240)
     assert_same_training(cases.resnet_reference(2 * world), per_rank, [], configs)
+
+
+def test_a_tied_models_checkpoint_loads_into_the_unpipelined_model(tmp_path: Path) -> None:
+    per_rank = pipetrain.launch(cases.save_tied, 2, str(tmp_path), timeout_s=240)
+    model = cases.hf_model("gpt2", seed=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cases.LR)
+    load_full(tmp_path, model, optimizer)
+    state = model.state_dict()
+    assert model.lm_head.weight is model.transformer.wte.weight, "still tied after loading"
+    for rank in per_rank:
+        for key, value in rank.items():
+            assert torch.equal(state[key], value), key
+    assert len(optimizer.state) == len(list(model.parameters()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +47,13 @@ def load_full(
     """
     found = resolve(path)
     saved = contents(found)
-    held = model.state_dict()
-    problems = model_differences(saved, held, set(held))
+    everywhere = set(model.state_dict())
+    names = _saved_names(model, saved)
+    # a tied parameter is saved under one of its names; it fills the others
+    held = {k: v for k, v in model.state_dict().items() if k not in _other_names(model, names)}
+    problems = model_differences(saved, held, everywhere)
     wanted: dict[str, Any] = {MODEL + name: tensor for name, tensor in held.items()}
     wanted.update({PROGRESS: None, EXTRA: None, LAYOUT: None})
-    names = {id(parameter): name for name, parameter in model.named_parameters()}
     if optimizer is not None:
         requested, missing = named_optimizer.requests(optimizer, names, saved)
         wanted.update(requested)
@@ -68,6 +71,27 @@ def load_full(
         lr_scheduler.load_state_dict(wanted[LR_SCHEDULER])
     progress = wanted[PROGRESS]
     return Checkpoint(found, progress["step"], progress["updates"], wanted[EXTRA], wanted[LAYOUT])
+
+
+def _saved_names(model: nn.Module, saved: Mapping[str, Any]) -> dict[int, str]:
+    """Each parameter's name, among its names (several for a tied one), that the
+    checkpoint holds (else its first)."""
+    aliases: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(parameter), []).append(name)
+    return {
+        key: next((n for n in names if MODEL + n in saved), names[0])
+        for key, names in aliases.items()
+    }
+
+
+def _other_names(model: nn.Module, chosen: dict[int, str]) -> set[str]:
+    """The names of tied parameters other than the one chosen for each."""
+    return {
+        name
+        for name, parameter in model.named_parameters(remove_duplicate=False)
+        if chosen[id(parameter)] != name
+    }
 
 
 def export(path: str | os.PathLike, out: str | os.PathLike) -> Path:
