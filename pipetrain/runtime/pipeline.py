@@ -29,6 +29,7 @@ from pipetrain.runtime.agreement import check_agreement, settings_of
 from pipetrain.runtime.assembly import OptimizerArg, UpdateSettings, assemble
 from pipetrain.runtime.batch import Data
 from pipetrain.runtime.config import PipelineConfig
+from pipetrain.runtime.model_io import ModelIO, model_loss
 from pipetrain.runtime.outputs import Destination, check_destination
 from pipetrain.runtime.precision import LossScale, Precision
 from pipetrain.runtime.stage import LossFn
@@ -40,17 +41,6 @@ from pipetrain.timeline import Timeline
 
 if TYPE_CHECKING:
     from pipetrain.planning import Plan
-
-
-def _model_loss(output: Any, target: Any) -> torch.Tensor:
-    """The loss a model computes itself (``output.loss``, as Hugging Face models do)."""
-    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-    if not isinstance(loss, torch.Tensor):
-        raise ValueError(
-            f"the model returned a {type(output).__name__} without a loss: give the labels "
-            "among the inputs (labels=...), or pass loss_fn=(output, target) -> loss"
-        )
-    return loss
 
 
 class Pipeline:
@@ -170,9 +160,9 @@ class Pipeline:
                 "torchrun, or start workers with pipetrain.launch(fn, nprocs=N)"
             )
         self.front = front = front_end(model, example_inputs, split_points)
-        self._own_loss = loss_fn is None and isinstance(front, GraphModel)
-        if self._own_loss:
-            loss_fn = _model_loss
+        own_loss = loss_fn is None and isinstance(front, GraphModel)
+        if own_loss:
+            loss_fn = model_loss
         if loss_fn is None or not callable(loss_fn):
             raise TypeError(
                 f"loss_fn must be a callable (output, target) -> mean loss, got {loss_fn!r}"
@@ -248,6 +238,8 @@ class Pipeline:
             self._rank, self.rank, group, prepared, config.targets_on_first_stage, self.device
         )
         self._accumulated = False  # gradients of non-updating steps wait for an update
+        last = built.stages - 1 in built.stages_of(self.rank)
+        self._io = ModelIO(front, own_loss, self.rank if last else None)
 
     # parameters -----------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -344,7 +336,7 @@ class Pipeline:
                 f"{self.schedule.name} updates the weights inside every step, so it cannot "
                 "accumulate gradients over steps; use update=True (or a synchronous schedule)"
             )
-        data = self._player.data(*self._step_data(inputs, targets), training=True)
+        data = self._player.data(*self._io.step_data(inputs, targets), training=True)
         data.keep_outputs = return_outputs
         if not self._accumulated:
             for parameter in self.parameters():
@@ -357,31 +349,7 @@ class Pipeline:
         )
         assert outcome.loss is not None  # every training schedule ends with LOSS
         loss = float(outcome.loss) * self._per_update / self.microbatches
-        return (loss, self._outputs(outputs)) if return_outputs else loss
-
-    def _inputs(self, inputs: Inputs | None) -> Data | None:
-        return None if inputs is None else self.front.inputs(inputs)
-
-    def _outputs(self, outputs: Outputs | None) -> Any:
-        """Gathered outputs nested as the model returns them."""
-        if outputs is None:
-            return None
-        return self.front.outputs((outputs,) if isinstance(outputs, torch.Tensor) else outputs)
-
-    def _step_data(self, inputs: Inputs | None, targets: Data | None) -> tuple[Any, Any]:
-        """A step's inputs as the first stage takes them, and its targets: with the
-        model's own loss, a stand-in of the batch's size that weighs each micro-batch."""
-        flat = self._inputs(inputs)
-        if not self._own_loss or targets is not None:
-            return flat, targets
-        if flat is None:
-            if self.schedule.stages - 1 in self.schedule.stages_of(self.rank):
-                raise ValueError(
-                    f"rank {self.rank} holds the last stage, which takes the model's own loss "
-                    "and needs the inputs too (their batch size weighs each micro-batch)"
-                )
-            return None, None
-        return flat, torch.zeros(len(flat[0]))
+        return (loss, self._io.outputs(outputs)) if return_outputs else loss
 
     def update(self) -> None:
         """Apply the gradients accumulated by ``train_step(..., update=False)`` calls, as an
@@ -433,7 +401,7 @@ class Pipeline:
         only the first stage's ranks read ``inputs``.
         """
         check_destination(to, dist.get_world_size(self.group))
-        data = self._player.data(self._inputs(inputs), None, training=False)
+        data = self._player.data(self._io.inputs(inputs), None, training=False)
         modes = [(m, m.training) for module in self.stages.values() for m in module.modules()]
         try:
             for module in self.stages.values():
@@ -443,7 +411,7 @@ class Pipeline:
         finally:
             for layer, training in modes:
                 layer.training = training
-        return self._outputs(outputs)
+        return self._io.outputs(outputs)
 
     def timeline(self) -> Timeline | None:
         """The last step's measured timeline, gathered on rank 0 (``None`` on other ranks).

@@ -1,0 +1,65 @@
+"""A step's data between the user's model and the pipeline: :class:`ModelIO`.
+
+The user gives inputs as the model takes them (a tensor, a tuple, or a captured model's
+dict of keyword inputs) and receives outputs as the model returns them; the stages pass
+flat tuples of tensors. A captured model trained on its own loss (``output.loss``, as
+Hugging Face models compute it from labels among the inputs) needs no targets: a stand-in
+of the batch's size weighs each micro-batch's loss by its share of the samples.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pipetrain.model.capture import Inputs
+from pipetrain.model.frontend import FrontEnd
+from pipetrain.runtime.batch import Data
+from pipetrain.runtime.steps import Outputs
+
+
+def model_loss(output: Any, target: Any) -> torch.Tensor:
+    """The loss a model computes itself (``output.loss``, as Hugging Face models do)."""
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(
+            f"the model returned a {type(output).__name__} without a loss: give the labels "
+            "among the inputs (labels=...), or pass loss_fn=(output, target) -> loss"
+        )
+    return loss
+
+
+class ModelIO:
+    """Turns a step's inputs into the first stage's tensors and the last stage's tensors
+    into the model's outputs, for ``front``; ``own_loss`` when the model's own loss is
+    trained; ``last_rank``: this rank, if it holds the last stage."""
+
+    def __init__(self, front: FrontEnd, own_loss: bool, last_rank: int | None) -> None:
+        """Translate for ``front``."""
+        self.front, self.own_loss, self.last_rank = front, own_loss, last_rank
+
+    def inputs(self, inputs: Inputs | None) -> Data | None:
+        """A step's inputs as the first stage takes them."""
+        return None if inputs is None else self.front.inputs(inputs)
+
+    def outputs(self, outputs: Outputs | None) -> Any:
+        """Gathered outputs nested as the model returns them."""
+        if outputs is None:
+            return None
+        return self.front.outputs((outputs,) if isinstance(outputs, torch.Tensor) else outputs)
+
+    def step_data(self, inputs: Inputs | None, targets: Data | None) -> tuple[Any, Any]:
+        """A step's inputs as the first stage takes them, and its targets: with the
+        model's own loss, a stand-in of the batch's size that weighs each micro-batch."""
+        flat = self.inputs(inputs)
+        if not self.own_loss or targets is not None:
+            return flat, targets
+        if flat is None:
+            if self.last_rank is not None:
+                raise ValueError(
+                    f"rank {self.last_rank} holds the last stage, which takes the model's own "
+                    "loss and needs the inputs too (their batch size weighs each micro-batch)"
+                )
+            return None, None
+        return flat, torch.zeros(len(flat[0]))
