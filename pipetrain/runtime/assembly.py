@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 from pipetrain.model.layers import StageModule, stage_bounds
+from pipetrain.model.materialize import InitFn, materialize
+from pipetrain.model.weights_source import WeightsArg
 from pipetrain.runtime.executor import Executor
 from pipetrain.runtime.precision import LossScale, Precision
 from pipetrain.runtime.recorder import Recorder
@@ -72,11 +74,20 @@ def assemble(
     record: bool,
     bucket_bytes: float | None,
     settings: UpdateSettings,
+    init_fn: InitFn | None = None,
+    initial_weights: WeightsArg | None = None,
 ) -> Rank:
-    """Build rank ``rank``'s stages of the named ``layers`` (cut by ``balance``) and wire them."""
+    """Build rank ``rank``'s stages of the named ``layers`` (cut by ``balance``) and wire them;
+    each stage module is materialized on ``device`` from ``init_fn`` and ``initial_weights``
+    (see :func:`materialize`)."""
     bounds = stage_bounds(balance)
     stages = {
-        stage: StageModule(layers[slice(*bounds[stage])]).to(device)
+        stage: materialize(
+            StageModule(layers[slice(*bounds[stage])]),
+            device,
+            init_fn=init_fn,
+            weights=initial_weights,
+        )
         for stage in schedule.stages_of(rank)
     }
     parameters = [p for module in stages.values() for p in module.parameters()]
