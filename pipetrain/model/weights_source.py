@@ -48,7 +48,12 @@ def open_weights(weights: WeightsArg) -> Iterator[WeightSource]:
     if not path.is_file():
         raise FileNotFoundError(f"weights file {str(path)!r} does not exist")
     if path.suffix == ".safetensors":
-        from safetensors import safe_open
+        try:
+            from safetensors import safe_open
+        except ImportError as error:
+            raise ImportError(
+                f"reading {label} needs the safetensors package: pip install safetensors"
+            ) from error
 
         with safe_open(str(path), framework="pt", device="cpu") as file:
             yield WeightSource(label, frozenset(file.keys()), file.get_tensor)
