@@ -90,7 +90,10 @@ def materialize(
         _initialize(module, slots, fresh, init_fn)
     else:
         with open_weights(weights) as source:
-            held = {slot.name for slot in slots if slot.name in source.keys}
+            # a tied tensor is held when any of its names is
+            held = {
+                s.name for group in ties if any(s.name in source.keys for s in group) for s in group
+            }
             _initialize(module, slots, {n: v for n, v in fresh.items() if n not in held}, init_fn)
             _load(slots, ties, source)
     _check_ties(ties)
