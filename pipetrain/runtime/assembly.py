@@ -18,6 +18,8 @@ from torch import nn
 
 from pipetrain.model.frontend import FrontEnd, shared_parameters
 from pipetrain.model.layers import stage_bounds
+from pipetrain.model.materialize import InitFn, materialize
+from pipetrain.model.weights_source import WeightsArg
 from pipetrain.runtime.executor import Executor
 from pipetrain.runtime.precision import LossScale, Precision
 from pipetrain.runtime.recorder import Recorder
@@ -75,11 +77,19 @@ def assemble(
     record: bool,
     bucket_bytes: float | None,
     settings: UpdateSettings,
+    init_fn: InitFn | None = None,
+    initial_weights: WeightsArg | None = None,
 ) -> Rank:
     """Build rank ``rank``'s stages of the model (``front``'s layers cut by ``balance``)
-    and wire them."""
+    and wire them; each stage module is materialized on ``device`` from ``init_fn`` and
+    ``initial_weights`` (see :func:`materialize`)."""
     bounds = stage_bounds(balance)
-    stages = {stage: front.stage(*bounds[stage]).to(device) for stage in schedule.stages_of(rank)}
+    stages = {
+        stage: materialize(
+            front.stage(*bounds[stage]), device, init_fn=init_fn, weights=initial_weights
+        )
+        for stage in schedule.stages_of(rank)
+    }
     shared = shared_parameters(front, balance)
     if shared and schedule.asynchronous and any(len(r) > 1 for r in schedule.stage_ranks):
         raise ValueError(

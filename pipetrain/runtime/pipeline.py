@@ -25,6 +25,8 @@ from pipetrain.checkpoint import save as save_checkpoint
 from pipetrain.model.capture import Inputs
 from pipetrain.model.frontend import front_end
 from pipetrain.model.graph import GraphModel
+from pipetrain.model.materialize import InitFn
+from pipetrain.model.weights_source import WeightsArg
 from pipetrain.runtime.agreement import check_agreement, settings_of
 from pipetrain.runtime.assembly import OptimizerArg, UpdateSettings, assemble
 from pipetrain.runtime.batch import Data
@@ -113,6 +115,16 @@ class Pipeline:
         loss_scale: the fp16 loss scale's policy, a
             :class:`~pipetrain.runtime.precision.LossScale` (GradScaler's defaults if
             ``None``).
+        init_fn: a function of a stage module that initializes its tensors in place, for a
+            model built on the meta device (``with torch.device("meta"):``); each rank
+            allocates only its own stages' tensors and initializes them with it, or by
+            default with each module's ``reset_parameters()`` (see
+            :func:`~pipetrain.model.materialize.materialize`, which raises naming any
+            tensor left unset).
+        weights: the initial weights: a state dict keyed by the full model's names, or the
+            path of a ``.safetensors`` file or a ``torch.save``d state dict; each rank reads
+            only its stages' entries (every one of them must be there) and copies them in,
+            after ``init_fn``, whether the model was built on the meta device or not.
 
         example_inputs: a sample of a captured model's inputs with at least 2 rows (a
             tensor, tuple, or dict of keyword inputs, such as ``{"input_ids": ids[:2]}``);
@@ -152,6 +164,8 @@ class Pipeline:
         loss_scale: LossScale | None = None,
         example_inputs: Inputs | None = None,
         split_points: Sequence[str] | None = None,
+        init_fn: InitFn | None = None,
+        weights: WeightsArg | None = None,
     ) -> None:
         """Build this rank's stage(s), the schedule and the transport."""
         if not dist.is_initialized():
@@ -195,6 +209,8 @@ class Pipeline:
                 on_nonfinite=on_nonfinite,
                 precision=precision,
                 loss_scale=loss_scale,
+                init_fn=init_fn is not None,
+                weights=weights is not None,
             ),
             group,
         )
@@ -226,6 +242,8 @@ class Pipeline:
             settings=UpdateSettings(
                 max_grad_norm, lr_scheduler, on_nonfinite, precision, loss_scale or LossScale()
             ),
+            init_fn=init_fn,
+            initial_weights=weights,
         )
         self.stages = self._rank.stages
         self.optimizer = self._rank.optimizer
