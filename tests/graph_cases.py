@@ -266,3 +266,23 @@ def save_tied(directory: str) -> dict[str, torch.Tensor]:
         pipe.train_step(batch(step))
     pipe.save(directory)
     return {k: v.detach().clone() for k, v in pipe.state_dict().items()}
+
+
+def train_meta(name: str, path: str) -> dict[str, Any]:
+    """``name`` built on the meta device, each stage loaded from the weights file at
+    ``path`` on its own rank, trained as :func:`reference`; this rank's losses and state."""
+    with torch.device("meta"):
+        model = hf_model(name)
+    pipe = pipetrain.Pipeline(
+        model,
+        example_inputs={k: v[:2] for k, v in batch(0).items()},
+        microbatches=2 * torch.distributed.get_world_size(),
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9),
+        weights=path,
+        timeout_s=60,
+    )
+    losses = [pipe.train_step(batch(step)) for step in range(STEPS)]
+    return {
+        "losses": losses,
+        "state": {k: v.detach().clone() for k, v in pipe.state_dict().items()},
+    }

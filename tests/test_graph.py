@@ -116,3 +116,14 @@ def test_a_tied_models_checkpoint_loads_into_the_unpipelined_model(tmp_path: Pat
         for key, value in rank.items():
             assert torch.equal(state[key], value), key
     assert len(optimizer.state) == len(list(model.parameters()))
+
+
+def test_a_meta_model_trains_from_a_weights_file_as_the_unpipelined_one(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    model = cases.hf_model("gpt2")
+    path = tmp_path / "model.safetensors"  # tied names saved once, as Hugging Face does
+    save_file({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}, path)
+    per_rank = pipetrain.launch(cases.train_meta, 2, "gpt2", str(path), timeout_s=240)
+    expected = cases.reference("gpt2")
+    assert_same_training(expected, [[r] for r in per_rank], _aliases("gpt2"), [{}])

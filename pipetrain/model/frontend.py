@@ -33,8 +33,9 @@ class SequentialModel:
         """The layers of ``model`` (see :func:`~pipetrain.model.layers.to_layers`)."""
         self.layers: list[Layer] = to_layers(model)
 
-    def stage(self, start: int, stop: int) -> nn.Module:
-        """The module running layers ``start`` to ``stop - 1``."""
+    def stage(self, start: int, stop: int, device: torch.device | None = None) -> nn.Module:
+        """The module running layers ``start`` to ``stop - 1`` (``device``: unused, the
+        layers make their tensors where their inputs are)."""
         return StageModule(self.layers[start:stop])
 
     def balance(self, stages: int) -> list[int] | None:

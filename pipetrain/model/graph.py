@@ -15,6 +15,7 @@ captured graph) crosses as a one-element tensor. A parameter used on both sides 
 
 from __future__ import annotations
 
+import copy
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -55,8 +56,11 @@ class GraphStage(nn.Module):
     batch normalization run as the model's eval mode would.
     """
 
-    def __init__(self, root: nn.Module, graph: fx.Graph, evaluation: fx.Graph) -> None:
-        """Adopt ``root``'s attributes that ``graph`` reads and compile both graphs."""
+    def __init__(
+        self, root: nn.Module, graph: fx.Graph, evaluation: fx.Graph, model: nn.Module
+    ) -> None:
+        """Adopt ``root``'s attributes that ``graph`` reads and compile both graphs;
+        ``model`` is the captured model."""
         super().__init__()
         training = fx.GraphModule(root, graph)
         for name, child in training.named_children():
@@ -69,11 +73,48 @@ class GraphStage(nn.Module):
             path, _, leaf = name.rpartition(".")
             if leaf in root.get_submodule(path)._non_persistent_buffers_set:
                 self.get_submodule(path)._non_persistent_buffers_set.add(leaf)
+        self._take_module_types(model)
+        self._add_aliases(model)
         # the generated code reads attributes of its ``self``; run with this module as
         # ``self`` so that functional_call's swapped weights are the ones used
         self._code: Callable[..., Any] = type(training).forward
         self._eval_code: Callable[..., Any] = type(fx.GraphModule(root, evaluation)).forward
         self.code = training.code
+
+    def _take_module_types(self, model: nn.Module) -> None:
+        """Give each container holding tensors its module's class and settings in the
+        model, so that the module's own reset methods can initialize a stage built on the
+        meta device (the container keeps only the tensors this stage uses)."""
+        for path, container in list(self.named_modules()):
+            if not path or not (container._parameters or container._buffers):
+                continue
+            try:
+                original = model.get_submodule(path)
+            except AttributeError:
+                continue
+            shell = copy.copy(original)
+            # the original's unset tensors (a Linear's bias=None) stay unset, not missing
+            shell._parameters = {**_unset(original._parameters), **container._parameters}
+            shell._buffers = {**_unset(original._buffers), **container._buffers}
+            shell._non_persistent_buffers_set = set(container._non_persistent_buffers_set)
+            shell._modules = dict(container._modules)
+            parent, _, name = path.rpartition(".")
+            self.get_submodule(parent).add_module(name, shell)
+
+    def _add_aliases(self, model: nn.Module) -> None:
+        """Hold each tied parameter under every name it has in the model (the graph reads
+        it under one), so state dicts and weight files use any of them."""
+        mine = {id(p) for p in self.parameters()}
+        held = dict(self.named_parameters(remove_duplicate=False))
+        for name, parameter in model.named_parameters(remove_duplicate=False):
+            if id(parameter) in mine and name not in held:
+                path, _, leaf = name.rpartition(".")
+                owner: nn.Module = self
+                for part in path.split(".") if path else []:
+                    if part not in owner._modules:
+                        owner.add_module(part, nn.Module())
+                    owner = owner._modules[part]  # type: ignore[assignment]
+                owner.register_parameter(leaf, parameter)
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Run the stage's operations on the values crossing its first cut."""
@@ -96,6 +137,7 @@ class GraphModel:
         split_points: Sequence[str] | None = None,
     ) -> None:
         """Capture ``model`` on ``example_inputs`` and find its cuts."""
+        self.model = model
         self.captured: Captured = capture(model, example_inputs)
         graph = self.captured.module.graph
         self._order = [
@@ -190,7 +232,9 @@ class GraphModel:
             )
         ]
 
-    def _graph(self, start: int, stop: int, evaluation: bool) -> fx.Graph:
+    def _graph(
+        self, start: int, stop: int, evaluation: bool, device: torch.device | None
+    ) -> fx.Graph:
         graph = fx.Graph()
         env: dict[fx.Node, Any] = dict(self.captured.constants)
         for value in self._crossing(start):
@@ -214,6 +258,9 @@ class GraphModel:
                 env[node] = lookup(node.args[0])  # eval-mode batch norm counts nothing
                 continue
             env[node] = copied = graph.node_copy(node, lookup)
+            if device is not None:  # devices fixed at capture become the stage's
+                copied.args = _on_device(copied.args, device)
+                copied.kwargs = _on_device(copied.kwargs, device)
             flag = _MODE_FLAGS.get(node.target)
             if evaluation and flag is not None and len(copied.args) > flag:
                 copied.args = (*copied.args[:flag], False, *copied.args[flag + 1 :])
@@ -241,12 +288,14 @@ class GraphModel:
         )
 
     # what callers use -------------------------------------------------------------------
-    def stage(self, start: int, stop: int) -> GraphStage:
-        """The module running segments ``start`` to ``stop - 1``."""
+    def stage(self, start: int, stop: int, device: torch.device | None = None) -> GraphStage:
+        """The module running segments ``start`` to ``stop - 1``; the devices its
+        operations name (where tensors are made) are ``device``'s, when given."""
         if not 0 <= start < stop <= len(self.names):
             raise ValueError(f"segment range [{start}, {stop}) is outside 0..{len(self.names)}")
         root = self.captured.module
-        return GraphStage(root, self._graph(start, stop, False), self._graph(start, stop, True))
+        training, evaluation = (self._graph(start, stop, mode, device) for mode in (False, True))
+        return GraphStage(root, training, evaluation, self.model)
 
     def crossing(self, segment: int) -> list[str]:
         """The names of the values crossing the cut before ``segment``."""
@@ -269,6 +318,21 @@ class GraphModel:
     def outputs(self, tensors: Sequence[torch.Tensor]) -> Any:
         """The last stage's flat outputs nested as the model returns them."""
         return torch.utils._pytree.tree_unflatten(list(tensors), self.captured.output_spec)
+
+
+def _on_device(value: Any, device: torch.device) -> Any:
+    """``value`` with every device in it replaced by ``device``."""
+    if isinstance(value, torch.device):
+        return device
+    if isinstance(value, (tuple, list)):
+        return type(value)(_on_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _on_device(v, device) for k, v in value.items()}
+    return value
+
+
+def _unset(tensors: dict[str, Any]) -> dict[str, Any]:
+    return {name: None for name, tensor in tensors.items() if tensor is None}
 
 
 def _counts_batches(node: fx.Node) -> bool:

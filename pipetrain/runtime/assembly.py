@@ -86,7 +86,7 @@ def assemble(
     bounds = stage_bounds(balance)
     stages = {
         stage: materialize(
-            front.stage(*bounds[stage]), device, init_fn=init_fn, weights=initial_weights
+            front.stage(*bounds[stage], device), device, init_fn=init_fn, weights=initial_weights
         )
         for stage in schedule.stages_of(rank)
     }
