@@ -171,6 +171,19 @@ def test_tied_parameters_stay_one_tensor(tmp_path: Path) -> None:
     assert torch.equal(built[2].weight, torch.arange(28.0).view(7, 4))
 
 
+def test_an_init_fn_that_unties_is_refused() -> None:
+    with torch.device("meta"):
+        embed, head = nn.Embedding(7, 4), nn.Linear(4, 7, bias=False)
+    head.weight = embed.weight
+
+    def untie(module: nn.Module) -> None:
+        module[0].weight = nn.Parameter(torch.zeros(7, 4))
+        module[1].weight = nn.Parameter(torch.zeros(7, 4))
+
+    with pytest.raises(ValueError, match=r"tied names '0\.weight', '1\.weight' no longer share"):
+        materialize(nn.Sequential(embed, head), "cpu", init_fn=untie)
+
+
 def test_a_module_not_on_the_meta_device_keeps_its_values() -> None:
     built = model()
     expected = {k: v.clone() for k, v in built.state_dict().items()}
