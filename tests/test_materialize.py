@@ -129,6 +129,14 @@ def test_a_file_of_an_unknown_kind_is_refused(tmp_path: Path) -> None:
         materialize(meta_model(), "cpu", weights=path)
 
 
+def test_a_missing_file_and_a_file_without_a_state_dict_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"absent\.safetensors' does not exist"):
+        materialize(meta_model(), "cpu", weights=tmp_path / "absent.safetensors")
+    torch.save({"model": model().state_dict(), "step": 3}, path := tmp_path / "run.pt")
+    with pytest.raises(ValueError, match=r"run\.pt' holds a dict, not a state dict of tensors"):
+        materialize(meta_model(), "cpu", weights=path)
+
+
 def test_a_parameter_without_a_reset_method_names_its_module() -> None:
     with torch.device("meta"):
         built = nn.Sequential(nn.Linear(3, 3), Scale())
