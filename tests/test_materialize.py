@@ -129,6 +129,14 @@ def test_a_file_of_an_unknown_kind_is_refused(tmp_path: Path) -> None:
         materialize(meta_model(), "cpu", weights=path)
 
 
+def test_a_missing_file_and_a_file_without_a_state_dict_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"absent\.safetensors' does not exist"):
+        materialize(meta_model(), "cpu", weights=tmp_path / "absent.safetensors")
+    torch.save({"model": model().state_dict(), "step": 3}, path := tmp_path / "run.pt")
+    with pytest.raises(ValueError, match=r"run\.pt' holds a dict, not a state dict of tensors"):
+        materialize(meta_model(), "cpu", weights=path)
+
+
 def test_a_parameter_without_a_reset_method_names_its_module() -> None:
     with torch.device("meta"):
         built = nn.Sequential(nn.Linear(3, 3), Scale())
@@ -169,6 +177,19 @@ def test_tied_parameters_stay_one_tensor(tmp_path: Path) -> None:
     materialize(built, "cpu", weights=path)
     assert built[0].weight is built[2].weight
     assert torch.equal(built[2].weight, torch.arange(28.0).view(7, 4))
+
+
+def test_an_init_fn_that_unties_is_refused() -> None:
+    with torch.device("meta"):
+        embed, head = nn.Embedding(7, 4), nn.Linear(4, 7, bias=False)
+    head.weight = embed.weight
+
+    def untie(module: nn.Module) -> None:
+        module[0].weight = nn.Parameter(torch.zeros(7, 4))
+        module[1].weight = nn.Parameter(torch.zeros(7, 4))
+
+    with pytest.raises(ValueError, match=r"tied names '0\.weight', '1\.weight' no longer share"):
+        materialize(nn.Sequential(embed, head), "cpu", init_fn=untie)
 
 
 def test_a_module_not_on_the_meta_device_keeps_its_values() -> None:

@@ -46,7 +46,7 @@ def open_weights(weights: WeightsArg) -> Iterator[WeightSource]:
     path = Path(weights)
     label = f"weights file {str(path)!r}"
     if not path.is_file():
-        raise FileNotFoundError(f"weights file {str(path)!r} does not exist")
+        raise FileNotFoundError(f"{label} does not exist")
     if path.suffix == ".safetensors":
         try:
             from safetensors import safe_open
@@ -63,19 +63,14 @@ def open_weights(weights: WeightsArg) -> Iterator[WeightSource]:
         yield WeightSource(label, frozenset(state), state.__getitem__)
         return
     raise ValueError(
-        f"weights file {str(path)!r} is neither a .safetensors file nor a torch.save file "
+        f"{label} is neither a .safetensors file nor a torch.save file "
         f"({', '.join(_TORCH_SUFFIXES)}); save the model's state_dict() as one of those"
     )
 
 
 def _torch_state(path: Path) -> Mapping[str, Tensor]:
-    """A ``torch.save``d state dict, memory-mapped (read fully if saved in the legacy format)."""
-    try:
-        state: Any = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as error:
-        if "mmap" not in str(error):
-            raise
-        state = torch.load(path, map_location="cpu", weights_only=True)
+    """A ``torch.save``d state dict, memory-mapped so that only the entries read are loaded."""
+    state: Any = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     if not isinstance(state, Mapping) or not all(isinstance(v, Tensor) for v in state.values()):
         raise ValueError(
             f"weights file {str(path)!r} holds a {type(state).__name__}, not a state dict of "
