@@ -27,6 +27,7 @@ __all__ = [
     "Profile",
     "Timeline",
     "Topology",
+    "causal_lm_loss",
     "launch",
     "plan",
     "plot_timelines",
@@ -35,7 +36,7 @@ __all__ = [
     "simulate",
 ]
 
-_RUNTIME = ("Pipeline", "PipelineError", "LaunchError", "launch")
+_RUNTIME = ("Pipeline", "PipelineError", "LaunchError", "causal_lm_loss", "launch")
 
 
 def __getattr__(name: str) -> Any:

@@ -11,6 +11,9 @@
 - :mod:`~pipetrain.runtime.update`: what an update does: global norm, clipping, the
   finiteness check, the learning-rate scheduler;
 - :mod:`~pipetrain.runtime.batch`: a step's data split into micro-batches;
+- :mod:`~pipetrain.runtime.losses`: what a loss function may return, and
+  :func:`causal_lm_loss`; :mod:`~pipetrain.runtime.normalize` divides the gradients of a
+  ``(loss_sum, count)`` loss by the step's count;
 - :mod:`~pipetrain.runtime.outputs`: a step's last-stage outputs, delivered where asked;
 - :mod:`~pipetrain.runtime.reduce`: replicated stages' gradient all-reduce;
 - :mod:`~pipetrain.runtime.recompute`: re-materialization;
@@ -25,7 +28,16 @@
 from pipetrain.runtime.config import PipelineConfig
 from pipetrain.runtime.failure import PipelineError
 from pipetrain.runtime.launch import LaunchError, launch
+from pipetrain.runtime.losses import causal_lm_loss
 from pipetrain.runtime.pipeline import Pipeline
 from pipetrain.runtime.update import NonFiniteError
 
-__all__ = ["LaunchError", "NonFiniteError", "Pipeline", "PipelineConfig", "PipelineError", "launch"]
+__all__ = [
+    "LaunchError",
+    "NonFiniteError",
+    "Pipeline",
+    "PipelineConfig",
+    "PipelineError",
+    "causal_lm_loss",
+    "launch",
+]

@@ -15,6 +15,7 @@ import torch
 
 from pipetrain.runtime.batch import StepData
 from pipetrain.runtime.inbox import Inbox
+from pipetrain.runtime.normalize import Normalizer, check_kinds
 from pipetrain.runtime.recorder import Recorder
 from pipetrain.runtime.reduce import GradientReducer, completing_passes
 from pipetrain.runtime.stage import Stage
@@ -63,6 +64,9 @@ class Executor:
         self.rank, self.stages, self.transport = rank, dict(stages), transport
         self.weights, self.recorder = weights, recorder
         self.reducers = dict(reducers or {})
+        holders = {stage: weights.holders(stage, None) for stage in self.stages}
+        # divides the gradients of (loss_sum, count) losses by the step's count
+        self.normalizer = Normalizer(holders, self.reducers, transport.all_reduce, transport.device)
         self._ahead = transport.device.type == "cuda"  # see pipetrain.runtime.inbox
         self._handlers: dict[Kind, Callable[[Action], None]] = {
             Kind.FORWARD: self._forward,
@@ -91,7 +95,12 @@ class Executor:
         will, once, at the update)."""
         lane = schedule.ranks[self.rank]
         self._schedule, self._data = schedule, data
-        self._outcome, self._loss = Outcome(), torch.zeros((), device=self.transport.device)
+        device = self.transport.device
+        self._outcome, self._loss = Outcome(), torch.zeros((), device=device)
+        self._count, self._pairs = torch.zeros((), dtype=torch.float64, device=device), 0
+        # the step's count is learnt after this rank's last backward: at its last STEP
+        self._steps_left = sum(a.kind is Kind.STEP for a in lane)
+        self._normalized = False
         self.weights.begin(lane, update)
         reduced = self.reducers if update else {}
         self._arming = completing_passes(lane, reduced, schedule.split_backward)
@@ -147,7 +156,17 @@ class Executor:
         version = self.weights.version(action.stage, action.version)
         loss = stage.forward(mb, version, target, self._data.keep_outputs)
         if loss is not None:
-            self._loss += loss
+            self._loss += loss[0]
+            if loss[1] is not None:
+                if self._schedule.asynchronous:
+                    raise ValueError(
+                        f"{self._schedule.name} updates before a step's count is known, so "
+                        "its loss function must return a scalar mean, not (loss_sum, count); "
+                        "use a synchronous schedule (gpipe, 1f1b, interleaved, zb-h1) for "
+                        "token-level normalization"
+                    )
+                self._count += loss[1].double()
+                self._pairs += 1
         following = None if stage.last else self._local(action.stage + 1, mb)
         if following is not None:
             following.give_inputs(mb, stage.take_outputs(mb))
@@ -179,12 +198,30 @@ class Executor:
         self.reducers[action.stage].finish(self.weights.holders(action.stage, None))
         self.weights.collect(action.stage)
 
+    def _normalize(self) -> None:
+        """Divide the step's gradients by its count, once (see :mod:`.normalize`)."""
+        if not self._normalized and not self._schedule.asynchronous:
+            self._normalized = True
+            self.normalizer.finish(
+                self._count, self._pairs, self._schedule.microbatches, self.weights.updating
+            )
+
     def _step(self, action: Action) -> None:
+        self._steps_left -= 1
+        if self._steps_left == 0:
+            self._normalize()
         self.weights.step(action.stage, self._loss)
 
     def _all_reduce_loss(self, action: Action) -> None:
-        self.transport.all_reduce(self._loss)
-        self._outcome.loss = self._loss
+        self._normalize()
+        stats = torch.stack([self._loss.double(), self._count, self._count.new_tensor(self._pairs)])
+        self.transport.all_reduce(stats)
+        pairs = round(float(stats[2]))
+        if pairs:
+            if not self.normalizer.normalizing:
+                check_kinds(pairs, self._schedule.microbatches, False)
+            stats[0] /= stats[1]
+        self._outcome.loss = stats[0].float()
 
     # transfers ------------------------------------------------------------------------
     def _send_outputs(self, action: Action) -> None:

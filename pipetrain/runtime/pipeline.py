@@ -65,8 +65,11 @@ class Pipeline:
         schedule: a registered family's name (:func:`pipetrain.schedules.names`), or a
             :class:`~pipetrain.schedules.Schedule` value, built or read with
             :meth:`Schedule.from_text <pipetrain.schedules.Schedule.from_text>`.
-        loss_fn: ``(output, target) -> mean loss``; ``output`` is what the model returns
-            (a tensor, tuple, dict or ``ModelOutput``). Omitted for a captured model, the
+        loss_fn: ``(output, target) -> mean loss``, or ``-> (loss_sum, count)`` (synchronous
+            families): the step's loss is then the sum of every micro-batch's ``loss_sum``
+            over the sum of their ``count``, such as a token mean over a padded batch
+            (:func:`pipetrain.causal_lm_loss`). ``output`` is what the model returns (a
+            tensor, tuple, dict or ``ModelOutput``). Omitted for a captured model, the
             model's own ``output.loss`` is used (give the labels among the inputs).
         recompute: ``"never"``, ``"except_last"`` or ``"always"``.
         optimizer: an optimizer, or a function from this rank's parameters to one; stepped
@@ -360,6 +363,8 @@ class Pipeline:
             for parameter in self.parameters():
                 parameter.grad = None
             self._rank.updater.start()
+        else:  # only this call's gradients are divided by its count (pair losses)
+            self._rank.executor.normalizer.set_aside()
         self._accumulated = not update
         gather = self.schedule.stage_ranks[-1][0]
         outcome, outputs = self._player.play(

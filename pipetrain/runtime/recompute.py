@@ -1,7 +1,9 @@
 """Re-materialization: run a stage forward without keeping its inside, recompute it later.
 
 The random-number state is saved before the first run and restored for the recompute, so
-dropout and other randomness give the same result both times.
+dropout and other randomness give the same result both times. Buffers that a forward
+updates in place (batch normalization's running statistics and its count of batches, or
+any other) are written by the first run only: the recompute's writes are undone.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from contextlib import contextmanager
 from typing import TypeVar
 
 import torch
+from torch import nn
 
 from pipetrain.schedules import RECOMPUTE_MODES
 
@@ -50,7 +53,17 @@ class RandomState:
             yield
 
 
-def recompute(run: Callable[[], T], state: RandomState) -> T:
-    """Run ``run`` again with gradients on, under the random state of its first run."""
+def recompute(run: Callable[[], T], state: RandomState, module: nn.Module) -> T:
+    """Run ``run`` again with gradients on, under the random state of its first run,
+    leaving ``module``'s buffers as they were before."""
+    buffers = list(module.buffers())
+    saved = [b.clone() for b in buffers]
     with state.restored(), torch.enable_grad():
-        return run()
+        result = run()
+    with torch.no_grad():
+        for buffer, value in zip(buffers, saved):
+            # only changed ones: the backward may have saved a buffer that is only read (and
+            # kernels such as batch norm's write without bumping the version counter)
+            if not torch.equal(buffer, value):
+                buffer.copy_(value)
+    return result

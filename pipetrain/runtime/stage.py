@@ -16,12 +16,17 @@ from typing import Any
 import torch
 
 from pipetrain.runtime.batch import LossTarget, Tensors, as_tuple
+from pipetrain.runtime.losses import split_loss
 from pipetrain.runtime.precision import Precision
 from pipetrain.runtime.recompute import RandomState, recompute, recomputes
 from pipetrain.runtime.weights import Weights
 
-LossFn = Callable[[Any, Any], torch.Tensor]
-"""``loss_fn(output, target) -> mean loss``; output and target are tensors or tuples of them."""
+LossFn = Callable[[Any, Any], Any]
+"""``loss_fn(output, target) -> mean loss`` or ``-> (loss_sum, count)``; output and target
+are tensors or tuples of them (see :mod:`pipetrain.runtime.losses`)."""
+
+Loss = tuple[torch.Tensor, torch.Tensor | None]
+"""A last-stage forward's loss (detached) and, for a pair-returning loss, its count."""
 
 
 def as_leaves(tensors: Tensors) -> Tensors:
@@ -118,20 +123,17 @@ class Stage:
     # passes ---------------------------------------------------------------------------
     def _run(
         self, inputs: Tensors, version: int | None, target: LossTarget | None
-    ) -> tuple[Tensors, torch.Tensor | None]:
+    ) -> tuple[Tensors, Loss | None]:
         with self.precision.autocast():
             outputs = as_tuple(self.weights.run(self.index, version, inputs))
             if target is None:
                 return outputs, None
-            loss = self.loss_fn(self.output_of(outputs), target.target)
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ValueError(
-                f"the loss function {_name(self.loss_fn)} returned {shape} on stage "
-                f"{self.index}, not a scalar: it must reduce over the batch (e.g. "
-                "reduction='mean')"
-            )
-        return outputs, loss.float() * target.weight
+            result = self.loss_fn(self.output_of(outputs), target.target)
+        loss, count = split_loss(
+            result, f"the loss function {_name(self.loss_fn)}", f"on stage {self.index}"
+        )
+        # a pair's sum enters with weight 1: the step's gradients are divided by its count
+        return outputs, (loss * target.weight if count is None else loss, count)
 
     def forward(
         self,
@@ -139,9 +141,9 @@ class Stage:
         version: int | None,
         target: LossTarget | None,
         keep_outputs: bool = False,
-    ) -> torch.Tensor | None:
-        """Run ``microbatch`` on weight ``version``; return its weighted loss (detached) if
-        ``target`` is given, else keep its outputs for whoever takes them (with
+    ) -> Loss | None:
+        """Run ``microbatch`` on weight ``version``; return its weighted loss (detached) and
+        count if ``target`` is given, else keep its outputs for whoever takes them (with
         ``keep_outputs``, kept beside the loss too, for :meth:`remaining_outputs`)."""
         inputs = self._inputs.pop(microbatch)
         if self.index > 0:
@@ -153,21 +155,24 @@ class Stage:
             slot = _Slot(inputs, None, version, target, random_state)
         else:
             outputs, loss = self._run(inputs, version, target)
-            slot = _Slot(inputs, outputs, version, target, loss=loss)
+            slot = _Slot(inputs, outputs, version, target)
+            slot.loss = None if loss is None else loss[0]
         self._slots[microbatch] = slot
         if loss is None or keep_outputs:
             self._outputs[microbatch] = tuple(t.detach() for t in outputs)
-        return None if loss is None else loss.detach()
+        return None if loss is None else (loss[0].detach(), loss[1])
 
     def _differentiable(self, microbatch: int, slot: _Slot) -> tuple[Tensors, Tensors]:
         """The tensors to differentiate and their incoming gradients."""
         outputs = slot.outputs
         if outputs is None:
             assert slot.random_state is not None  # kept whenever the outputs were dropped
-            outputs, slot.loss = recompute(
-                lambda: self._run(slot.inputs, slot.version, slot.target), slot.random_state
+            outputs, loss = recompute(
+                lambda: self._run(slot.inputs, slot.version, slot.target),
+                slot.random_state,
+                self.weights.modules[self.index],
             )
-            slot.outputs = outputs
+            slot.outputs, slot.loss = outputs, None if loss is None else loss[0]
         if self.last:
             if slot.loss is None:
                 raise RuntimeError(f"stage {self.index} has no loss to differentiate: no targets")

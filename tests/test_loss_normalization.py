@@ -1,0 +1,73 @@
+"""Losses returned as (loss_sum, count): pipelined training equals the unpipelined model's
+token mean over the whole padded batch, step for step, under every synchronous family,
+with accumulation over calls and replicated stages; asynchronous families refuse them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import normalization_cases as cases
+import pytest
+import torch
+
+import pipetrain
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, Any]]:
+    return pipetrain.launch(cases.two_ranks, 2, timeout_s=120)
+
+
+@pytest.fixture(scope="module")
+def three_ranks() -> list[dict[str, Any]]:
+    return pipetrain.launch(cases.three_ranks, 3, timeout_s=120)
+
+
+def assert_runs_match(per_rank: list[dict[str, Any]], configs: list[dict[str, Any]]) -> None:
+    for index, config in enumerate(configs):
+        expected = cases.reference(config.get("accumulate", 1))
+        state: dict[str, torch.Tensor] = {}
+        for rank, result in enumerate(per_rank):
+            run = result["runs"][index]
+            assert run["losses"] == pytest.approx(expected["losses"], rel=1e-5), (config, rank)
+            for name, value in run["state"].items():  # replicas must agree too
+                torch.testing.assert_close(value, expected["state"][name], rtol=1e-5, atol=1e-6)
+            state.update(run["state"])
+        assert sorted(state) == sorted(expected["state"]), config
+
+
+def test_the_micro_batches_count_very_different_numbers_of_tokens() -> None:
+    _, labels = cases.padded_batch(seed=0)
+    counts = [int((part[:, 1:] != -100).sum()) for part in labels.tensor_split(4)]
+    assert counts[0] < counts[-1] / 3, counts
+
+
+def test_two_ranks_give_the_unpipelined_token_mean(two_ranks: list[dict[str, Any]]) -> None:
+    assert_runs_match(two_ranks, cases.TWO_RANKS)
+
+
+def test_three_ranks_and_replicas_give_the_unpipelined_token_mean(
+    three_ranks: list[dict[str, Any]],
+) -> None:
+    assert_runs_match(three_ranks, cases.THREE_RANKS)
+
+
+def test_an_asynchronous_schedule_refuses_a_pair_and_names_the_fix(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    message = two_ranks[1]["refusal"]
+    assert "2bw updates before a step's count is known" in message, message
+    assert "use a synchronous schedule" in message
+
+
+def test_causal_lm_loss_reads_hugging_face_outputs_and_shifts() -> None:
+    logits = torch.randn(2, 4, 5)
+    labels = torch.tensor([[1, 2, -100, -100], [3, 4, 0, -100]])
+    total, count = pipetrain.causal_lm_loss({"logits": logits}, labels)
+    expected = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, 5), labels[:, 1:].reshape(-1), reduction="sum"
+    )
+    assert int(count) == 3
+    torch.testing.assert_close(total, expected)
+    for wrapped in ((logits, None), type("Out", (), {"logits": logits})()):
+        assert torch.equal(pipetrain.causal_lm_loss(wrapped, labels)[0], total)
