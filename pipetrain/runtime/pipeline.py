@@ -26,6 +26,7 @@ from pipetrain.model.layers import to_layers
 from pipetrain.runtime.agreement import check_agreement, settings_of
 from pipetrain.runtime.assembly import OptimizerArg, UpdateSettings, assemble
 from pipetrain.runtime.batch import Data
+from pipetrain.runtime.batchnorm import deferred_layers
 from pipetrain.runtime.config import PipelineConfig
 from pipetrain.runtime.outputs import Destination, check_destination
 from pipetrain.runtime.precision import LossScale, Precision
@@ -106,6 +107,12 @@ class Pipeline:
         loss_scale: the fp16 loss scale's policy, a
             :class:`~pipetrain.runtime.precision.LossScale` (GradScaler's defaults if
             ``None``).
+        deferred_batch_norm: batch-normalization layers (``nn.BatchNorm1d``/``2d``/``3d``
+            modules of the layers) update their running statistics once per step from the
+            whole mini-batch, as on the unpipelined model run on the whole batch, instead of
+            once per micro-batch; each micro-batch is still normalized with its own
+            statistics (see :mod:`pipetrain.runtime.batchnorm`). Synchronous families,
+            without replicas.
 
     Raises:
         ValueError: a setting that cannot run, named with its fix; or settings (model
@@ -137,6 +144,7 @@ class Pipeline:
         on_nonfinite: str = "raise",
         precision: str = "fp32",
         loss_scale: LossScale | None = None,
+        deferred_batch_norm: bool = False,
     ) -> None:
         """Build this rank's stage(s), the schedule and the transport."""
         if not dist.is_initialized():
@@ -188,6 +196,8 @@ class Pipeline:
             built, optimizer is not None, max_grad_norm, lr_scheduler, on_nonfinite, precision
         )
         self._evaluation = prepared.evaluation
+        if deferred_batch_norm:
+            layers = deferred_layers(layers, built)
         self.microbatches = built.microbatches
         self.device = (
             torch.device(config.device) if config.device is not None else default_device(group)
