@@ -13,6 +13,8 @@ import pytest
 import torch
 
 import pipetrain
+from pipetrain.runtime.batchnorm import deferred_layers
+from pipetrain.schedules import build
 
 reference = functools.cache(cases.reference)  # shared by the layouts of one micro-batching
 
@@ -62,3 +64,13 @@ def test_three_ranks_update_buffers_once_per_forward_in_every_recompute_mode(
     three_ranks: list[list[dict[str, Any]]],
 ) -> None:
     assert_runs_match(three_ranks, 3)
+
+
+def test_deferred_batch_norm_evaluates_as_batch_norm_and_refuses_split_steps() -> None:
+    x = cases.images(0)[0]
+    torch.testing.assert_close(cases.deferred_eval(x), cases.resnet().eval()(x))
+    layers = [("0", cases.resnet())]
+    for name, replicas in (("2bw", None), ("1f1b", [2, 1])):
+        schedule = build(name, 3 if replicas else 2, 4, replicas=replicas)
+        with pytest.raises(ValueError, match="deferred_batch_norm needs every micro-batch"):
+            deferred_layers(layers, schedule)
