@@ -10,7 +10,7 @@ from torch import nn
 
 import pipetrain
 
-VOCAB, WIDTH, LENGTH, BATCH, STEPS, LR = 11, 8, 7, 12, 3, 0.05
+VOCAB, WIDTH, LENGTH, BATCH, STEPS, LR = 11, 8, 7, 12, 2, 0.05
 
 
 def language_model(seed: int = 0) -> nn.Sequential:

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import pipetrain
+from pipetrain.runtime.losses import split_loss
+from pipetrain.runtime.normalize import check_kinds
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +73,21 @@ def test_causal_lm_loss_reads_hugging_face_outputs_and_shifts() -> None:
     torch.testing.assert_close(total, expected)
     for wrapped in ((logits, None), type("Out", (), {"logits": logits})()):
         assert torch.equal(pipetrain.causal_lm_loss(wrapped, labels)[0], total)
+
+
+def test_a_loss_that_changes_kind_is_refused_naming_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"for 2 of 4 micro-batches and a scalar for the others"):
+        check_kinds(2, 4, None)
+    with pytest.raises(ValueError, match=r"returned a pair after returning a scalar"):
+        check_kinds(4, 4, False)
+    with pytest.raises(ValueError, match=r"return the same kind in every step"):
+        check_kinds(0, 4, True)
+    check_kinds(4, 4, None)
+    check_kinds(0, 4, False)
+
+
+def test_a_loss_that_is_neither_a_scalar_nor_a_pair_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"returned a pair on stage 1 that is not"):
+        split_loss((torch.ones(3), 2), "the loss function", "on stage 1")
+    loss, count = split_loss((torch.tensor(6.0), 4), "f", "here")
+    assert count is not None and float(loss / count) == 1.5

@@ -30,6 +30,7 @@ from pipetrain.model.weights_source import WeightsArg
 from pipetrain.runtime.agreement import check_agreement, settings_of
 from pipetrain.runtime.assembly import OptimizerArg, UpdateSettings, assemble
 from pipetrain.runtime.batch import Data
+from pipetrain.runtime.batchnorm import deferred_layers
 from pipetrain.runtime.config import PipelineConfig
 from pipetrain.runtime.model_io import ModelIO, model_loss
 from pipetrain.runtime.outputs import Destination, check_destination
@@ -128,12 +129,17 @@ class Pipeline:
             path of a ``.safetensors`` file or a ``torch.save``d state dict; each rank reads
             only its stages' entries (every one of them must be there) and copies them in,
             after ``init_fn``, whether the model was built on the meta device or not.
-
         example_inputs: a sample of a captured model's inputs with at least 2 rows (a
             tensor, tuple, or dict of keyword inputs, such as ``{"input_ids": ids[:2]}``);
             the steps' inputs are then given the same way.
         split_points: module paths each starting a stage of a captured model, such as
             ``["transformer.h.6"]``.
+        deferred_batch_norm: batch-normalization layers (``nn.BatchNorm1d``/``2d``/``3d``
+            modules of the layers) update their running statistics once per step from the
+            whole mini-batch, as on the unpipelined model run on the whole batch, instead of
+            once per micro-batch; each micro-batch is still normalized with its own
+            statistics (see :mod:`pipetrain.runtime.batchnorm`). Synchronous families,
+            without replicas.
 
     Raises:
         ValueError: a setting that cannot run, named with its fix; or settings (model
@@ -169,6 +175,7 @@ class Pipeline:
         split_points: Sequence[str] | None = None,
         init_fn: InitFn | None = None,
         weights: WeightsArg | None = None,
+        deferred_batch_norm: bool = False,
     ) -> None:
         """Build this rank's stage(s), the schedule and the transport."""
         if not dist.is_initialized():
@@ -225,6 +232,13 @@ class Pipeline:
             built, optimizer is not None, max_grad_norm, lr_scheduler, on_nonfinite, precision
         )
         self._evaluation = prepared.evaluation
+        if deferred_batch_norm:
+            if isinstance(front, GraphModel):
+                raise ValueError(
+                    "deferred_batch_norm converts nn.BatchNorm layers, so it needs the model "
+                    "given as layers (nn.Sequential or pipeline_layers()), not captured"
+                )
+            front.layers = deferred_layers(front.layers, built)
         self.microbatches = built.microbatches
         self.device = (
             torch.device(config.device) if config.device is not None else default_device(group)

@@ -60,10 +60,8 @@ def recompute(run: Callable[[], T], state: RandomState, module: nn.Module) -> T:
     saved = [b.clone() for b in buffers]
     with state.restored(), torch.enable_grad():
         result = run()
-    with torch.no_grad():
-        for buffer, value in zip(buffers, saved):
-            # only changed ones: the backward may have saved a buffer that is only read (and
-            # kernels such as batch norm's write without bumping the version counter)
-            if not torch.equal(buffer, value):
-                buffer.copy_(value)
+    for buffer, value in zip(buffers, saved):
+        # through .data: the recompute's graph may have saved the buffer (batch norm saves
+        # its running statistics), and putting the values back is no change it must refuse
+        buffer.data.copy_(value)
     return result
