@@ -185,6 +185,7 @@ class Pipeline:
                 on_nonfinite=on_nonfinite,
                 precision=precision,
                 loss_scale=loss_scale,
+                deferred_batch_norm=deferred_batch_norm,
             ),
             group,
         )
