@@ -42,22 +42,37 @@ def adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
 
 
-def reference(accumulate: int = 1) -> dict[str, Any]:
+def reference(accumulate: int = 1, fp16_microbatches: int = 0) -> dict[str, Any]:
     """The unpipelined model: each call's loss is its whole batch's token mean, and the
-    calls' gradients add up over ``accumulate`` calls per AdamW update."""
+    calls' gradients add up over ``accumulate`` calls per AdamW update. With
+    ``fp16_microbatches``, float16 autocast forwards of that many micro-batches, each
+    backward from its share of the token mean under GradScaler."""
     model = language_model()
     optimizer = adamw(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", enabled=fp16_microbatches > 0)
     losses = []
     for step in range(STEPS * accumulate):
-        ids, labels = padded_batch(seed=step)
-        total, count = pipetrain.causal_lm_loss(model(ids), labels)
-        loss = total / count
-        loss.backward()
-        losses.append(loss.item())
-        if step % accumulate == accumulate - 1:
-            optimizer.step()
+        if step % accumulate == 0:
             optimizer.zero_grad()
-    return {"losses": losses, "state": model.state_dict()}
+        ids, labels = padded_batch(seed=step)
+        parts = max(fp16_microbatches, 1)
+        count = int((labels[:, 1:] != -100).sum())
+        loss = 0.0
+        for xs, ys in zip(ids.tensor_split(parts), labels.tensor_split(parts)):
+            with torch.autocast("cpu", dtype=torch.float16, enabled=fp16_microbatches > 0):
+                total, _ = pipetrain.causal_lm_loss(model(xs), ys)
+            scaler.scale(total / count).backward()
+            loss += total.item() / count
+        losses.append(loss)
+        if step % accumulate == accumulate - 1:
+            scaler.step(optimizer)
+            scaler.update()
+    return {"losses": losses, "state": model.state_dict(), "grads": grads(model)}
+
+
+def grads(model: nn.Module | pipetrain.Pipeline) -> dict[str, torch.Tensor]:
+    """The gradients of the last update (kept after it), by parameter name."""
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def train(config: dict[str, Any]) -> dict[str, Any]:
@@ -71,7 +86,8 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
     for step in range(STEPS * accumulate):
         update = step % accumulate == accumulate - 1
         losses.append(pipe.train_step(*padded_batch(seed=step), update=update))
-    return {"losses": losses, "state": {k: v.clone() for k, v in pipe.state_dict().items()}}
+    state = {k: v.clone() for k, v in pipe.state_dict().items()}
+    return {"losses": losses, "state": state, "grads": grads(pipe)}
 
 
 def refusal() -> str:
@@ -103,6 +119,7 @@ TWO_RANKS: list[dict[str, Any]] = [
         "schedule_options": {"virtual": 2},
     },
     {"balance": [3, 3], "microbatches": 3, "schedule": "1f1b", "accumulate": 2},
+    {"balance": [3, 3], "microbatches": 4, "schedule": "1f1b", "precision": "fp16"},
 ]
 
 THREE_RANKS: list[dict[str, Any]] = [

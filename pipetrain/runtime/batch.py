@@ -55,6 +55,10 @@ class LossTarget(NamedTuple):
 
     target: Target
     weight: float
+    # a (loss_sum, count) pair's weight, the same for every micro-batch of the update: one
+    # over its target values, so that gradients keep a mean's magnitude (fp16 overflows no
+    # sooner than the unpipelined mean); the division by the weighted count undoes it
+    per_value: float = 1.0
 
 
 class StepData:
@@ -133,12 +137,18 @@ class StepData:
         """Split the last stage's targets into micro-batches and weigh each one's loss."""
         pieces = _split(targets, self.microbatches, self.device, "targets")
         sizes = [batch_size(piece, "targets") for piece in pieces]
-        per = self.per_update
-        update_sizes = [sum(sizes[k - k % per : k - k % per + per]) for k in range(len(sizes))]
+        values = [as_tuple(piece)[0].numel() for piece in pieces]
         self.targets = [
-            LossTarget(piece, size / update)
-            for piece, size, update in zip(pieces, sizes, update_sizes)
+            LossTarget(piece, size / update, 1 / max(update_values, 1))
+            for piece, size, update, update_values in zip(
+                pieces, sizes, self._per_update(sizes), self._per_update(values)
+            )
         ]
+
+    def _per_update(self, amounts: list[int]) -> list[int]:
+        """For each micro-batch, the sum of ``amounts`` over the update it belongs to."""
+        per = self.per_update
+        return [sum(amounts[k - k % per : k - k % per + per]) for k in range(len(amounts))]
 
     def receive_targets(self, tensors: Tensors) -> None:
         """Targets that arrived as a message: one tensor travels as a tuple of one."""

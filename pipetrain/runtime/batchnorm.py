@@ -124,10 +124,11 @@ def convert_deferred_batch_norm(module: nn.Module, chunks: int) -> nn.Module:
 def deferred_layers(layers: Sequence[Layer], schedule: Schedule) -> list[Layer]:
     """``layers`` converted (:func:`convert_deferred_batch_norm`) for ``schedule``'s steps;
     ValueError for a schedule whose stages do not see every micro-batch of a step."""
-    if schedule.asynchronous or any(len(ranks) > 1 for ranks in schedule.stage_ranks):
+    replicas = [len(ranks) for ranks in schedule.stage_ranks]
+    if schedule.asynchronous or max(replicas) > 1:
+        why = "it updates inside the step" if schedule.asynchronous else f"replicas={replicas}"
         raise ValueError(
             f"deferred_batch_norm needs every micro-batch of a step on one rank per stage; "
-            f"{schedule.name} with replicas={[len(r) for r in schedule.stage_ranks]} "
-            "updates or splits them otherwise: use a synchronous schedule without replicas"
+            f"{schedule.name} ({why}) does not: use a synchronous schedule without replicas"
         )
     return [(name, convert_deferred_batch_norm(m, schedule.microbatches)) for name, m in layers]

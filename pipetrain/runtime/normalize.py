@@ -1,9 +1,11 @@
 """Normalization of ``(loss_sum, count)`` losses: a step's gradients divided by its count.
 
 When the loss function returns ``(loss_sum, count)`` (see :mod:`pipetrain.runtime.losses`),
-each micro-batch's backward starts from its ``loss_sum`` (times the fp16 loss scale).
-Gradients are linear in the loss, so dividing everything a step produced by the step's
-total count gives exactly the gradients of ``Σ loss_sum / Σ count`` on the whole batch.
+each micro-batch's backward starts from its ``loss_sum`` (times the fp16 loss scale), sum
+and count both weighted by one weight shared by the whole update (see
+:class:`~pipetrain.runtime.batch.LossTarget`). Gradients are linear in the loss, so
+dividing everything a step produced by the step's total weighted count gives exactly the
+gradients of ``Σ loss_sum / Σ count`` on the whole batch.
 The total is known only once every last-stage forward ran, on whichever rank: at each
 rank's last ``STEP`` of a synchronous step, before any norm, clipping or update, one
 all-reduce of two numbers (the rank's counts and how many of its micro-batches returned a

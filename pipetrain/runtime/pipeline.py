@@ -221,6 +221,7 @@ class Pipeline:
                 loss_scale=loss_scale,
                 init_fn=init_fn is not None,
                 weights=weights is not None,
+                deferred_batch_norm=deferred_batch_norm,
             ),
             group,
         )

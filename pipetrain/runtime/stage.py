@@ -132,8 +132,10 @@ class Stage:
         loss, count = split_loss(
             result, f"the loss function {_name(self.loss_fn)}", f"on stage {self.index}"
         )
-        # a pair's sum enters with weight 1: the step's gradients are divided by its count
-        return outputs, (loss * target.weight if count is None else loss, count)
+        if count is None:
+            return outputs, (loss * target.weight, None)
+        # the step's gradients are divided by its weighted count: the weight cancels out
+        return outputs, (loss * target.per_value, count.double() * target.per_value)
 
     def forward(
         self,
