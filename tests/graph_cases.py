@@ -43,39 +43,59 @@ def batch(seed: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def reference(name: str) -> dict[str, Any]:
-    """The unpipelined model trained with SGD (momentum) on the same batches, using its own loss."""
+def padded_batch(seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Right-padded sequences of uneven lengths with their attention mask, and labels that
+    ignore (-100) the padding and some tokens besides."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (BATCH, LENGTH), generator=generator)
+    lengths = torch.randint(2, LENGTH + 1, (BATCH,), generator=generator)
+    mask = (torch.arange(LENGTH) < lengths[:, None]).long()
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[torch.rand(BATCH, LENGTH, generator=generator) < 0.2] = -100
+    return {"input_ids": ids * mask, "attention_mask": mask}, labels
+
+
+def reference(name: str, padded: bool = False) -> dict[str, Any]:
+    """The unpipelined model trained with SGD (momentum) on the same batches, using its own
+    loss (a token mean over the whole batch)."""
     model = hf_model(name)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     losses = []
     for step in range(STEPS):
         optimizer.zero_grad()
-        loss = model(**batch(step)).loss
+        if padded:
+            inputs, labels = padded_batch(step)
+            loss = model(**inputs, labels=labels).loss
+        else:
+            loss = model(**batch(step)).loss
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
     return {"losses": losses, "state": model.state_dict()}
 
 
-def train(name: str, configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def train(name: str, configs: list[dict[str, Any]], padded: bool = False) -> list[dict[str, Any]]:
     """One capture of ``name``, then for each config a pipeline trained from the same
-    initial weights with the model's own loss: its losses, this rank's state and the
-    names it holds of each shared parameter."""
+    initial weights, with the model's own loss (labels among the inputs) or, ``padded``,
+    with :func:`pipetrain.causal_lm_loss` against the labels: its losses, this rank's state
+    and the names it holds of each shared parameter."""
     model = hf_model(name)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    graph = GraphModel(model, {k: v[:2] for k, v in batch(0).items()})
+    sample = padded_batch(0)[0] if padded else batch(0)
+    graph = GraphModel(model, {k: v[:2] for k, v in sample.items()})
     results = []
     for config in configs:
         model.load_state_dict(initial)
         pipe = pipetrain.Pipeline(
             graph,
-            loss_fn=None,
             microbatches=2 * torch.distributed.get_world_size(),
             optimizer=lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9),
             timeout_s=60,
+            loss_fn=pipetrain.causal_lm_loss if padded else None,
             **config,
         )
-        losses = [pipe.train_step(batch(step)) for step in range(STEPS)]
+        steps = [padded_batch(step) if padded else (batch(step),) for step in range(STEPS)]
+        losses = [pipe.train_step(*data) for data in steps]
         state = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
         results.append({"losses": losses, "state": state, "shared": pipe.shared_parameters})
     return results
