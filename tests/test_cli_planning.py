@@ -181,13 +181,20 @@ def test_a_bad_memory_size_is_named() -> None:
         parse_bytes("16 gigs")
 
 
-@pytest.mark.parametrize("torchrun", [False, True])
-def test_train_plan_auto_profiles_plans_and_trains(torchrun: bool) -> None:
+@pytest.mark.parametrize(
+    ("model", "torchrun"),
+    [
+        ("mlp", False),
+        ("mlp", True),
+        pytest.param("hf-gpt2", False, marks=pytest.mark.slow),  # captured as a graph
+    ],
+)
+def test_train_plan_auto_profiles_plans_and_trains(model: str, torchrun: bool) -> None:
     # under torchrun the ranks profile together and rank 0's plan reaches every rank
     args = (
         "train",
         "--model",
-        "mlp",
+        model,
         "--plan",
         "auto",
         "--steps",
