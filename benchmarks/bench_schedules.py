@@ -223,9 +223,9 @@ def train(
 
 
 def mean_costs(timelines: Sequence[Timeline], schedule: Schedule) -> Costs:
-    """:func:`pipetrain.simulation.measured_costs` with each stage's F, B, W and STEP (and
-    the sends following a pass) at their mean duration instead of their median, so that
-    the actions a rank took longer over (waiting for a core, say) count in full."""
+    """:func:`pipetrain.simulation.measured_costs` with each stage's F, B, W and STEP, and
+    the sends, at their mean duration instead of their median, so that the actions a rank
+    took longer over (waiting for a core, say) count in full."""
 
     def mean(kind: str) -> list[float]:
         durations: list[list[float]] = [[] for _ in range(schedule.stages)]
@@ -235,15 +235,14 @@ def mean_costs(timelines: Sequence[Timeline], schedule: Schedule) -> Costs:
                     durations[event.stage].append(event.duration)
         return [statistics.mean(values) if values else 0.0 for values in durations]
 
-    def total(first: list[float], second: list[float]) -> list[float]:
-        return [a + b for a, b in zip(first, second)]
-
+    sends = [e.duration for t in timelines for e in t.events if e.kind.startswith("SEND_")]
     return replace(
         measured_costs(timelines, schedule.stages),
-        forward_s=total(mean("F"), mean("SEND_F")),
-        backward_s=total(mean("B"), mean("SEND_B")),
+        forward_s=mean("F"),
+        backward_s=mean("B"),
         weight_s=mean("W"),
         step_s=mean("STEP"),
+        send_s=statistics.mean(sends) if sends else 0.0,
     )
 
 

@@ -114,7 +114,6 @@ def main() -> None:
         ]
         return [[d / statistics.median(values) for d in values] for values in durations]
 
-    # measured_costs folds each send into the compute before it, which then varies with it
     variation = Variation(factors("F"), factors("B"))
     makespan = statistics.median(t.makespan for t in timelines)
     wall = statistics.median(walls)

@@ -521,10 +521,12 @@ def test_transfer_time_counts_only_what_follows_the_send() -> None:
     timeline = Timeline(events, 2)
     assert transfer_time(timeline) == pytest.approx(0.2)
     costs = measured_costs(timeline, 2)
-    assert costs.forward_s == pytest.approx(
-        [0.9 + 0.1, 0.0]
-    )  # the send's packing joins the forward
-    assert costs.backward_s == pytest.approx([0.0, 0.05])
+    # a send's packing stays a send, charged to its sender apart from the compute
+    assert costs.forward_s == pytest.approx([0.9, 0.0])
+    assert costs.backward_s == pytest.approx([0.0, 0.0])
+    assert costs.send_s == pytest.approx(0.1)  # the median of 0.1, 0.1 and 0.05
+    # the copy of the shortest receive comes after a message lands, not in its latency
+    assert (costs.receive_s, costs.latency_s) == pytest.approx((0.1, 0.1))
 
 
 def test_progress_prints_about_every_tenth_step_when_not_on_a_terminal() -> None:

@@ -154,6 +154,8 @@ def _describe_costs(values: dict[str, Any], schedule: Schedule) -> str:
         "step_s": "step",
         "allreduce_s": "all-reduce",
         "latency_s": "latency",
+        "send_s": "send",
+        "receive_s": "receive",
         "activation_bytes": "activation bytes",
         "bandwidth": "bandwidth",
     }

@@ -21,6 +21,9 @@ from pipetrain.timeline import Timeline
 COST_FIELDS = tuple(f.name for f in fields(Costs))
 """The fields a costs file may hold."""
 
+SCALAR_FIELDS = ("latency_s", "send_s", "receive_s", "loss_s", "overlap")
+"""The fields that take one number for the whole schedule, not one per stage."""
+
 # time fields that, with several chunks per rank, are given per rank and shared among them
 PER_RANK_TIME_FIELDS = ("forward_s", "backward_s", "weight_s", "step_s")
 
@@ -45,7 +48,7 @@ def read_costs_file(path: str) -> dict[str, Any]:
         )
     for name, value in values.items():
         per_stage = (
-            name != "latency_s"
+            name not in SCALAR_FIELDS
             and isinstance(value, list)
             and value
             and all(map(_is_number, value))
@@ -53,7 +56,7 @@ def read_costs_file(path: str) -> dict[str, Any]:
         if not (_is_number(value) or per_stage):
             expected = (
                 "a number"
-                if name == "latency_s"
+                if name in SCALAR_FIELDS
                 else "a number or a list of numbers (one per stage)"
             )
             raise ValueError(f"costs file {path!r}: {name} is {value!r}; give {expected}")
@@ -112,7 +115,7 @@ def textbook_bubble(schedule: Schedule, costs: Costs) -> tuple[str, float] | Non
     )
     boundaries = max(stages - 1, 1)
     uniform = all(len(set(values)) == 1 for values in (forward, backward, weight))
-    no_transfers = costs.latency_s == 0 and all(
+    no_transfers = costs.latency_s == costs.send_s == costs.receive_s == 0 and all(
         size == 0 or math.isinf(speed)
         for size, speed in zip(
             costs.per_stage("activation_bytes", boundaries),

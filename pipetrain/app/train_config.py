@@ -13,7 +13,7 @@ from pipetrain.app.models import model_layers
 from pipetrain.planning import Plan
 from pipetrain.runtime import PipelineConfig
 from pipetrain.runtime.update import check_training
-from pipetrain.schedules import Schedule, spec
+from pipetrain.schedules import Schedule, spec, with_targets_shipped
 
 DEFAULT_LR = {
     "mlp": 3e-3,
@@ -223,9 +223,13 @@ class TrainConfig:
         return None if self.lr_schedule == "constant" else warmup_cosine(self.updates())
 
     def schedule_for(self) -> Schedule:
-        """The schedule this run executes (the one the Pipeline builds, before the targets'
-        transfer is added)."""
-        return self.pipeline_config().build(self.stages or DEFAULT_STAGES)
+        """The schedule this run executes, the targets' transfer included, as the Pipeline
+        plays it (so a simulation of it has the recorded timeline's actions)."""
+        pipeline = self.pipeline_config()
+        built = pipeline.build(self.stages or DEFAULT_STAGES)
+        if not pipeline.targets_on_first_stage:
+            return built
+        return replace(built, ranks=with_targets_shipped(built.ranks, built.stage_ranks))
 
 
 def warmup_cosine(updates: int) -> Callable[[int], float]:

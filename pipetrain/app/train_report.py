@@ -172,6 +172,9 @@ class TrainReport:
                 f"bubble {predicted.bubble_fraction:.1%} "
                 f"({config.schedule} simulated on the measured stage costs)",
                 f"  stage costs       {stage_costs} (median per micro-batch, by stage)",
+                f"  messages          send {format_seconds(self.costs.send_s)} (median), "
+                f"receive {format_seconds(self.costs.receive_s)} (shortest), "
+                f"latency {format_seconds(self.costs.latency_s)}",
                 *planned,
             ]
         )

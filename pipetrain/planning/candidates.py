@@ -245,22 +245,18 @@ class Candidate:
             sum(layer.optimizer_s for layer in layers[start:stop])
             for start, stop, _ in layout.stages
         ]
-        # each message keeps its sender busy after the forward (or backward) that made it,
-        # and its receiver while copying it in
+        # each message keeps its sender busy while packing it, and its receiver while
+        # copying it in, as the runtime records them
         message = self.profile.message_s
-        last = len(layout.stages) - 1
-        forward = [f + (message if stage < last else 0.0) for stage, f in enumerate(forward)]
-        backward = [
-            max(b, 0.0) + (message if stage > 0 else 0.0) for stage, b in enumerate(backward)
-        ]
         return Costs(
             forward,
-            backward,
+            [max(b, 0.0) for b in backward],
             weight,
             sizes,
             links,
             step_s=steps,
             allreduce_s=allreduce,
+            send_s=message,
             receive_s=message,
             loss_s=message,  # the loss all-reduce that ends the step: one small message
         )

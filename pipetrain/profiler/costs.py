@@ -121,7 +121,8 @@ class Profile(JsonFile):
     ``microbatch_size`` is the micro-batch size the costs were measured at and
     ``input_bytes`` the size of one such micro-batch of model input. ``message_s`` is the
     time one activation message between two workers keeps each side busy (packing,
-    copying), where it was measured: the planner charges it to every stage boundary.
+    copying), where it was measured: the planner charges it to every send and receive
+    (``Costs.send_s``, ``Costs.receive_s``).
     ``spread`` (optional) holds the measured runs behind the medians; with it the planner
     predicts the median step of a pipeline whose actions vary from run to run as measured,
     rather than the step of one whose every action takes exactly its median.

@@ -22,8 +22,10 @@ class Costs:
     s + 1); a transfer costs ``latency_s + bytes / bandwidth``, and gradients are as large
     as the activations they belong to; the step's targets and gathered outputs cost
     ``latency_s``. ``loss_s`` is the all-reduce of the loss that ends a training step (one
-    small message over every rank). ``receive_s`` is the time a receive keeps the
-    receiving rank busy once the data is there (copying it in), as on CPU backends.
+    small message over every rank). ``send_s`` is the time a send keeps the sending rank
+    busy (packing the message and handing it to the transport) before it travels, and
+    ``receive_s`` the time a receive keeps the receiving rank busy once the data is there
+    (copying it in), as on CPU backends; both are per message, whatever it carries.
     ``overlap`` is the share of the shorter pass of an overlapped forward-and-backward pair
     (``OVERLAP``) that the longer one hides: 0 runs them back to back, 1 hides it entirely.
     """
@@ -36,6 +38,7 @@ class Costs:
     latency_s: float = 0.0
     step_s: PerStage = 0.0
     allreduce_s: PerStage = 0.0
+    send_s: float = 0.0
     receive_s: float = 0.0
     loss_s: float = 0.0
     overlap: float = 0.0

@@ -1,11 +1,15 @@
 """Play a schedule against costs and produce a predicted :class:`~pipetrain.timeline.Timeline`.
 
-Every rank runs its actions in order. Compute takes the stage's cost; a send starts a
-transfer on the directed link to its peer (links carry one transfer at a time, in the
-order the sender issues them) and does not block the sender; a receive waits until its
-transfer has arrived; an all-reduce starts when every replica of the stage has reached it.
-An overlapped pair's forward and backward together take the longer of the two plus the part
-of the shorter that ``Costs.overlap`` does not hide, shared between them in proportion.
+Every rank runs its actions in order, and each becomes an event of the kind the runtime's
+recorder gives it, on the same rank. Compute takes the stage's cost. A send keeps its rank
+busy for ``Costs.send_s`` (packing the message; its ``SEND_*`` event), then the message
+travels on the directed link to its peer (links carry one transfer at a time, in the order
+the sender issues them) without the sender; a receive's event runs from when the rank
+reaches it until its message has landed and been copied in (``Costs.receive_s``); an
+all-reduce starts when every replica of the stage has reached it. An overlapped pair's
+forward and backward together take the longer of the two plus the part of the shorter that
+``Costs.overlap`` does not hide, shared between them in proportion; its ``OVERLAP`` marker
+is an event of no length, as recorded.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
     bandwidth = costs.per_stage("bandwidth", boundaries)
     if any(b == 0 for b in bandwidth):
         raise ValueError("Costs.bandwidth must be positive")
-    for name in ("latency_s", "receive_s", "loss_s"):
+    for name in ("latency_s", "send_s", "receive_s", "loss_s"):
         if not getattr(costs, name) >= 0:
             raise ValueError(
                 f"Costs.{name} must be a non-negative number of seconds, "
@@ -66,7 +70,7 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
             Kind.BACKWARD: variation.backward,
             Kind.WEIGHT: variation.backward,
         }
-    latency, receive_s = costs.latency_s, costs.receive_s
+    latency, send_s, receive_s = costs.latency_s, costs.send_s, costs.receive_s
     transfer_s = [latency + size / speed for size, speed in zip(activation, bandwidth)]
     collective_s = {
         Kind.ALLREDUCE: costs.per_stage("allreduce_s", stages),
@@ -112,11 +116,12 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
                 family, offset, whole_step = channels[kind]
                 boundary = 0 if whole_step else stage + offset
                 key = (peer, family, boundary, mb)
+                # the sender packs the message, then the link carries it without the sender
+                events.append(make((rank, names[kind], stage, mb, now, now + send_s)))
+                now += send_s
                 link = (rank, peer)
-                start = max(now, link_free[link])
-                end = start + (latency if whole_step else transfer_s[boundary])
+                end = max(now, link_free[link]) + (latency if whole_step else transfer_s[boundary])
                 link_free[link] = end
-                events.append(make((rank, names[kind], stage, mb, start, end)))
                 arrival[key] = end
                 waiter = waiting_on.pop(key, None)
                 if waiter is not None:
@@ -131,8 +136,8 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
                 end = max(now, landed) + receive_s
                 events.append(make((rank, names[kind], stage, mb, now, end)))
                 now = end
-            elif kind is Kind.OVERLAP:
-                pass  # its pair's passes follow, scaled
+            elif kind is Kind.OVERLAP:  # a marker: its pair's passes follow, scaled
+                events.append(make((rank, names[kind], stage, mb, now, now)))
             else:  # ALLREDUCE over the stage's replicas, LOSS over every rank
                 position[rank] = index
                 scope = stage if kind is Kind.ALLREDUCE else 0

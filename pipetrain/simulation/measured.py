@@ -3,46 +3,48 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from pipetrain.simulation.costs import Costs
 from pipetrain.timeline import Timeline
 
 
 def measured_costs(timelines: Timeline | Sequence[Timeline], stages: int) -> Costs:
-    """Simulator costs from measured timelines: per stage, the median F, B, W and STEP durations.
+    """Simulator costs from measured timelines, each event kept as the kind it was recorded as.
 
-    A send's time on the sending rank (packing the message) is added to the compute it
-    follows. A measured receive is waiting plus copying the data in; the shortest receive
-    (one whose data was already there) gives ``receive_s``. The transfer time is
-    :func:`transfer_time`. Several timelines (steps) may be given: medians are then over
-    all of them, which steadies noisy measurements.
+    Per stage, the median F, B, W, STEP and ALLREDUCE durations. A send's time on the sending
+    rank (packing the message) is the median send, ``send_s``, which the simulator charges
+    on the sender's lane as a send again, never as compute. A measured receive is waiting
+    plus copying the data in; the shortest receive (one whose data was already there) gives
+    ``receive_s``. The latency is :func:`transfer_time` less that copy, which the simulator
+    adds after a message lands. Several timelines (steps) may be given: medians are then
+    over all of them, which steadies noisy measurements.
     """
     runs = [timelines] if isinstance(timelines, Timeline) else list(timelines)
 
-    def per_stage(kind: str, statistic: Callable[[list[float]], float]) -> list[float]:
+    def per_stage(kind: str) -> list[float]:
         durations: list[list[float]] = [[] for _ in range(stages)]
         for timeline in runs:
             for event in timeline.events:
                 if event.kind == kind and event.stage is not None:
                     durations[event.stage].append(event.duration)
-        return [statistic(values) if values else 0.0 for values in durations]
+        return [statistics.median(values) if values else 0.0 for values in durations]
 
-    def total(*parts: list[float]) -> list[float]:
-        return [sum(values) for values in zip(*parts)]
+    def durations(kinds: tuple[str, ...]) -> list[float]:
+        return [e.duration for t in runs for e in t.events if e.kind in kinds]
 
-    median = statistics.median
+    sends = durations(("SEND_F", "SEND_B", "SEND_T", "SEND_O"))
+    receive_s = min(durations(("RECV_F", "RECV_B")), default=0.0)
+    transfer = statistics.median(transfer_time(timeline) for timeline in runs) if runs else 0.0
     return Costs(
-        forward_s=total(per_stage("F", median), per_stage("SEND_F", median)),
-        backward_s=total(per_stage("B", median), per_stage("SEND_B", median)),
-        weight_s=per_stage("W", median),
-        step_s=per_stage("STEP", median),
-        allreduce_s=per_stage("ALLREDUCE", median),
-        receive_s=min(
-            (e.duration for t in runs for e in t.events if e.kind in ("RECV_F", "RECV_B")),
-            default=0.0,
-        ),
-        latency_s=statistics.median(transfer_time(timeline) for timeline in runs) if runs else 0.0,
+        forward_s=per_stage("F"),
+        backward_s=per_stage("B"),
+        weight_s=per_stage("W"),
+        step_s=per_stage("STEP"),
+        allreduce_s=per_stage("ALLREDUCE"),
+        send_s=statistics.median(sends) if sends else 0.0,
+        receive_s=receive_s,
+        latency_s=max(0.0, transfer - receive_s),
     )
 
 

@@ -27,7 +27,9 @@ FORMAT_VERSION = 1
 """Version of the JSON layout written by :meth:`Timeline.to_dict` and :meth:`Timeline.save`."""
 
 BUSY_KINDS = frozenset({"F", "B", "W", "STEP"})
-"""Event kinds that count as useful work when computing busy time and the bubble fraction."""
+"""Event kinds that count as useful work when computing busy time and the bubble fraction:
+compute and the optimizer step. An overlapped pair's passes are ``F`` and ``B`` events (its
+``OVERLAP`` marker has no length); sends, receives and collectives are not work."""
 
 _EVENT_FIELDS = ("rank", "kind", "stage", "microbatch", "start", "end")
 _START_RANK = operator.itemgetter(4, 0)  # an event's (start, rank), the timeline's order
@@ -217,7 +219,16 @@ class Timeline(JsonFile):
 
     @cached_property
     def bubble_fraction(self) -> float:
-        """Share of rank-time not spent in :data:`BUSY_KINDS` events; 0.0 if makespan is 0."""
+        """Share of rank-time (``num_ranks × makespan``) not spent in :data:`BUSY_KINDS`
+        events; 0.0 if makespan is 0.
+
+        Everything but compute (``F``, ``B``, ``W``) and the optimizer step (``STEP``) is
+        bubble: idle time, and communication, namely a send's work on the sending rank
+        (packing the message, its ``SEND_*`` event), a receive's wait and copy
+        (``RECV_*``), all-reduces (``ALLREDUCE``, ``LOSS``). A measured timeline and a
+        simulated one are judged alike: the simulator gives each action an event of the
+        kind the runtime records it as, on the same rank.
+        """
         if self.makespan == 0.0:
             return 0.0
         busy = sum(e.end - e.start for e in self._collected if e.kind in BUSY_KINDS)
