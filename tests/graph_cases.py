@@ -306,3 +306,51 @@ def train_meta(name: str, path: str) -> dict[str, Any]:
         "losses": losses,
         "state": {k: v.detach().clone() for k, v in pipe.state_dict().items()},
     }
+
+
+def tied_sequential(seed: int = 0) -> torch.nn.Sequential:
+    """A model given as layers whose output layer reuses the embedding's weight."""
+    torch.manual_seed(seed)
+    embedding = torch.nn.Embedding(VOCAB, 16)
+    head = torch.nn.Linear(16, VOCAB, bias=False)
+    head.weight = embedding.weight
+    return torch.nn.Sequential(
+        embedding, torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), head
+    )
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def sequential_reference() -> dict[str, Any]:
+    model = tied_sequential()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        ids = batch(step)["input_ids"]
+        loss = lm_loss(model(ids), ids)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return {"losses": losses, "state": model.state_dict()}
+
+
+def train_sequential(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tied sequential model pipelined per config."""
+    results = []
+    for config in configs:
+        pipe = pipetrain.Pipeline(
+            tied_sequential(),
+            loss_fn=lm_loss,
+            microbatches=2 * torch.distributed.get_world_size(),
+            optimizer=lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9),
+            timeout_s=60,
+            **config,
+        )
+        ids = [batch(step)["input_ids"] for step in range(STEPS)]
+        losses = [pipe.train_step(x, x) for x in ids]
+        state = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
+        results.append({"losses": losses, "state": state, "shared": pipe.shared_parameters})
+    return results

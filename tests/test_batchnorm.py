@@ -60,6 +60,7 @@ def test_two_ranks_update_buffers_once_per_forward_in_every_recompute_mode(
     assert_runs_match(two_ranks, 2)
 
 
+@pytest.mark.slow
 def test_three_ranks_update_buffers_once_per_forward_in_every_recompute_mode(
     three_ranks: list[list[dict[str, Any]]],
 ) -> None:

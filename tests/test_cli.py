@@ -626,6 +626,7 @@ def test_zero_bubble_fills_unspecified_costs_with_ones(capsys: pytest.CaptureFix
     assert result["makespan"] == pytest.approx(expected.makespan)
 
 
+@pytest.mark.slow
 def test_train_runs_a_stock_hugging_face_model_as_the_unpipelined_one() -> None:
     pytest.importorskip("transformers")
     result = run_cli(

@@ -64,9 +64,9 @@ def assert_same_training(
     [
         ("gpt2", 2, False),
         pytest.param("gpt2", 3, False, marks=pytest.mark.slow),
-        ("llama", 3, True),
-        pytest.param("llama", 2, True, marks=pytest.mark.slow),
-        ("llama-untied", 2, True),
+        ("llama", 2, True),
+        pytest.param("llama", 3, True, marks=pytest.mark.slow),
+        pytest.param("llama-untied", 2, True, marks=pytest.mark.slow),
         pytest.param("llama-untied", 3, True, marks=pytest.mark.slow),
     ],
 )
@@ -79,7 +79,7 @@ def test_stock_causal_lm_trains_as_unpipelined(name: str, world: int, padded: bo
     assert_same_training(cases.reference(name, padded), per_rank, _aliases(name))
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_unet_skips_cross_stages_and_train_as_unpipelined(world: int) -> None:
     per_rank = pipetrain.launch(cases.train_unet, world, SCHEDULES, timeout_s=240)
     for result in per_rank[0]:
@@ -87,6 +87,7 @@ def test_unet_skips_cross_stages_and_train_as_unpipelined(world: int) -> None:
     assert_same_training(cases.unet_reference(), per_rank, [])
 
 
+@pytest.mark.slow
 def test_pipedream_keeps_tied_copies_identical() -> None:
     per_rank = pipetrain.launch(cases.train_pipedream, 3, "gpt2", timeout_s=240)
     first, last = per_rank[0], per_rank[-1]
@@ -97,8 +98,17 @@ def test_pipedream_keeps_tied_copies_identical() -> None:
     assert all(loss == loss for loss in first["losses"])  # finite, not NaN
 
 
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("recompute", ["never", "except_last", "always"])
+@pytest.mark.parametrize(
+    ("world", "recompute"),
+    [
+        (2, "always"),
+        *(
+            pytest.param(w, r, marks=pytest.mark.slow)
+            for w, r in [(2, "never"), (2, "except_last"), (3, "never"), (3, "except_last")]
+        ),
+        pytest.param(3, "always", marks=pytest.mark.slow),
+    ],
+)
 def test_resnet_batch_norm_trains_as_unpipelined_micro_batch_by_micro_batch(
     world: int, recompute: str
 ) -> None:
@@ -107,6 +117,7 @@ def test_resnet_batch_norm_trains_as_unpipelined_micro_batch_by_micro_batch(
     assert_same_training(cases.resnet_reference(2 * world), per_rank, [], configs)
 
 
+@pytest.mark.slow
 def test_a_tied_models_checkpoint_loads_into_the_unpipelined_model(tmp_path: Path) -> None:
     per_rank = pipetrain.launch(cases.save_tied, 2, str(tmp_path), timeout_s=240)
     model = cases.hf_model("gpt2", seed=1)
@@ -120,6 +131,7 @@ def test_a_tied_models_checkpoint_loads_into_the_unpipelined_model(tmp_path: Pat
     assert len(optimizer.state) == len(list(model.parameters()))
 
 
+@pytest.mark.slow
 def test_a_meta_model_trains_from_a_weights_file_as_the_unpipelined_one(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
@@ -129,3 +141,10 @@ def test_a_meta_model_trains_from_a_weights_file_as_the_unpipelined_one(tmp_path
     per_rank = pipetrain.launch(cases.train_meta, 2, "gpt2", str(path), timeout_s=240)
     expected = cases.reference("gpt2")
     assert_same_training(expected, [[r] for r in per_rank], _aliases("gpt2"), [{}])
+
+
+def test_a_model_given_as_layers_keeps_its_tied_weight_one_parameter() -> None:
+    per_rank = pipetrain.launch(cases.train_sequential, 2, SCHEDULES, timeout_s=240)
+    assert per_rank[0][0]["shared"] == ["0.weight"]
+    aliases = [{"0.weight", "4.weight"}]
+    assert_same_training(cases.sequential_reference(), per_rank, aliases)
