@@ -428,6 +428,7 @@ def test_a_diverged_run_ends_with_status_1_naming_the_non_finite_update() -> Non
     assert "the update was not applied" in result.stderr
 
 
+@pytest.mark.slow
 def test_a_finite_but_diverged_run_reports_then_ends_with_status_1() -> None:
     result = run_cli(
         "train", *("--model", "mlp", "--stages", "2", "--steps", "8", "--lr", "1e6", "--json")
@@ -440,6 +441,7 @@ def test_a_finite_but_diverged_run_reports_then_ends_with_status_1() -> None:
     assert "--max-grad-norm" in result.stderr
 
 
+@pytest.mark.slow
 def test_train_in_bf16_stays_near_the_unpipelined_float32_losses() -> None:
     result = run_cli(
         "train",

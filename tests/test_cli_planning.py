@@ -79,6 +79,7 @@ def test_plan_memory_error_names_the_smallest_fit(mlp_profile: Path) -> None:
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_train_follows_a_saved_plan(mlp_profile: Path, tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
     assert (
@@ -110,8 +111,8 @@ def test_train_follows_a_saved_plan(mlp_profile: Path, tmp_path: Path) -> None:
     "extra",
     [
         ["--schedule", "pipedream", "--microbatches", "4"],
-        ["--schedule", "pipedream", "--vertical-sync"],
-        ["--schedule", "2bw", "--microbatches", "2"],
+        pytest.param(["--schedule", "pipedream", "--vertical-sync"], marks=pytest.mark.slow),
+        pytest.param(["--schedule", "2bw", "--microbatches", "2"], marks=pytest.mark.slow),
     ],
 )
 def test_train_runs_asynchronous_schedules(extra: list[str]) -> None:

@@ -22,6 +22,7 @@ def test_ddp_losses_equal_the_unpipelined_loop() -> None:
     )
 
 
+@pytest.mark.slow
 def test_ddp_accumulates_clips_schedules_and_evaluates_as_the_unpipelined_loop() -> None:
     # 4 workers of 8 samples: accumulation across steps without a gradient all-reduce
     done = run_cli(

@@ -62,7 +62,7 @@ def assert_same_training(
 @pytest.mark.parametrize(
     ("name", "world", "padded"),
     [
-        ("gpt2", 2, False),
+        pytest.param("gpt2", 2, False, marks=pytest.mark.slow),
         pytest.param("gpt2", 3, False, marks=pytest.mark.slow),
         ("llama", 2, True),
         pytest.param("llama", 3, True, marks=pytest.mark.slow),
@@ -79,7 +79,8 @@ def test_stock_causal_lm_trains_as_unpipelined(name: str, world: int, padded: bo
     assert_same_training(cases.reference(name, padded), per_rank, _aliases(name))
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
 def test_unet_skips_cross_stages_and_train_as_unpipelined(world: int) -> None:
     per_rank = pipetrain.launch(cases.train_unet, world, SCHEDULES, timeout_s=240)
     for result in per_rank[0]:
@@ -101,11 +102,11 @@ def test_pipedream_keeps_tied_copies_identical() -> None:
 @pytest.mark.parametrize(
     ("world", "recompute"),
     [
-        (2, "always"),
         *(
             pytest.param(w, r, marks=pytest.mark.slow)
-            for w, r in [(2, "never"), (2, "except_last"), (3, "never"), (3, "except_last")]
+            for w, r in [(2, "never"), (2, "except_last"), (2, "always"), (3, "never")]
         ),
+        pytest.param(3, "except_last", marks=pytest.mark.slow),
         pytest.param(3, "always", marks=pytest.mark.slow),
     ],
 )

@@ -59,6 +59,7 @@ def test_two_ranks_give_the_unpipelined_token_mean(two_ranks: list[dict[str, Any
     assert_runs_match(two_ranks, cases.TWO_RANKS)
 
 
+@pytest.mark.slow
 def test_three_ranks_and_replicas_give_the_unpipelined_token_mean(
     three_ranks: list[dict[str, Any]],
 ) -> None:

@@ -34,7 +34,7 @@ class LoopbackGroup:
         self._queues: dict[tuple[int, int], queue.Queue[torch.Tensor]] = {
             (sender, receiver): queue.Queue() for sender in range(size) for receiver in range(size)
         }
-        self._barrier = threading.Barrier(size)
+        self._barrier = _Meeting(size)
         self._contributions: dict[int, torch.Tensor] = {}
         self._failures: list[tuple[int, BaseException]] = []
         self._lock = threading.Lock()
@@ -107,12 +107,38 @@ class LoopbackGroup:
         tensor.copy_(total)
 
     def _meet(self) -> None:
-        try:
-            self._barrier.wait(self.timeout_s)
-        except threading.BrokenBarrierError:
+        if not self._barrier.wait(self.timeout_s):
             origin = self.failed()
             detail = f"rank {origin} failed" if origin is not None else "a rank did not arrive"
-            raise PeerError(None, f"all-reduce: {detail}") from None
+            raise PeerError(None, f"all-reduce: {detail}")
+
+
+class _Meeting:
+    """A barrier whose completed rounds stay completed: a rank that leaves a round and then
+    fails (aborting the meeting) cannot break that round for a peer not yet woken, as it
+    can a :class:`threading.Barrier`."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self._arrived, self._round, self._aborted = size, 0, 0, False
+        self._cond = threading.Condition()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether every rank arrived in this round (``False``: aborted or timed out)."""
+        with self._cond:
+            round_ = self._round
+            self._arrived += 1
+            if self._arrived == self.size:
+                self._arrived, self._round = 0, self._round + 1
+                self._cond.notify_all()
+                return True
+            self._cond.wait_for(lambda: self._round != round_ or self._aborted, timeout_s)
+            return self._round != round_
+
+    def abort(self) -> None:
+        """Release every waiting rank, which then sees its round incomplete."""
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()
 
 
 class _Sent:
