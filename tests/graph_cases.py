@@ -4,6 +4,7 @@ Hugging Face models captured as graphs, and the unpipelined runs they are compar
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -146,24 +147,27 @@ def unet_reference() -> dict[str, Any]:
     return {"losses": losses, "state": model.state_dict()}
 
 
-def train_unet(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The U-Net pipelined per config, from the same initial weights."""
+def train_captured(name: str, configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Model ``name`` (``unet`` or ``resnet``) captured once and pipelined per config from
+    the same initial weights and buffers: its losses, this rank's state and the names of
+    the values crossing each cut."""
+    build, data, loss_fn = CAPTURED[name]
     torch.manual_seed(0)
-    model = UNet()
+    model = build()
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    graph = GraphModel(model, images(0)[0][:2])
+    graph = GraphModel(model, data(0)[0][:2])
     results = []
     for config in configs:
         model.load_state_dict(initial)
         pipe = pipetrain.Pipeline(
             graph,
-            loss_fn=torch.nn.functional.mse_loss,
+            loss_fn=loss_fn,
             microbatches=2 * torch.distributed.get_world_size(),
             optimizer=lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9),
             timeout_s=60,
             **config,
         )
-        losses = [pipe.train_step(*images(step)) for step in range(STEPS)]
+        losses = [pipe.train_step(*data(step)) for step in range(STEPS)]
         state = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
         cuts = [sum(pipe.balance[:stage]) for stage in range(1, len(pipe.balance))]
         crossing = [graph.crossing(cut) for cut in cuts]
@@ -249,29 +253,6 @@ def resnet_reference(microbatches: int) -> dict[str, Any]:
     return {"losses": losses, "state": model.state_dict()}
 
 
-def train_resnet(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The ResNet pipelined per config, from the same initial weights and buffers."""
-    torch.manual_seed(0)
-    model = ResNet()
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
-    graph = GraphModel(model, labelled_images(0)[0][:2])
-    results = []
-    for config in configs:
-        model.load_state_dict(initial)
-        pipe = pipetrain.Pipeline(
-            graph,
-            loss_fn=torch.nn.functional.cross_entropy,
-            microbatches=2 * torch.distributed.get_world_size(),
-            optimizer=lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9),
-            timeout_s=60,
-            **config,
-        )
-        losses = [pipe.train_step(*labelled_images(step)) for step in range(STEPS)]
-        state = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
-        results.append({"losses": losses, "state": state})
-    return results
-
-
 def save_tied(directory: str) -> dict[str, torch.Tensor]:
     """GPT-2 trained 2 steps with AdamW on 2 stages and saved; this rank's state."""
     model = hf_model("gpt2")
@@ -354,3 +335,9 @@ def train_sequential(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         state = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
         results.append({"losses": losses, "state": state, "shared": pipe.shared_parameters})
     return results
+
+
+CAPTURED: dict[str, tuple[Callable[[], torch.nn.Module], Callable[[int], Any], Any]] = {
+    "unet": (UNet, images, torch.nn.functional.mse_loss),
+    "resnet": (ResNet, labelled_images, torch.nn.functional.cross_entropy),
+}

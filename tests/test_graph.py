@@ -82,7 +82,7 @@ def test_stock_causal_lm_trains_as_unpipelined(name: str, world: int, padded: bo
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_unet_skips_cross_stages_and_train_as_unpipelined(world: int) -> None:
-    per_rank = pipetrain.launch(cases.train_unet, world, SCHEDULES, timeout_s=240)
+    per_rank = pipetrain.launch(cases.train_captured, world, "unet", SCHEDULES, timeout_s=240)
     for result in per_rank[0]:
         assert any(len(values) > 1 for values in result["crossing"]), result["crossing"]
     assert_same_training(cases.unet_reference(), per_rank, [])
@@ -114,7 +114,7 @@ def test_resnet_batch_norm_trains_as_unpipelined_micro_batch_by_micro_batch(
     world: int, recompute: str
 ) -> None:
     configs = [{**config, "recompute": recompute} for config in SCHEDULES]
-    per_rank = pipetrain.launch(cases.train_resnet, world, configs, timeout_s=240)
+    per_rank = pipetrain.launch(cases.train_captured, world, "resnet", configs, timeout_s=240)
     assert_same_training(cases.resnet_reference(2 * world), per_rank, [], configs)
 
 
