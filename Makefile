@@ -30,7 +30,8 @@ test: $(INSTALLED)
 	$(VENV)/bin/mypy
 	$(PYTHON) -m pytest -m "not slow"
 
-# the cases over 30 s each (restarts under torchrun, emulated clusters); CI runs them too
+# the heavier cases (restarts under torchrun, emulated clusters, 3-rank and Hugging Face
+# model cases, CLI runs) that would take the default suite past 10 minutes; CI runs them too
 test-slow: $(INSTALLED)
 	$(PYTHON) -m pytest -m slow
 
