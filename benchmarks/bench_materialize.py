@@ -3,12 +3,13 @@ building the whole model on every rank.
 
 A GPT of GPT-2 small's shape (12 blocks of width 768, context 1024, a 50257-token
 vocabulary, the head untied from the embedding, as tying cannot cross stages) runs on 4
-CPU worker processes (1 thread each; 1f1b, balance 2/5/5/2, Adam), twice: built under
-``torch.device("meta")``, each rank allocating and initializing only its stage with its
-modules' ``reset_parameters()``; and built normally, the whole model on every rank. Each
-rank takes ``--steps`` steps on a small batch and reports its peak resident memory (VmHWM)
-less its resident memory when the worker started (torch imported, the group joined),
-beside its stage's parameter, gradient and Adam state bytes (16 bytes a parameter).
+CPU worker processes (1 thread each; 1f1b, balance 2/5/5/2, Adam), three times: built
+under ``torch.device("meta")``, each rank allocating only its stage and initializing it
+with its modules' ``reset_parameters()``; the same, loading the stage from a
+``.safetensors`` file of the whole model; and built normally, the whole model on every
+rank. Each rank takes ``--steps`` steps on a small batch and reports its peak resident
+memory (VmHWM) less its resident memory when the worker started (torch imported, the group
+joined), beside its stage's parameter, gradient and Adam state bytes (16 bytes a parameter).
 
     python benchmarks/bench_materialize.py [--steps 2] [--batch 2] [--length 32]
 """
@@ -16,10 +17,13 @@ beside its stage's parameter, gradient and Adam state bytes (16 bytes a paramete
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 import pipetrain
@@ -28,6 +32,7 @@ from pipetrain.app.models.gpt import Block, gpt_loss
 VOCAB, WIDTH, HEADS, BLOCKS, CONTEXT = 50257, 768, 12, 12, 1024
 BALANCE, RANKS, MICROBATCHES = [2, 5, 5, 2], 4, 2
 BYTES_PER_PARAMETER = 16  # fp32 weight, gradient and Adam's two moments
+MODES = ("meta", "meta + file", "normal")
 
 
 class Embedding(nn.Module):
@@ -69,23 +74,24 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def worker(meta: bool, steps: int, batch: int, length: int) -> dict[str, Any]:
-    """Build the pipeline (the model on the meta device or not), take ``steps`` steps;
-    memory growth and stage size of this rank."""
+def worker(mode: str, path: str, steps: int, batch: int, length: int) -> dict[str, Any]:
+    """Build the pipeline as ``mode`` says and take ``steps`` steps; this rank's memory
+    growth, stage size and build time."""
     start_kib = _status_kib("VmRSS")
     began = time.perf_counter()
     torch.manual_seed(0)
-    if meta:
+    if mode == "normal":
+        model = gpt()
+    else:
         with torch.device("meta"):
             model = gpt()
-    else:
-        model = gpt()
     pipe = pipetrain.Pipeline(
         model,
         balance=BALANCE,
         microbatches=MICROBATCHES,
         loss_fn=gpt_loss,
         optimizer=lambda params: torch.optim.Adam(params, lr=1e-4),
+        weights=path if mode == "meta + file" else None,
     )
     built_s = time.perf_counter() - began
     generator = torch.Generator().manual_seed(1)
@@ -103,43 +109,48 @@ def worker(meta: bool, steps: int, batch: int, length: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    """Run both builds on 4 ranks and print a table per rank."""
+    """Run the three builds on 4 ranks and print a table per rank."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--length", type=int, default=32)
     args = parser.parse_args()
-    runs = {
-        meta: pipetrain.launch(
-            worker,
-            RANKS,
-            meta,
-            args.steps,
-            args.batch,
-            args.length,
-            timeout_s=600,
-            threads_per_worker=1,
-        )
-        for meta in (True, False)
-    }
-    total = runs[True][0]["model_parameters"]
+    with tempfile.TemporaryDirectory() as directory:
+        path = str(Path(directory) / "gpt.safetensors")
+        torch.manual_seed(0)
+        save_file(gpt().state_dict(), path)  # the model is freed before the workers start
+        runs = {
+            mode: pipetrain.launch(
+                worker,
+                RANKS,
+                mode,
+                path,
+                args.steps,
+                args.batch,
+                args.length,
+                timeout_s=600,
+                threads_per_worker=1,
+            )
+            for mode in MODES
+        }
+    total = runs["meta"][0]["model_parameters"]
     print(f"model: {total / 1e6:.1f}M parameters ({total * 4 / 2**20:.0f} MiB in fp32)")
-    print(f"losses, meta: {runs[True][0]['losses']}; built normally: {runs[False][0]['losses']}")
+    for mode in MODES:
+        print(f"losses, {mode}: {[round(x, 4) for x in runs[mode][0]['losses']]}")
     print(
-        "| rank | stage parameters | stage bytes (weights+grads+Adam) | meta: growth "
-        "| meta / stage bytes | built normally: growth | normal / meta | build s (meta, normal) |"
+        "| rank | stage parameters | stage bytes | meta: growth | meta / stage bytes "
+        "| meta + file: growth | built normally: growth | build s (meta, file, normal) |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---|")
     mib = 2**20
     for rank in range(RANKS):
-        meta, normal = runs[True][rank], runs[False][rank]
+        meta, file, normal = (runs[mode][rank] for mode in MODES)
         stage_bytes = meta["parameters"] * BYTES_PER_PARAMETER
         print(
             f"| {rank} | {meta['parameters'] / 1e6:.1f}M | {stage_bytes / mib:.0f} MiB "
             f"| {meta['growth_bytes'] / mib:.0f} MiB | {meta['growth_bytes'] / stage_bytes:.2f} "
-            f"| {normal['growth_bytes'] / mib:.0f} MiB "
-            f"| {normal['growth_bytes'] / meta['growth_bytes']:.2f} "
-            f"| {meta['built_s']:.1f}, {normal['built_s']:.1f} |"
+            f"| {file['growth_bytes'] / mib:.0f} MiB | {normal['growth_bytes'] / mib:.0f} MiB "
+            f"| {meta['built_s']:.1f}, {file['built_s']:.1f}, {normal['built_s']:.1f} |"
         )
 
 
