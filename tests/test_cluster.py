@@ -8,6 +8,7 @@ iproute2, no network namespaces).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -22,6 +23,7 @@ from test_cli import ROOT, unpipelined_losses
 
 from pipetrain.app import cli
 from pipetrain.app.cluster_net import MIN_BURST_BYTES, Cluster, namespaces
+from pipetrain.planning import Topology
 
 CAP = 50e6 / 8  # 50 Mbit/s in bytes/s
 PAYLOAD = 4_000_000  # bytes sent through a capped link: about 0.64 s at 50 Mbit/s
@@ -172,6 +174,22 @@ def test_a_host_link_sends_no_faster_than_its_cap(runs: list[str]) -> None:
     assert sent_bytes <= CAP * elapsed + MIN_BURST_BYTES * 2
 
 
+@needs_namespaces
+def test_an_uncapped_cluster_has_no_token_bucket(runs: list[str]) -> None:
+    with Cluster(2, math.inf) as uncapped, Cluster(1, CAP) as capped:
+        runs += [uncapped.name, capped.name]
+        shown = [
+            subprocess.run(
+                ["tc", "-n", host.namespace, "qdisc", "show", "dev", "eth0"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+            for host in (*uncapped.hosts, *capped.hosts)
+        ]
+    assert ["tbf" in qdisc for qdisc in shown] == [False, False, True]
+
+
 @pytest.mark.slow
 @needs_namespaces
 def test_a_two_host_pipeline_trains_exactly_within_the_cap(runs: list[str]) -> None:
@@ -195,6 +213,25 @@ def test_a_two_host_pipeline_trains_exactly_within_the_cap(runs: list[str]) -> N
     assert all(sent <= CAP * cluster["wall_s"] for sent in cluster["bytes_sent"])
     burst_per_window = 2 * MIN_BURST_BYTES  # tbf may pass a burst on top of the rate
     assert all(peak <= CAP + burst_per_window for peak in cluster["peak_bytes_per_s"])
+
+
+@pytest.mark.slow
+@needs_namespaces
+def test_an_automatic_plan_measures_the_capped_link(runs: list[str]) -> None:
+    process = start_cluster(
+        "--hosts", "2", "--bandwidth", "50Mbit/s", "--json", "--timeout", str(JOB_TIMEOUT_S),
+        "--", "train", "--model", "mlp", "--steps", "2", "--plan", "auto",
+    )  # fmt: skip
+    runs.append(f"ptc{process.pid}-")
+    out, err = finish(process, JOB_TIMEOUT_S + 20)
+    assert process.returncode == 0, err[-3000:]
+    report = json.loads(out)
+    [level] = Topology.parse(report["planned_topology"]).levels
+    assert level.count == 2
+    # gloo moves about 95% of a capped link's rate; a burst may pass on top of it
+    assert 0.85 * CAP < level.bandwidth < 1.1 * CAP
+    assert 0 < level.latency_s < 0.05
+    assert report["planned_step_s"] > 0
 
 
 @pytest.mark.slow

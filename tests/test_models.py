@@ -10,12 +10,14 @@ from torch import nn
 
 from pipetrain.app.data import BatchStream
 from pipetrain.app.models import MODEL_NAMES, build_model, loss_function, model_layers
+from pipetrain.app.train_config import DEFAULT_LR
 from pipetrain.model.layers import to_layers
 
 OUTPUT_SHAPES = {
     "mlp": (16, 10),
     "cnn": (16, 10),
     "uneven-mlp": (16, 10),
+    "vgg": (16, 10),
     "gpt": (16, 64, 256),
     "hf-gpt2": (16, 64, 256),
     "hf-llama": (16, 64, 256),
@@ -46,7 +48,7 @@ def test_training_lowers_held_out_loss(name: str) -> None:
     eval_inputs, eval_targets = stream.eval_set()
     with torch.no_grad():
         before = loss_fn(model(eval_inputs), eval_targets).item()
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=DEFAULT_LR[name])
     for _ in range(30):
         inputs, targets = next(stream)
         optimizer.zero_grad()

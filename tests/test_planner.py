@@ -434,3 +434,20 @@ def test_progress_reports_layouts_and_candidates_and_changes_nothing() -> None:
     assert reported == plan(profile, workers=4)
     assert any("layout" in line for line in lines)
     assert any("simulated" in line for line in lines)
+
+
+def test_every_worker_keeps_plans_that_leave_workers_idle_out() -> None:
+    # a case where leaving 2 of 5 workers idle is fastest (a replica more would all-reduce
+    # 2 GB, or 10 GB, for a single micro-batch): a job of 5 processes cannot run that plan
+    profile = Profile(
+        [
+            LayerCost(0.41, 5.99, parameter_bytes=1e10, activation_bytes=6e6),
+            LayerCost(1.39, 4.43, parameter_bytes=2e9, activation_bytes=2e4),
+            LayerCost(0.46, 5.86, parameter_bytes=6e6, activation_bytes=1e6),
+        ]
+    )
+    idle = plan(profile, topology="5x1GB/s", microbatches=(1,))
+    assert sum(idle.replicas) < 5
+    busy = plan(profile, topology="5x1GB/s", microbatches=(1,), every_worker=True)
+    assert sum(busy.replicas) == busy.workers == 5
+    assert busy.predicted_step_s >= idle.predicted_step_s

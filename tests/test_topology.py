@@ -90,3 +90,44 @@ def test_flat_and_resolve() -> None:
         resolve(None, 0)
     with pytest.raises(TypeError, match="topology must be"):
         resolve(3.5, None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("text", "latencies"),
+    [
+        ("4x100Mbit/s@200us", [200e-6]),
+        ("2x16GB/s@0.5ms,4x1Gbit/s@1s", [0.5e-3, 1.0]),
+        ("2x16GB/s,4x1Gbit/s@30us", [0.0, 30e-6]),
+    ],
+)
+def test_a_level_may_give_the_latency_of_a_message(text: str, latencies: list[float]) -> None:
+    topology = Topology.parse(text)
+    assert [level.latency_s for level in topology.levels] == [
+        pytest.approx(latency) for latency in latencies
+    ]
+    again = Topology.parse(str(topology))
+    assert [level.latency_s for level in again.levels] == [
+        pytest.approx(latency, rel=1e-6) for latency in latencies
+    ]
+
+
+@pytest.mark.parametrize("text", ["4x1GB/s@", "4x1GB/s@3", "4x1GB/s@3xs", "4x1GB/s@-1ms"])
+def test_a_malformed_latency_quotes_the_syntax(text: str) -> None:
+    with pytest.raises(ValueError, match="LATENCY"):
+        Topology.parse(text)
+
+
+def test_a_negative_or_infinite_latency_is_refused() -> None:
+    for latency in (-1e-3, math.inf, math.nan):
+        with pytest.raises(ValueError, match="latency"):
+            Level(2, 1e9, latency)
+
+
+def test_span_latency_is_the_largest_on_the_way_between_ranks() -> None:
+    topology = Topology([Level(2, 16e9, 5e-6), Level(2, 1e9, 200e-6), Level(2, 1e8, 1e-3)])
+    assert topology.span_latency(3, 3) == 0.0
+    assert topology.span_latency(0, 1) == pytest.approx(5e-6)
+    assert topology.span_latency(1, 2) == pytest.approx(200e-6)
+    assert topology.span_latency(7, 0) == pytest.approx(1e-3)
+    with pytest.raises(ValueError, match="rank 8 is outside"):
+        topology.span_latency(0, 8)

@@ -16,7 +16,7 @@ USAGE_ERROR = 2
 
 # a copy of pipetrain.app.models.MODEL_NAMES (a test keeps them equal): importing the models
 # loads torch, which `pipetrain simulate` does not need
-MODEL_NAMES = ("mlp", "cnn", "gpt", "uneven-mlp", "hf-gpt2", "hf-llama")
+MODEL_NAMES = ("mlp", "cnn", "gpt", "uneven-mlp", "vgg", "hf-gpt2", "hf-llama")
 
 
 class Parser(argparse.ArgumentParser):

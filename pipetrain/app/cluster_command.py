@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from math import inf
 from typing import Any
 
 from pipetrain.app.arguments import Parser, non_negative_float, positive_int
@@ -56,7 +57,7 @@ def add_cluster(commands: argparse._SubParsersAction) -> None:
         type=_bandwidth,
         required=True,
         metavar="RATE",
-        help="each host's link, each way, e.g. 100Mbit/s or 12.5MB/s",
+        help="each host's link, each way, e.g. 100Mbit/s or 12.5MB/s; infB/s for no cap",
     )
     parser.add_argument(
         "--port",
@@ -86,8 +87,8 @@ def _bandwidth(text: str) -> float:
         value = parse_bandwidth(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite rate above 0, got {text}")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a rate above 0 (or infB/s), got {text}")
     return value
 
 
@@ -265,7 +266,8 @@ def cluster_report(
     return {
         "name": cluster.name,
         "hosts": len(cluster.hosts),
-        "bandwidth_bytes_per_s": cluster.bytes_per_s,
+        # None: not capped (JSON has no infinity)
+        "bandwidth_bytes_per_s": None if cluster.bytes_per_s == inf else cluster.bytes_per_s,
         "addresses": [host.address for host in cluster.hosts],
         "wall_s": wall_s,
         "bytes_sent": sent,
@@ -281,7 +283,12 @@ def _mbit(bytes_per_s: float) -> str:
 def _summary(report: dict[str, Any]) -> str:
     lines = [
         f"cluster of {report['hosts']} hosts, each link "
-        f"{_mbit(report['bandwidth_bytes_per_s'])} each way, {report['wall_s']:.1f} s"
+        + (
+            "not capped"
+            if report["bandwidth_bytes_per_s"] is None
+            else f"{_mbit(report['bandwidth_bytes_per_s'])} each way"
+        )
+        + f", {report['wall_s']:.1f} s"
     ]
     for i, (sent, peak) in enumerate(zip(report["bytes_sent"], report["peak_bytes_per_s"])):
         lines.append(

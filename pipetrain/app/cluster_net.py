@@ -141,17 +141,18 @@ class Host:
 
 class Cluster:
     """``hosts`` namespaced hosts on one bridge, each link capped at ``bytes_per_s`` in each
-    direction. A context manager: entering makes it (removing what it made if that fails
-    part way), leaving deletes it, with every process still running inside."""
+    direction (``inf``: not capped, as fast as the kernel's veth pairs go). A context
+    manager: entering makes it (removing what it made if that fails part way), leaving
+    deletes it, with every process still running inside."""
 
     def __init__(self, hosts: int, bytes_per_s: float) -> None:
         """Describe the cluster; nothing is made before :meth:`create` (or ``with``)."""
         if not 1 <= hosts <= MAX_HOSTS:
             raise ValueError(f"hosts must be between 1 and {MAX_HOSTS}, got {hosts}")
-        if not 0 < bytes_per_s < float("inf"):
+        if not bytes_per_s > 0:
             raise ValueError(
-                f"a cluster's links need a finite positive bandwidth, got {bytes_per_s} B/s; "
-                "give one like 100Mbit/s"
+                f"a cluster's links need a positive bandwidth, got {bytes_per_s} B/s; "
+                "give one like 100Mbit/s (or inf for no cap)"
             )
         self.bytes_per_s = bytes_per_s
         self.name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
@@ -194,8 +195,9 @@ class Cluster:
                 address = f"{host.address}/24"
                 _run("ip", "-n", host.namespace, "addr", "add", address, "dev", INTERFACE)
                 _run("ip", "-n", host.namespace, "link", "set", INTERFACE, "up")
-                self._tbf(host.namespace, INTERFACE)  # what the host sends
-                self._tbf(self.switch, port)  # what it receives
+                if self.bytes_per_s != float("inf"):
+                    self._tbf(host.namespace, INTERFACE)  # what the host sends
+                    self._tbf(self.switch, port)  # what it receives
         except BaseException:
             self.destroy()
             raise

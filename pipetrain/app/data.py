@@ -28,7 +28,7 @@ EVAL_WINDOWS = 128  # gpt eval-set size (windows of seq_len + 1 bytes)
 _SKIPPED_DIRS = frozenset(
     {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 )
-_DIGIT_MODELS = {"mlp": True, "uneven-mlp": True, "cnn": False}  # name -> flat inputs
+_DIGIT_MODELS = {"mlp": True, "uneven-mlp": True, "cnn": False, "vgg": False}  # name -> flat inputs
 _TEXT_MODELS = frozenset({"gpt", "hf-gpt2", "hf-llama"})
 
 
@@ -94,8 +94,8 @@ class BatchStream:
     - ``"gpt"``, ``"hf-gpt2"``, ``"hf-llama"``: random windows of ``seq_len + 1`` bytes from
       the first 90% of :func:`stdlib_corpus`; inputs are the first ``seq_len`` bytes and
       targets the same window shifted by one, both int64 (B, T).
-    - ``"mlp"``, ``"uneven-mlp"``, ``"cnn"``: the digits training split, reshuffled every
-      epoch; a last partial batch is dropped so every batch has ``batch_size`` rows.
+    - ``"mlp"``, ``"uneven-mlp"``, ``"cnn"``, ``"vgg"``: the digits training split, reshuffled
+      every epoch; a last partial batch is dropped so every batch has ``batch_size`` rows.
 
     The batches depend only on ``seed``.
     """

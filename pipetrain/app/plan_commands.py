@@ -121,7 +121,6 @@ def run_plan(args: argparse.Namespace) -> None:
 
     if args.workers is None and args.topology is None:
         raise ValueError("give --workers N or --topology LEVELS")
-    options = {"schedules": tuple(args.schedules.split(","))} if args.schedules else {}
     chosen = plan(
         Profile.load(args.profile),
         workers=args.workers,
@@ -130,7 +129,7 @@ def run_plan(args: argparse.Namespace) -> None:
         batch_size=args.batch_size,
         replication=not args.no_replication,
         progress=_progress_after(PLAN_QUIET_S),
-        **options,
+        schedules=tuple(args.schedules.split(",")) if args.schedules else None,
     )
     if args.out:
         chosen.save(args.out)

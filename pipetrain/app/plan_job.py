@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
+import math
+import os
 import re
+import socket
 import statistics
+import sys
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -13,10 +18,12 @@ import torch.distributed as dist
 
 from pipetrain.app.data import BatchStream
 from pipetrain.app.models import build_model, loss_function
-from pipetrain.planning import Plan, plan
+from pipetrain.planning import Plan, Topology, plan
 from pipetrain.profiler import Profile, pooled
+from pipetrain.profiler.links import measure_links
 from pipetrain.profiler.measure import profile
 from pipetrain.runtime.torch_transport import TorchTransport
+from pipetrain.units import counted, format_bandwidth, format_seconds
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKMGT]?)(i?)B?\s*$")
 _POWERS = {"": 0, "k": 1, "K": 1, "M": 2, "G": 3, "T": 4}
@@ -70,18 +77,29 @@ def profile_together(
     seed: int = 0,
     threads: int = 1,
     repeats: int = PROFILE_REPEATS,
+    bandwidth: float = math.inf,
 ) -> Profile | None:
     """Call on every rank of the default process group (gloo: the model is profiled on the
-    CPU): every rank profiles the model at once; rank 0 returns the pooled profile
+    CPU): every rank profiles the model at once (in turns of as many as there are cores,
+    where :func:`shared_cores` finds them sharing fewer); rank 0 returns the pooled profile
     (:func:`pipetrain.profiler.pooled`) with the time an activation message takes between
-    ranks 0 and 1 (``message_s``), other ranks ``None``.
+    ranks 0 and 1 (``message_s``, timed once the message has crossed a link of
+    ``bandwidth`` bytes/s), other ranks ``None``.
 
     In a running pipeline every worker computes at once, and workers that share a machine
     slow each other down (memory bandwidth, caches), so costs measured on an idle machine
     would be optimistic.
     """
-    dist.barrier()  # start together, so that every timing runs beside the others
-    measured = profile_builtin(model, batch_size, microbatches, seed, threads, repeats)
+    # start together, so that every timing runs beside the others; ranks that share a
+    # machine with fewer cores than ranks take turns, as many at once as there are cores
+    # (the planner then models them sharing the cores)
+    at_once = shared_cores(threads) or dist.get_world_size()
+    measured: Profile | None = None
+    for turn in range(-(-dist.get_world_size() // at_once)):
+        dist.barrier()
+        if dist.get_rank() // at_once == turn:
+            measured = profile_builtin(model, batch_size, microbatches, seed, threads, repeats)
+    assert measured is not None  # every rank had a turn
     gathered: list[Profile] | None = (
         [measured] * dist.get_world_size() if dist.get_rank() == 0 else None
     )
@@ -90,14 +108,32 @@ def profile_together(
     message_s = (
         0.0
         if alone
-        else _message_s(int(statistics.median(layer.activation_bytes for layer in measured.layers)))
+        else _message_s(
+            int(statistics.median(layer.activation_bytes for layer in measured.layers)), bandwidth
+        )
     )
     return replace(pooled(gathered), message_s=message_s) if gathered is not None else None
 
 
-def _message_s(nbytes: int, rounds: int = 24, warmup: int = 4) -> float:
+def shared_cores(threads: int) -> int | None:
+    """Call on every rank of the default process group: the workers (of ``threads`` threads)
+    that this machine's cores can run at once, when every rank runs on this one machine and
+    they are more than that (local workers, or an emulated cluster's hosts); else ``None``."""
+    with open("/proc/sys/kernel/random/boot_id") as boot:
+        machine = boot.read().strip() or socket.gethostname()
+    machines: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(machines, machine)
+    cores = max(1, len(os.sched_getaffinity(0)) // threads)
+    if len(set(machines)) > 1 or cores >= dist.get_world_size():
+        return None
+    return cores
+
+
+def _message_s(nbytes: int, bandwidth: float, rounds: int = 24, warmup: int = 4) -> float:
     """The longer of the median times a message of ``nbytes`` keeps rank 0 sending and rank 1
-    receiving it (the data already there), as the pipeline's transport does it."""
+    receiving it (the data already there: given time to cross a link of ``bandwidth``
+    bytes/s), as the pipeline's transport does it."""
+    arrival_s = 0.002 + 1.5 * nbytes / bandwidth
     rank = dist.get_rank()
     transport = TorchTransport(torch.device("cpu"))
     payload = (torch.zeros(max(1, nbytes // 4)),)
@@ -110,7 +146,7 @@ def _message_s(nbytes: int, rounds: int = 24, warmup: int = 4) -> float:
             elapsed = time.perf_counter() - start
             transport.flush()
         elif rank == 1:
-            time.sleep(0.002)  # let the data arrive: a receive that waits would time the wait
+            time.sleep(arrival_s)  # let the data arrive: a receive that waits would time the wait
             start = time.perf_counter()
             transport.receive(0, "message")
             elapsed = time.perf_counter() - start
@@ -123,10 +159,18 @@ def _message_s(nbytes: int, rounds: int = 24, warmup: int = 4) -> float:
     return float(longest)
 
 
-def plan_together(model: str, batch_size: int, seed: int = 0, threads: int = 1) -> Plan:
+def plan_together(
+    model: str,
+    batch_size: int,
+    seed: int = 0,
+    threads: int = 1,
+    schedules: Sequence[str] | None = None,
+) -> Plan:
     """Call on every rank of the default process group (gloo): profile a built-in model on all
-    ranks at once (:func:`profile_together`), plan it on rank 0 for as many workers as the
-    group has, and return that plan on every rank.
+    ranks at once (:func:`profile_together`), measure the links between them
+    (:func:`pipetrain.profiler.links.measure_links`), plan it on rank 0 for as many workers as
+    the group has on that topology, among ``schedules`` (``None``: every one), and return that
+    plan on every rank.
 
     Profiling in the processes that will train ties the prediction to them: separate
     launches of the same work can run a third faster or slower than each other. The profile
@@ -138,16 +182,31 @@ def plan_together(model: str, batch_size: int, seed: int = 0, threads: int = 1) 
     counts = tuple(
         m for m in (profiled // 2, profiled, profiled * 2) if m >= 1 and batch_size % m == 0
     )
-    measured = profile_together(model, batch_size, profiled, seed, threads)
+    link = measure_links()
+    measured = profile_together(
+        model, batch_size, profiled, seed, threads, bandwidth=link.bandwidth
+    )
+    cores = shared_cores(threads)
     outcome: list[Plan | Exception | None] = [None]
     if measured is not None:
+        sharing = "" if cores is None else f"; the workers share {counted(cores, 'core')}"
+        print(
+            f"links measured: {format_bandwidth(link.bandwidth)}, {format_seconds(link.latency_s)}"
+            f" a message; a message keeps each side busy {format_seconds(measured.message_s)}"
+            + sharing,
+            file=sys.stderr,
+            flush=True,
+        )
         try:
             outcome = [
                 plan(
                     measured,
-                    workers=dist.get_world_size(),
+                    topology=Topology.flat(dist.get_world_size(), *link),
                     batch_size=batch_size,
                     microbatches=counts,
+                    schedules=schedules,
+                    every_worker=True,  # the job has this many processes, each a worker
+                    shared_cores=cores,
                 )
             ]
         except (ValueError, TypeError) as error:  # every rank must hear of it, not wait for a plan

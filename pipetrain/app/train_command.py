@@ -40,11 +40,11 @@ def add_train(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--schedule",
-        default="1f1b",
         choices=names(),
         metavar="NAME",
         help=f"one of {', '.join(names())} (default 1f1b); pipedream splits each batch into "
-        "--microbatches mini-batches with an update each, 2bw makes --rounds updates per step",
+        "--microbatches mini-batches with an update each, 2bw makes --rounds updates per step; "
+        "with --plan auto, the only schedule the planner may choose (default: any)",
     )
     parser.add_argument(
         "--microbatches",
@@ -201,7 +201,7 @@ def run_train(args: argparse.Namespace) -> None:
     config = TrainConfig(
         model=args.model,
         stages=args.stages,
-        schedule=args.schedule,
+        schedule=args.schedule or "1f1b",
         microbatches=args.microbatches,
         steps=args.steps,
         batch_size=args.batch_size,
@@ -223,6 +223,7 @@ def run_train(args: argparse.Namespace) -> None:
         replicas=args.replicas,
         plan=_train_plan(args),
         plan_auto=args.plan == "auto",
+        plan_schedules=(args.schedule,) if args.schedule and args.plan == "auto" else None,
     )
     if args.ddp:
         _run_ddp(args, config)

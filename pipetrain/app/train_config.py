@@ -19,6 +19,7 @@ DEFAULT_LR = {
     "mlp": 3e-3,
     "uneven-mlp": 3e-3,
     "cnn": 3e-3,
+    "vgg": 1e-3,
     "gpt": 3e-3,
     "hf-gpt2": 3e-3,
     "hf-llama": 3e-3,
@@ -27,6 +28,7 @@ DEFAULT_BATCH_SIZE = {
     "mlp": 64,
     "uneven-mlp": 64,
     "cnn": 64,
+    "vgg": 64,
     "gpt": 16,
     "hf-gpt2": 16,
     "hf-llama": 16,
@@ -41,8 +43,10 @@ WARMUP_FRACTION = 0.1  # of the updates, for warmup-cosine
 class TrainConfig:
     """What to train and how. ``None`` means the default (per model for ``batch_size`` and
     ``lr``; for ``stages``, 2 local workers or the torchrun world size). A ``plan`` sets the
-    split, schedule and micro-batches, and its prediction is kept as ``planned_step_s``;
-    ``plan_auto`` has the workers profile the model and plan it for ``stages`` workers first.
+    split, schedule and micro-batches, and its prediction is kept as ``planned_step_s`` (for
+    the network ``planned_topology``);
+    ``plan_auto`` has the workers profile the model, measure their links and plan it for
+    ``stages`` workers first, choosing among ``plan_schedules`` (``None``: every schedule).
     Every ``accumulate`` steps (and the last) make one update, whose gradients are clipped
     to the global norm ``max_grad_norm`` if one is given. ``lr_schedule`` is ``"constant"``
     or ``"warmup-cosine"`` (see :func:`warmup_cosine`); every ``eval_every`` steps the run
@@ -67,7 +71,9 @@ class TrainConfig:
     schedule_options: dict[str, int | bool] = field(default_factory=dict)
     plan: Plan | None = None
     plan_auto: bool = False
+    plan_schedules: tuple[str, ...] | None = None
     planned_step_s: float | None = None
+    planned_topology: str | None = None
     accumulate: int = 1
     max_grad_norm: float | None = None
     lr_schedule: str = "constant"
@@ -140,6 +146,7 @@ class TrainConfig:
             planned_step_s=plan.predicted_step_s
             if self.batch_size in (None, plan.batch_size)
             else None,
+            planned_topology=plan.topology or None,
         )
 
     def check(self) -> None:

@@ -88,7 +88,13 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
                 flush=True,
             )
         # profile with the threads this worker trains with (torchrun's setting, under torchrun)
-        chosen = plan_together(config.model, config.samples, config.seed, torch.get_num_threads())
+        chosen = plan_together(
+            config.model,
+            config.samples,
+            config.seed,
+            torch.get_num_threads(),
+            schedules=config.plan_schedules,
+        )
         if dist.get_rank() == 0:
             print(chosen.describe() + "\n", file=sys.stderr, flush=True)
         config = replace(config, plan_auto=False, plan=chosen).resolved(dist.get_world_size())

@@ -118,6 +118,9 @@ class TrainReport:
             "predicted_step_s": self.predicted.makespan,
             "predicted_bubble_fraction": self.predicted.bubble_fraction,
             "planned_step_s": config.planned_step_s,
+            "planned_topology": config.planned_topology,
+            "balance": None if config.balance is None else list(config.balance),
+            "replicas": None if config.replicas is None else list(config.replicas),
         }
 
     def divergence(self) -> str | None:

@@ -18,6 +18,7 @@ from functools import cached_property
 from pipetrain.planning.memory import StageFootprint, worker_memory
 from pipetrain.planning.partition import partition
 from pipetrain.planning.replicate import replicate
+from pipetrain.planning.sharing import shared_cores_stretch, stretched
 from pipetrain.planning.topology import Topology
 from pipetrain.profiler.costs import Profile
 from pipetrain.schedules import Schedule, build, spec
@@ -233,14 +234,21 @@ class Candidate:
                 - weight_s
                 + (forward_s * self.recompute_share if again else 0.0)
             )
-            span = topology.span_bandwidth(*self.ranks_of(stage))
             weights = sum(layer.parameter_bytes for layer in part)
             allreduce.append(
-                2 * (replicas - 1) / replicas * weights / span if replicas > 1 else 0.0
+                # a ring all-reduce: 2 (r - 1) messages in turn, carrying 2 (r - 1) / r of it
+                2
+                * (replicas - 1)
+                * (
+                    topology.span_latency(*self.ranks_of(stage))
+                    + weights / replicas / topology.span_bandwidth(*self.ranks_of(stage))
+                )
             )
         boundaries = range(len(layout.stages) - 1)
         sizes = [layers[layout.stages[b][1] - 1].activation_bytes for b in boundaries] or [0.0]
         links = [self._link(topology, b) for b in boundaries] or [math.inf]
+        latency = max((self._latency(topology, b) for b in boundaries), default=0.0)
+        everyone = 2 * (layout.workers - 1) * topology.span_latency(0, layout.workers - 1)
         steps = [
             sum(layer.optimizer_s for layer in layers[start:stop])
             for start, stop, _ in layout.stages
@@ -254,17 +262,24 @@ class Candidate:
             weight,
             sizes,
             links,
+            latency_s=latency,
             step_s=steps,
             allreduce_s=allreduce,
             send_s=message,
             receive_s=message,
-            loss_s=message,  # the loss all-reduce that ends the step: one small message
+            # the loss all-reduce that ends the step: one small message, round the ring
+            loss_s=message + everyone,
         )
 
     def _link(self, topology: Topology, boundary: int) -> float:
         """Bandwidth across ``boundary``: the slowest link among both stages' workers."""
         ranks = [*self.ranks_of(boundary), *self.ranks_of(boundary + 1)]
         return topology.span_bandwidth(min(ranks), max(ranks))
+
+    def _latency(self, topology: Topology, boundary: int) -> float:
+        """A message's latency across ``boundary``: the slowest among both stages' workers."""
+        ranks = [*self.ranks_of(boundary), *self.ranks_of(boundary + 1)]
+        return topology.span_latency(min(ranks), max(ranks))
 
     def lower_bound(self, costs: Costs) -> float:
         """A makespan no schedule can beat.
@@ -324,10 +339,20 @@ class Candidate:
         replicas = layout.replicas if max(layout.replicas) > 1 else None
         return build(self.schedule, layout.workers, self.microbatches, replicas=replicas, **options)
 
-    def build_and_simulate(self, costs: Costs) -> tuple[Timeline, int]:
-        """Simulate the candidate; return the timeline and the micro-batches it processed."""
+    def build_and_simulate(
+        self, costs: Costs, cores: int | None = None
+    ) -> tuple[Timeline, int, Costs]:
+        """Simulate the candidate; return the timeline, the micro-batches it processed, and
+        the costs it ran on: ``costs``, with compute stretched where its workers share
+        ``cores`` cores (None: a core each; see :mod:`pipetrain.planning.sharing`)."""
         schedule = self.build()
-        return simulate(schedule, costs), schedule.microbatches
+        factor, timeline = shared_cores_stretch(
+            lambda trial: simulate(schedule, trial),
+            costs,
+            self.layout.workers,
+            self.layout.workers if cores is None else cores,
+        )
+        return timeline, schedule.microbatches, stretched(costs, factor)
 
 
 def step_costs(profile: Profile, microbatches: int) -> Profile:

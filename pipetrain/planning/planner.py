@@ -46,6 +46,8 @@ def plan(
     batch_size: int | None = None,
     replication: bool = True,
     progress: Callable[[str], None] | None = None,
+    every_worker: bool = False,
+    shared_cores: int | None = None,
 ) -> Plan:
     """The fastest plan whose every worker fits in ``memory_limit`` bytes (None: no limit).
 
@@ -61,8 +63,17 @@ def plan(
     its backward (for ``except_last``, on all micro-batches but the last). The fastest by
     simulated throughput wins; the plan's ``rejected`` says why each other schedule lost.
     ``progress``, if given, receives a line as each part of the work starts (the layouts for
-    each micro-batch count, each simulated candidate).
+    each micro-batch count, each simulated candidate). With ``every_worker``, only layouts
+    that give every worker work are considered (a job of that many processes needs them);
+    otherwise a replicated layout may leave workers idle when that is as fast.
+    ``shared_cores``: the workers all share this many cores (local workers, or an emulated
+    cluster on one machine), so compute stretches when more of them are busy at once (see
+    :mod:`pipetrain.planning.sharing`); ``None``: each worker has its own.
     """
+    if shared_cores is not None and (
+        isinstance(shared_cores, bool) or not isinstance(shared_cores, int) or shared_cores < 1
+    ):
+        raise ValueError(f"shared_cores must be a positive integer or None, got {shared_cores!r}")
     if not isinstance(profile, Profile):
         raise TypeError(f"profile must be a pipetrain.Profile, got {type(profile).__name__}")
     topology = resolve(topology, workers)
@@ -84,10 +95,11 @@ def plan(
         memory_limit,
         report,
         verdicts,
+        every_worker,
     )
     if not fitting:
         raise ValueError(_no_fit_message(memory_limit, smallest, profile, topology, replication))
-    chosen = _fastest(fitting, topology, report, verdicts)
+    chosen = _fastest(fitting, topology, report, verdicts, shared_cores)
     chosen.rejected = verdicts.rejected(chosen.schedule, memory_limit)
     return chosen
 
@@ -141,6 +153,7 @@ def _fitting_candidates(
     memory_limit: float | None,
     report: Callable[[str], None],
     verdicts: Verdicts,
+    every_worker: bool,
 ) -> tuple[list[tuple[Candidate, list[float]]], tuple[float, Candidate | None]]:
     """Candidates that fit with their memory, and the smallest peak among those that do not;
     each tried candidate goes to ``verdicts``."""
@@ -163,6 +176,8 @@ def _fitting_candidates(
                 any(spec(name).chunk_option for name in schedules),
             )
         for layout in layouts_by_batch[step_batch]:
+            if every_worker and layout.workers != topology.workers:
+                continue
             for schedule in schedules:
                 if not layout.runs(schedule, count):
                     continue
@@ -187,9 +202,11 @@ def _fastest(
     topology: Topology,
     report: Callable[[str], None],
     verdicts: Verdicts,
+    cores: int | None,
 ) -> Plan:
     """Simulate candidates, most promising first, until none can beat the best so far
-    (telling ``verdicts`` each candidate's bound and simulated throughput).
+    (telling ``verdicts`` each candidate's bound and simulated throughput); the workers
+    share ``cores`` cores (None: one each).
 
     A candidate's promise is its throughput at its makespan lower bound. Equal throughputs
     (within a relative 1e-9) go to the smaller peak memory.
@@ -208,7 +225,8 @@ def _fastest(
         if best is not None and ceiling < best[0] * (1 - _TIE):
             report(f"planning: the other {len(bounded) - simulated} cannot beat it")
             break
-        timeline, processed = candidate.build_and_simulate(costs)
+        # a bound from unstretched costs stays a bound: sharing cores only slows a step
+        timeline, processed, costs = candidate.build_and_simulate(costs, cores)
         size = candidate.profile.microbatch_size
         throughput = processed * size / timeline.makespan if timeline.makespan > 0 else math.inf
         verdicts.simulated(candidate, throughput)
@@ -224,7 +242,9 @@ def _fastest(
     if variation is not None:
         report("planning: simulating the chosen plan's steps with the measured variation")
     step_s = makespan if variation is None else _varied_step_s(candidate, costs, variation)
-    return _as_plan(candidate, memory, step_s, makespan, processed, costs)
+    plan = _as_plan(candidate, memory, step_s, makespan, processed, costs)
+    plan.topology = str(topology)
+    return plan
 
 
 def _summary(candidate: Candidate) -> str:

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pipetrain.jsonfile import JsonFile, unversioned, versioned
+from pipetrain.planning.topology import Topology
 from pipetrain.units import counted, format_bytes
 
 FORMAT_VERSION = 3
@@ -38,7 +39,8 @@ class Plan(JsonFile):
     ``steady_step_s`` is the step with every action at its median time (the two are equal
     for a profile without runs). Stages sit on consecutive ranks in order. ``rejected``
     names each other schedule the planner considered and why it lost (out of memory, no
-    layout it runs, or slower).
+    layout it runs, or slower). ``topology`` is the network planned for, in
+    :meth:`pipetrain.planning.Topology.parse` syntax.
     """
 
     stages: list[PlanStage]
@@ -54,6 +56,7 @@ class Plan(JsonFile):
     stage_compute_s: list[float] = field(default_factory=list)
     steady_step_s: float | None = None
     rejected: dict[str, str] = field(default_factory=dict)
+    topology: str = ""
 
     @property
     def balance(self) -> list[int]:
@@ -87,9 +90,10 @@ class Plan(JsonFile):
     def describe(self) -> str:
         """A readable summary, one table row per stage, and the schedules rejected and why."""
         chunks = f", {self.virtual} chunks per worker" if self.virtual > 1 else ""
+        network = f" ({self.topology})" if self.topology and _has_links(self.topology) else ""
         lines = [
             f"{self.schedule}: {counted(len(self.stages), 'stage')} on "
-            f"{counted(self.workers, 'worker')}{chunks}, "
+            f"{counted(self.workers, 'worker')}{network}{chunks}, "
             f"{counted(self.microbatches, 'micro-batch', 'micro-batches')} of "
             f"{self.microbatch_size}, recomputation {self.recompute}",
             f"predicted step {self.predicted_step_s:.4g} s, "
@@ -115,3 +119,11 @@ class Plan(JsonFile):
             lines.append("rejected:")
             lines += [f"  {name}: {reason}" for name, reason in self.rejected.items()]
         return "\n".join(lines)
+
+
+def _has_links(topology: str) -> bool:
+    """Whether a topology string names a link with a finite bandwidth or a latency."""
+    return any(
+        level.bandwidth < math.inf or level.latency_s > 0
+        for level in Topology.parse(topology).levels
+    )

@@ -1,4 +1,4 @@
-"""Network topology: levels of components joined by links of one bandwidth each.
+"""Network topology: levels of components joined by links of one bandwidth and latency each.
 
 Level 0 groups ``count`` workers (for example the GPUs of a server) over links of its
 bandwidth; level 1 groups ``count`` level-0 components (servers) over its own links; and so
@@ -13,25 +13,31 @@ import re
 from dataclasses import dataclass
 
 SYNTAX = (
-    "COUNTxBANDWIDTH per level, lowest level first, separated by commas, "
-    'e.g. "4x16GB/s,4x10Gbit/s" or "8x100Gbit/s"; units B/s (bytes) or b/s, bit/s, bps '
-    '(bits), with an optional k, M, G or T prefix (powers of 1000); "infB/s" for no limit'
+    "COUNTxBANDWIDTH[@LATENCY] per level, lowest level first, separated by commas, "
+    'e.g. "4x16GB/s,4x10Gbit/s" or "4x100Mbit/s@200us"; units B/s (bytes) or b/s, bit/s, '
+    'bps (bits), with an optional k, M, G or T prefix (powers of 1000); "infB/s" for no '
+    "limit; a latency (the fixed time of one message over the link) in s, ms or us"
 )
 """The syntax :meth:`Topology.parse` accepts, quoted in its error messages."""
 
 _PREFIXES = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
 _LEVEL = re.compile(
     r"^\s*(?P<count>\d+)\s*[x×*]\s*(?P<value>inf|\d+(?:\.\d*)?(?:[eE][+-]?\d+)?|\.\d+)\s*"
-    r"(?P<prefix>[kKMGT]?)(?P<unit>B/s|bit/s|b/s|bps)\s*$"
+    r"(?P<prefix>[kKMGT]?)(?P<unit>B/s|bit/s|b/s|bps)\s*"
+    r"(?:@\s*(?P<latency>\d+(?:\.\d*)?(?:[eE][+-]?\d+)?|\.\d+)\s*(?P<time>s|ms|us))?\s*$"
 )
+_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
 
 
 @dataclass(frozen=True)
 class Level:
-    """``count`` components of the level below, joined by links of ``bandwidth`` bytes/s."""
+    """``count`` components of the level below, joined by links of ``bandwidth`` bytes/s
+    over which one message takes ``latency_s`` besides its bytes (on a network: the
+    transport's per-message round trips and the switches' delay)."""
 
     count: int
     bandwidth: float
+    latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         """Reject counts below 1 and non-positive bandwidths."""
@@ -44,6 +50,14 @@ class Level:
         ):
             raise ValueError(
                 f"a topology level needs a bandwidth > 0 bytes/s, got {self.bandwidth!r}"
+            )
+        if (
+            not isinstance(self.latency_s, (int, float))
+            or not math.isfinite(self.latency_s)
+            or self.latency_s < 0
+        ):
+            raise ValueError(
+                f"a topology level needs a finite latency >= 0 s, got {self.latency_s!r}"
             )
 
 
@@ -61,13 +75,14 @@ class Topology:
         object.__setattr__(self, "levels", levels)
 
     @classmethod
-    def flat(cls, workers: int, bandwidth: float = math.inf) -> Topology:
-        """One level: ``workers`` workers, every pair joined at ``bandwidth`` bytes/s."""
-        return cls([Level(workers, bandwidth)])
+    def flat(cls, workers: int, bandwidth: float = math.inf, latency_s: float = 0.0) -> Topology:
+        """One level: ``workers`` workers, every pair joined at ``bandwidth`` bytes/s, each
+        message taking ``latency_s`` besides its bytes."""
+        return cls([Level(workers, bandwidth, latency_s)])
 
     @classmethod
     def parse(cls, text: str) -> Topology:
-        """Parse ``"4x16GB/s,4x10Gbit/s"`` (see :data:`SYNTAX`)."""
+        """Parse ``"4x16GB/s,4x10Gbit/s"`` or ``"4x100Mbit/s@200us"`` (see :data:`SYNTAX`)."""
         if not isinstance(text, str) or not text.strip():
             raise ValueError(f"cannot parse topology {text!r}; expected {SYNTAX}")
         levels = []
@@ -79,8 +94,13 @@ class Topology:
                 )
             bits = match["unit"] != "B/s"
             bandwidth = float(match["value"]) * _PREFIXES[match["prefix"]] / (8 if bits else 1)
+            latency = (
+                0.0
+                if match["latency"] is None
+                else float(match["latency"]) * _TIME_UNITS[match["time"]]
+            )
             try:
-                levels.append(Level(int(match["count"]), bandwidth))
+                levels.append(Level(int(match["count"]), bandwidth, latency))
             except ValueError as error:
                 raise ValueError(f"cannot use topology {text!r}: {error}") from None
         return cls(levels)
@@ -100,22 +120,38 @@ class Topology:
         That is the bandwidth of the lowest level whose component holds both ranks;
         ``inf`` when ``first == last`` (nothing crosses a link).
         """
+        if first == last:
+            self._joining_level(first, last)  # checks the ranks
+            return math.inf
+        return min(level.bandwidth for level in self.levels[: self._joining_level(first, last) + 1])
+
+    def span_latency(self, first: int, last: int) -> float:
+        """Latency of one message between the ranks ``first`` and ``last``: the largest
+        among the levels up to the lowest one whose component holds both; 0 when
+        ``first == last``."""
+        if first == last:
+            self._joining_level(first, last)  # checks the ranks
+            return 0.0
+        return max(level.latency_s for level in self.levels[: self._joining_level(first, last) + 1])
+
+    def _joining_level(self, first: int, last: int) -> int:
+        """The lowest level whose component holds both ranks; ValueError for a rank outside."""
         for rank in (first, last):
             if not 0 <= rank < self.workers:
                 raise ValueError(f"rank {rank} is outside this topology's {self.workers} workers")
-        if first == last:
-            return math.inf
         low, high = min(first, last), max(first, last)
         for level in range(len(self.levels)):
             size = self.component_size(level)
             if low // size == high // size:
-                return min(self.levels[k].bandwidth for k in range(level + 1))
+                return level
         raise AssertionError("the top level holds every rank")
 
     def __str__(self) -> str:
         """The topology in :meth:`parse` syntax."""
         return ",".join(
-            f"{level.count}x{_format_bandwidth(level.bandwidth)}" for level in self.levels
+            f"{level.count}x{_format_bandwidth(level.bandwidth)}"
+            + (f"@{level.latency_s * 1e6:.6g}us" if level.latency_s else "")
+            for level in self.levels
         )
 
 

@@ -1,7 +1,7 @@
-"""Built-in models that need no download: MLPs and a CNN for 8x8 digits, a byte-level GPT,
-and stock Hugging Face GPT-2 and Llama classes for the same bytes.
+"""Built-in models that need no download: MLPs, a CNN and a VGG-style network for 8x8
+digits, a byte-level GPT, and stock Hugging Face GPT-2 and Llama classes for the same bytes.
 
-The first four are ``nn.Sequential`` models whose entries are the pipeline layers; the
+The first five are ``nn.Sequential`` models whose entries are the pipeline layers; the
 ``hf-*`` ones are captured as graphs (:func:`example_inputs` is their capture sample).
 """
 
@@ -18,10 +18,10 @@ from torch import Tensor, nn
 from pipetrain.app.models.gpt import build_gpt, gpt_loss
 from pipetrain.app.models.hf import build_hf_gpt2, build_hf_llama, hf_example, hf_loss
 from pipetrain.app.models.mlp import build_mlp, build_uneven_mlp
-from pipetrain.app.models.vision import build_cnn
+from pipetrain.app.models.vision import build_cnn, build_vgg
 from pipetrain.model.frontend import front_end
 
-MODEL_NAMES = ("mlp", "cnn", "gpt", "uneven-mlp", "hf-gpt2", "hf-llama")
+MODEL_NAMES = ("mlp", "cnn", "gpt", "uneven-mlp", "vgg", "hf-gpt2", "hf-llama")
 TEXT_MODELS = frozenset({"gpt", "hf-gpt2", "hf-llama"})
 
 _BUILDERS: dict[str, Callable[..., nn.Module]] = {
@@ -29,6 +29,7 @@ _BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "cnn": build_cnn,
     "gpt": build_gpt,
     "uneven-mlp": build_uneven_mlp,
+    "vgg": build_vgg,
     "hf-gpt2": build_hf_gpt2,
     "hf-llama": build_hf_llama,
 }
@@ -44,6 +45,7 @@ _LOSSES: dict[str, Callable[[Any, Tensor], Tensor]] = {
     "cnn": _classification_loss,
     "gpt": gpt_loss,
     "uneven-mlp": _classification_loss,
+    "vgg": _classification_loss,
     "hf-gpt2": hf_loss,
     "hf-llama": hf_loss,
 }
