@@ -116,7 +116,8 @@ def run(args: argparse.Namespace, cap_text: str) -> list[dict[str, Any]]:
                 "samples_per_s": report["samples_per_s"],
                 "step_s": report["step_s"],
                 "predicted_step_s": report.get("planned_step_s"),
-                "bytes_sent": report["cluster"]["bytes_sent"],
+                "bytes_sent": report["training_bytes_sent"],
+                "bytes_sent_whole_run": report["cluster"]["bytes_sent"],
                 "steps": len(report["step_times_s"]),
             }
         )

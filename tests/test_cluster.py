@@ -276,3 +276,8 @@ def test_ddp_over_two_hosts_trains_exactly_and_sends_its_gradients(runs: list[st
     cluster = report["cluster"]
     assert all(sent >= steps * gradient_bytes / 2 for sent in cluster["bytes_sent"])
     assert all(sent <= CAP * cluster["wall_s"] for sent in cluster["bytes_sent"])
+    # the training loop's own traffic, counted by each worker in its host's namespace: the
+    # gradients, and no more than the whole run's
+    training = report["training_bytes_sent"]
+    assert all(sent >= steps * gradient_bytes / 2 for sent in training)
+    assert all(t <= whole for t, whole in zip(training, cluster["bytes_sent"]))

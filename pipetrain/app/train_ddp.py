@@ -24,6 +24,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from pipetrain.app.data import BatchStream
 from pipetrain.app.models import build_model, loss_function
+from pipetrain.app.traffic import interface_bytes_sent, sent_since
 from pipetrain.app.train_config import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_LR,
@@ -111,6 +112,7 @@ def ddp_worker(config: TrainConfig) -> dict[str, Any] | None:
     losses: list[float] = []
     step_times: list[float] = []
     evaluations: list[dict[str, float]] = []
+    sent_before = interface_bytes_sent()
     for step in range(config.steps):
         inputs, targets = next(batches)
         update = (step + 1) % config.accumulate == 0 or step == config.steps - 1
@@ -141,9 +143,10 @@ def ddp_worker(config: TrainConfig) -> dict[str, Any] | None:
             evaluations.append({"step": step + 1, **held_out(config.model, outputs, held[1])})
             if progress is not None:
                 progress.evaluation(step + 1, evaluations[-1])
+    sent = sent_since(sent_before)
     if rank != 0:
         return None
-    return {"losses": losses, "step_times_s": step_times, "eval": evaluations}
+    return {"losses": losses, "step_times_s": step_times, "eval": evaluations, "bytes_sent": sent}
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,7 @@ class DDPReport:
     losses: list[float]
     step_times_s: list[float]
     evaluations: list[dict[str, float]] = field(default_factory=list)
+    bytes_sent: list[int] = field(default_factory=list)
 
     @property
     def step_s(self) -> float:
@@ -170,7 +174,14 @@ class DDPReport:
         report that mean something without a pipeline, ``schedule`` being ``"ddp"``."""
         config = self.config
         return {
-            **run_keys(config, self.losses, self.step_times_s, self.evaluations, self.step_s),
+            **run_keys(
+                config,
+                self.losses,
+                self.step_times_s,
+                self.evaluations,
+                self.step_s,
+                self.bytes_sent,
+            ),
             "schedule": "ddp",
             "ddp": True,
             "stages": config.stages,
@@ -210,4 +221,6 @@ def run_ddp_training(config: TrainConfig) -> DDPReport | None:
     config, result = run_on_workers(ddp_worker, config, resolve_ddp)
     if result is None:
         return None
-    return DDPReport(config, result["losses"], result["step_times_s"], result["eval"])
+    return DDPReport(
+        config, result["losses"], result["step_times_s"], result["eval"], result["bytes_sent"]
+    )

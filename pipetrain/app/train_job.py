@@ -26,6 +26,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from pipetrain.app.data import BatchStream
 from pipetrain.app.models import TEXT_MODELS, build_model, example_inputs, loss_function
 from pipetrain.app.plan_job import plan_together
+from pipetrain.app.traffic import interface_bytes_sent, sent_since
 from pipetrain.app.train_config import TrainConfig
 from pipetrain.app.train_report import TrainReport
 from pipetrain.app.train_resume import check_resumable, resume, save_if_due
@@ -120,6 +121,7 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
     progress = (
         Progress(config.steps, config.samples, start=history.steps) if pipe.rank == 0 else None
     )
+    sent_before = interface_bytes_sent()
     for step in range(history.steps, config.steps):
         inputs, targets = next(batches) if batches is not None else (None, None)
         # recording costs a barrier per step, so only the last step is recorded
@@ -141,6 +143,7 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
                 if progress is not None:
                     progress.evaluation(step + 1, history.evaluations[-1])
         save_if_due(pipe, config, batches, history)
+    sent = sent_since(sent_before)
     timeline = pipe.timeline()
     if timeline is None:
         return None
@@ -150,6 +153,7 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
         "step_times_s": history.step_times_s,
         "timeline": timeline.to_dict(),
         "eval": history.evaluations,
+        "bytes_sent": sent,
     }
 
 

@@ -34,9 +34,11 @@ def run_keys(
     step_times_s: list[float],
     evaluations: list[dict[str, float]],
     step_s: float,
+    bytes_sent: list[int],
 ) -> dict[str, Any]:
     """The JSON keys every ``pipetrain train`` report has: the settings, the losses and
-    held-out metrics, and the step times."""
+    held-out metrics, the step times, and the bytes each worker's host sent over its network
+    interfaces (not loopback) from the first step to the last."""
     return {
         "model": config.model,
         "batch_size": config.batch_size,
@@ -53,6 +55,7 @@ def run_keys(
         "step_times_s": step_times_s,
         "step_s": step_s,
         "samples_per_s": config.samples / step_s,
+        "training_bytes_sent": bytes_sent,
         "diverged": divergence(losses) is not None,
     }
 
@@ -76,6 +79,7 @@ class TrainReport:
     predicted: Timeline
     costs: Costs
     evaluations: list[dict[str, float]] = field(default_factory=list)
+    bytes_sent: list[int] = field(default_factory=list)
 
     @classmethod
     def build(cls, config: TrainConfig, result: dict[str, Any]) -> TrainReport:
@@ -92,6 +96,7 @@ class TrainReport:
             predicted,
             costs,
             result.get("eval", []),
+            result.get("bytes_sent", []),
         )
 
     @property
@@ -109,7 +114,14 @@ class TrainReport:
         """The JSON object printed by ``pipetrain train --json``."""
         config = self.config
         return {
-            **run_keys(config, self.losses, self.step_times_s, self.evaluations, self.step_s),
+            **run_keys(
+                config,
+                self.losses,
+                self.step_times_s,
+                self.evaluations,
+                self.step_s,
+                self.bytes_sent,
+            ),
             "schedule": config.schedule,
             "stages": config.stages,
             "microbatches": config.microbatches,
