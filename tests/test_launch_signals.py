@@ -140,3 +140,28 @@ def test_a_slow_peer_is_waited_for_not_taken_for_frozen() -> None:
     """Silent for longer than a frozen peer's heartbeat may be, but alive: no error."""
     delay_s = 2 * heartbeat.STALE_S
     assert pipetrain.launch(launch_cases.slow_peer, WORKERS, delay_s, timeout_s=30) == [7.0, 7.0]
+
+
+EXIT_WHILE_BEATING = """
+import torch.distributed as dist
+from pipetrain.runtime import heartbeat
+heartbeat.BEAT_S = 0.0  # a store call at every moment, so that exit always meets one
+store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+heartbeat.beat()
+"""
+
+
+def test_a_process_exits_cleanly_while_its_heartbeat_beats() -> None:
+    """A daemon thread inside a store call at interpreter exit aborts the process, which a
+    restarting torchrun takes for a failed worker: the heartbeat is stopped first."""
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
+    ended = subprocess.run(
+        [sys.executable, "-c", EXIT_WHILE_BEATING],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert ended.returncode == 0, ended.stderr
+    assert "terminate called" not in ended.stderr

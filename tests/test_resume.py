@@ -126,6 +126,14 @@ def test_a_run_started_again_goes_on_from_its_newest_checkpoint(
     done = train(capfd, *common, "--steps", "9", "--save-dir", saves)
     assert done.returncode == 2 and "nothing is left to train" in done.stderr
     assert "samples/s" not in done.stderr, "no worker may start"
+    # torchrun restarting a worker that died after the final save: the run is complete
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+        restarted = train(capfd, *common, "--steps", "9", "--save-dir", saves)
+        beyond = train(capfd, *common, "--steps", "8", "--save-dir", saves)
+    assert restarted.returncode == 0 and "had finished before this restart" in restarted.stderr
+    assert "samples/s" not in restarted.stderr, "no worker may start"
+    assert beyond.returncode == 2 and "nothing is left to train" in beyond.stderr
 
 
 def final(save_dir: Path) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import TYPE_CHECKING
 
 from pipetrain.app.arguments import (
@@ -197,6 +198,7 @@ def _positive_float(text: str) -> float:
 def run_train(args: argparse.Namespace) -> None:
     from pipetrain.app.train_config import TrainConfig
     from pipetrain.app.train_job import run_training
+    from pipetrain.app.train_resume import RunFinished
 
     config = TrainConfig(
         model=args.model,
@@ -228,7 +230,11 @@ def run_train(args: argparse.Namespace) -> None:
     if args.ddp:
         _run_ddp(args, config)
         return
-    report = run_training(config)
+    try:
+        report = run_training(config)
+    except RunFinished as finished:
+        print(f"pipetrain train: {finished}", file=sys.stderr)
+        return
     if report is None:  # a torchrun rank other than 0: rank 0 reports
         return
     if args.trace:

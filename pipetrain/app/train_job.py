@@ -31,6 +31,7 @@ from pipetrain.app.train_config import TrainConfig
 from pipetrain.app.train_report import TrainReport
 from pipetrain.app.train_resume import check_resumable, resume, save_if_due
 from pipetrain.runtime import Pipeline, launch
+from pipetrain.runtime.heartbeat import stop_beating
 
 
 class Progress:
@@ -190,6 +191,7 @@ def run_on_workers(
         return config, worker(config)
     finally:
         if started_group:
+            stop_beating()
             dist.destroy_process_group()
 
 

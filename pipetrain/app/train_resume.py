@@ -5,6 +5,7 @@ with the same losses and weights as a run that was never stopped."""
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -32,18 +33,35 @@ class History:
         return len(self.losses)
 
 
+class RunFinished(Exception):
+    """A restart found the run finished: its newest checkpoint is at the last step."""
+
+
 def check_resumable(config: TrainConfig) -> None:
-    """Raise ValueError if the newest checkpoint in the save directory is already at the
-    run's last step (before any worker starts)."""
+    """Check, before any worker trains, that the save directory's newest checkpoint leaves
+    steps to train.
+
+    Raises:
+        RunFinished: it is at the last step and this is a restart by ``torchrun`` (a worker
+            ended abnormally after the final save, so nothing is left to do).
+        ValueError: it is at or past the last step, on a run started by hand.
+    """
     if config.save_dir is None:
         return
     newest = latest(config.save_dir)
-    if newest is not None and step_of(newest) >= config.steps:
-        raise ValueError(
-            f"the newest checkpoint, {newest}, is at step {step_of(newest)}, and the run has "
-            f"{config.steps} steps: nothing is left to train; give more --steps or another "
-            "--save-dir"
+    if newest is None or step_of(newest) < config.steps:
+        return
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if restarted and step_of(newest) == config.steps:
+        raise RunFinished(
+            f"the run had finished before this restart: {newest} holds its last step, "
+            f"{config.steps}; nothing is left to train"
         )
+    raise ValueError(
+        f"the newest checkpoint, {newest}, is at step {step_of(newest)}, and the run has "
+        f"{config.steps} steps: nothing is left to train; give more --steps or another "
+        "--save-dir"
+    )
 
 
 def resume(pipe: Pipeline, config: TrainConfig, batches: BatchStream | None) -> History:

@@ -15,6 +15,7 @@ timeout.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
@@ -33,7 +34,8 @@ BEAT_S = 0.5
 STALE_S = 3.0  # six beats missed
 _KEY = "pipetrain/heartbeat/"
 
-_beating: tuple[Any, threading.Event] | None = None  # the default group beaten for, its stop
+# the default group beaten for, the event that stops its heartbeat and the beating thread
+_beating: tuple[Any, threading.Event, threading.Thread] | None = None
 
 
 class PeerFrozen(PeerError):
@@ -68,7 +70,7 @@ def beat() -> None:
     if _beating is not None:
         if _beating[0] is group:
             return
-        _beating[1].set()
+        stop_beating()
     try:
         own = store.clone()  # type: ignore[attr-defined]  # its own connection, unshared
     except (RuntimeError, AttributeError):  # a store that cannot be cloned: no heartbeat,
@@ -82,8 +84,29 @@ def beat() -> None:
             if stop.wait(BEAT_S):
                 return
 
-    threading.Thread(target=run, name="pipetrain-heartbeat", daemon=True).start()
-    _beating = (group, stop)
+    beating = threading.Thread(target=run, name="pipetrain-heartbeat", daemon=True)
+    beating.start()
+    _beating = (group, stop, beating)
+
+
+def stop_beating() -> None:
+    """Stop this process's heartbeat and wait for its thread to end (a no-op if none
+    beats).
+
+    Called before a process group is destroyed and at exit: a daemon thread caught inside
+    the store's C++ call while the interpreter finalizes is ended by a forced unwind that
+    aborts the process ("terminate called without an active exception"), which a restarting
+    launcher reads as a failed worker even though the run had finished."""
+    global _beating
+    if _beating is None:
+        return
+    _, stop, beating = _beating
+    stop.set()
+    beating.join(timeout=5 * BEAT_S)  # one store call at most; never hang an exit on it
+    _beating = None
+
+
+atexit.register(stop_beating)
 
 
 def _serve(

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipetrain.runtime.heartbeat import stop_beating
+
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _PARENT_POLL_S = 0.25
 _STOP_GRACE_S = 3.0  # a stopped worker's time to end on SIGTERM before SIGKILL
@@ -94,6 +96,7 @@ def _worker(
         payload = io.BytesIO()
         torch.save(result, payload)
         results.send((True, payload.getvalue(), ""))
+        stop_beating()
         dist.destroy_process_group()
     except BaseException as error:  # reported to the parent, which raises it
         origin = getattr(error, "origin_rank", rank)
