@@ -24,6 +24,7 @@ from pipetrain.profiler import LayerCost, Profile, Spread, pooled, profile
         "parameter_bytes",
         "optimizer_bytes",
         "peak_memory_bytes",
+        "saved_bytes",
     ],
 )
 def test_negative_values_name_the_layer_and_field(field: str) -> None:
@@ -387,3 +388,28 @@ def test_in_place_layers_can_be_profiled() -> None:
     )
     result = profile(model, torch.randn(8, 4), torch.randn(8, 2), nn.MSELoss(), repeats=1, warmup=0)
     assert all(layer.backward_s > 0 for layer in result.layers)
+
+
+class SineOfLinear(nn.Module):
+    """sin(Linear(x)): autograd keeps the Linear's output (sin's input) and the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.sin(self.linear(x))
+
+
+def test_saved_bytes_count_what_autograd_keeps_beyond_inputs_and_weights() -> None:
+    torch.manual_seed(0)
+    layers = [SineOfLinear(), nn.Linear(8, 2)]
+    result = profile(
+        layers, torch.randn(3, 4), torch.randn(3, 2), nn.functional.mse_loss, repeats=1, warmup=0
+    )
+    # the Linear's output and sin's output (3 x 8 floats each); the input and weights,
+    # which Linear saves too, are not the layer's to keep
+    assert result.layers[0].saved_bytes == 2 * 3 * 8 * 4
+    assert result.layers[0].activation_bytes == 3 * 8 * 4
+    # the last layer: its output and the targets, both of which mse_loss keeps
+    assert result.layers[1].saved_bytes == 2 * 3 * 2 * 4

@@ -3,14 +3,17 @@
 A worker holds its stage's weights (several versions under weight stashing), one gradient
 buffer, the optimizer state, and the activations of the micro-batches in flight:
 
-``peak = versions·|W| + |W| (gradients) + |optimizer| + activations``
+``peak = versions·|W| + |W| (gradients) + |optimizer| + activations + workspace``
 
 where, with ``n`` micro-batches in flight on the worker, ``A`` one micro-batch's stored
-activations of the stage (its input plus every layer's output) and ``I`` its input alone,
+activations of the stage (its input plus what every layer keeps for its backward: the
+tensors autograd saves and the output, as profiled) and ``I`` its input alone,
 
 - without recomputation: ``activations = n · A``;
 - with recomputation: ``activations = n · I + A`` (only stage inputs are kept; one
-  micro-batch is re-materialised at a time during its backward).
+  micro-batch is re-materialised at a time during its backward);
+- ``workspace`` is the largest one layer keeps for one micro-batch: a layer's backward
+  holds the gradients of what it saved, about as large, while all the rest is still kept.
 
 These are the GPipe and PipeDream-2BW formulas of ANCHORS.md per stage: GPipe with
 recomputation ``|W|/d + |A_total(b)|/d + m·|A_input(b)|`` (``n = m``); 2BW
@@ -36,25 +39,35 @@ from pipetrain.schedules import spec
 
 @dataclass(frozen=True)
 class StageFootprint:
-    """What one stage (or chunk) stores, per micro-batch where it applies."""
+    """What one stage (or chunk) stores, per micro-batch where it applies:
+    ``activation_bytes`` all it keeps for the backward, ``input_bytes`` its input alone and
+    ``workspace_bytes`` the most that one of its layers keeps (what that layer's backward
+    holds again as gradients)."""
 
     parameter_bytes: float
     optimizer_bytes: float
     activation_bytes: float
     input_bytes: float
+    workspace_bytes: float = 0.0
 
     @classmethod
     def of(cls, profile: Profile, start: int, stop: int) -> StageFootprint:
-        """Footprint of layers ``start..stop-1``: input plus layer outputs are stored."""
+        """Footprint of layers ``start..stop-1``: the stage input plus what each layer keeps
+        for its backward (its saved tensors where profiled, else its output) are stored."""
         layers = profile.layers[start:stop]
         stage_input = (
             profile.input_bytes if start == 0 else profile.layers[start - 1].activation_bytes
         )
+        kept = [
+            layer.activation_bytes if layer.saved_bytes is None else layer.saved_bytes
+            for layer in layers
+        ]
         return cls(
             parameter_bytes=sum(layer.parameter_bytes for layer in layers),
             optimizer_bytes=sum(layer.optimizer_bytes for layer in layers),
-            activation_bytes=stage_input + sum(layer.activation_bytes for layer in layers),
+            activation_bytes=stage_input + sum(kept),
             input_bytes=stage_input,
+            workspace_bytes=max(kept, default=0.0),
         )
 
 
@@ -109,4 +122,6 @@ def worker_memory(
         (c.activation_bytes for c, again in zip(chunks, recompute) if again), default=0.0
     )
     activations = count * kept / len(chunks) + rematerialised
-    return weight_versions(schedule, stage, replicas) * weights + weights + optimizer + activations
+    workspace = max(chunk.workspace_bytes for chunk in chunks)
+    versions = weight_versions(schedule, stage, replicas)
+    return versions * weights + weights + optimizer + activations + workspace

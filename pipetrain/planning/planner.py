@@ -161,40 +161,61 @@ def _fitting_candidates(
     smallest: tuple[float, Candidate | None] = (math.inf, None)
     layouts_by_batch: dict[int, list[Layout]] = {}
     for index, count in enumerate(counts):
-        size = profile.microbatch_size if batch_size is None else batch_size // count
-        micro = profile if size == profile.microbatch_size else profile.scaled(size)
-        step_batch = size * count
-        if step_batch not in layouts_by_batch:
-            report(
-                f"planning: stage layouts for {counted(count, 'micro-batch', 'micro-batches')} "
-                f"({index + 1}/{len(counts)})"
-            )
-            layouts_by_batch[step_batch] = layouts(
-                step_costs(micro, count),
-                topology,
-                replication,
-                any(spec(name).chunk_option for name in schedules),
-            )
-        for layout in layouts_by_batch[step_batch]:
-            if every_worker and layout.workers != topology.workers:
-                continue
-            for schedule in schedules:
-                if not layout.runs(schedule, count):
+        for size, runnable in _by_microbatch_size(profile, schedules, count, batch_size):
+            micro = profile if size == profile.microbatch_size else profile.scaled(size)
+            step_batch = size * count
+            if step_batch not in layouts_by_batch:
+                report(
+                    f"planning: stage layouts for "
+                    f"{counted(count, 'micro-batch', 'micro-batches')} ({index + 1}/{len(counts)})"
+                )
+                layouts_by_batch[step_batch] = layouts(
+                    step_costs(micro, count),
+                    topology,
+                    replication,
+                    any(spec(name).chunk_option for name in schedules),
+                )
+            for layout in layouts_by_batch[step_batch]:
+                if every_worker and layout.workers != topology.workers:
                     continue
-                seen: set[tuple[bool, ...]] = set()
-                for recompute in RECOMPUTE_MODES:
-                    candidate = Candidate(layout, schedule, count, recompute, micro)
-                    if tuple(candidate.recompute_flags) in seen:
+                for schedule in runnable:
+                    if not layout.runs(schedule, count):
                         continue
-                    seen.add(tuple(candidate.recompute_flags))
-                    memory = candidate.memory()
-                    fits = memory_limit is None or max(memory) <= memory_limit
-                    verdicts.tried(candidate, max(memory), fits)
-                    if fits:
-                        fitting.append((candidate, memory))
-                        break
-                    smallest = min(smallest, (max(memory), candidate), key=lambda pair: pair[0])
+                    seen: set[tuple[bool, ...]] = set()
+                    for recompute in RECOMPUTE_MODES:
+                        candidate = Candidate(layout, schedule, count, recompute, micro)
+                        if tuple(candidate.recompute_flags) in seen:
+                            continue
+                        seen.add(tuple(candidate.recompute_flags))
+                        memory = candidate.memory()
+                        fits = memory_limit is None or max(memory) <= memory_limit
+                        verdicts.tried(candidate, max(memory), fits)
+                        if fits:
+                            fitting.append((candidate, memory))
+                            break
+                        smallest = min(smallest, (max(memory), candidate), key=lambda pair: pair[0])
     return fitting, smallest
+
+
+def _by_microbatch_size(
+    profile: Profile, schedules: tuple[str, ...], count: int, batch_size: int | None
+) -> list[tuple[int, list[str]]]:
+    """The schedules grouped by the micro-batch size they run ``count`` micro-batches per
+    update at: the profile's, or with ``batch_size`` the samples of one training step over
+    the micro-batches that step plays (its window: ``2bw`` makes two updates a step), in
+    first-seen order; a schedule whose window does not divide ``batch_size`` is left out."""
+    groups: dict[int, list[str]] = {}
+    for schedule in schedules:
+        family = spec(schedule)
+        window = family.window(count, family.resolve({}))
+        if batch_size is None:
+            size = profile.microbatch_size
+        elif batch_size % window == 0:
+            size = batch_size // window
+        else:
+            continue
+        groups.setdefault(size, []).append(schedule)
+    return list(groups.items())
 
 
 def _fastest(

@@ -9,6 +9,7 @@ from typing import Any
 
 from pipetrain.jsonfile import JsonFile, unversioned, versioned
 from pipetrain.planning.topology import Topology
+from pipetrain.schedules import spec
 from pipetrain.units import counted, format_bytes
 
 FORMAT_VERSION = 3
@@ -33,8 +34,9 @@ class Plan(JsonFile):
     ``interleaved``, a V for ``zb-v``; ``virtual`` is the chunks per worker).
     ``stage_memory_bytes[i]`` is the predicted peak on a worker holding stage ``i`` and
     ``stage_compute_s[i]`` its forward and backward time for one micro-batch (recomputation
-    included). ``predicted_step_s`` covers one optimizer step of ``microbatches``
-    micro-batches of ``microbatch_size`` samples: with a measured profile, the median of
+    included). ``predicted_step_s`` covers one training step of ``batch_size`` samples
+    (one optimizer step of ``microbatches`` micro-batches of ``microbatch_size`` samples;
+    two for ``2bw``, whose step plays two updates): with a measured profile, the median of
     :data:`VARIED_RUNS` (up to 64) simulated steps whose actions vary as the profile's runs did;
     ``steady_step_s`` is the step with every action at its median time (the two are equal
     for a profile without runs). Stages sit on consecutive ranks in order. ``rejected``
@@ -70,8 +72,10 @@ class Plan(JsonFile):
 
     @property
     def batch_size(self) -> int:
-        """Samples per optimizer step."""
-        return self.microbatches * self.microbatch_size
+        """Samples one training step (one ``train_step`` call) takes: ``microbatches`` per
+        update, times the updates the schedule makes in a step (two for ``2bw``)."""
+        family = spec(self.schedule)
+        return family.window(self.microbatches, family.resolve({})) * self.microbatch_size
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dictionary with a ``format_version``."""

@@ -18,7 +18,8 @@ FORMAT_VERSION = 1
 """Version of the JSON layout written by :meth:`Profile.save`."""
 
 _TIME_FIELDS = ("forward_s", "backward_s", "weight_backward_s")
-_BATCH_BYTE_FIELDS = ("activation_bytes",)
+_BATCH_BYTE_FIELDS = ("activation_bytes", "saved_bytes")
+_OPTIONAL_FIELDS = ("weight_backward_s", "saved_bytes")
 
 
 @dataclass
@@ -30,8 +31,11 @@ class LayerCost:
     (``None`` otherwise). ``activation_bytes`` is the size of the layer's output,
     ``parameter_bytes`` of its weights, ``optimizer_bytes`` of its optimizer state, and
     ``peak_memory_bytes`` the most memory the layer's forward and backward allocate beyond
-    its inputs and weights. ``optimizer_s`` is one optimizer step over the layer's weights:
-    it happens once per update, so it does not scale with the micro-batch size.
+    its inputs and weights. ``saved_bytes`` is what the layer's forward keeps until its
+    backward besides its inputs and weights: its output and every other tensor autograd
+    saves (``None`` where not measured; the memory model then counts the output alone).
+    ``optimizer_s`` is one optimizer step over the layer's weights: it happens once per
+    update, so it does not scale with the micro-batch size.
     """
 
     forward_s: float
@@ -43,6 +47,7 @@ class LayerCost:
     peak_memory_bytes: float = 0.0
     name: str = ""
     optimizer_s: float = 0.0
+    saved_bytes: float | None = None
 
     @property
     def compute_s(self) -> float:
@@ -273,7 +278,7 @@ def _check_layer(index: int, layer: object) -> None:
     where = f"layer {index}" + (f" ({layer.name})" if layer.name else "")
     for field in fields(LayerCost):
         value = getattr(layer, field.name)
-        if field.name == "name" or (field.name == "weight_backward_s" and value is None):
+        if field.name == "name" or (field.name in _OPTIONAL_FIELDS and value is None):
             continue
         non_negative_number(f"{where}: {field.name}", value)
     if layer.weight_backward_s is not None and layer.weight_backward_s > layer.backward_s:

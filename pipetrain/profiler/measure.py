@@ -71,6 +71,8 @@ def profile(
       the layer alone, where ``torch.autograd.grad`` with respect to the inputs and
       parameters is timed against the inputs only (0 for a layer without parameters, all of
       the backward when the input has no gradient, such as token ids).
+    - ``saved_bytes`` counts, on one forward, the storages autograd saves for the backward
+      and the output's, leaving out the layer's inputs, weights and buffers.
     - ``optimizer_bytes`` assumes Adam: ``optimizer_state_factor`` (2) times the bytes of
       the trainable parameters (two moment estimates).
     - ``optimizer_s`` is one step of ``optimizer`` (a function from parameters to an
@@ -188,6 +190,7 @@ class _LayerRun:
                 full.append(full_s)
                 inputs_only.append(inputs_s)
         backward_s = statistics.median(full)
+        saved_bytes = self._saved_bytes()
         parameter_bytes = nbytes(self.module.parameters())
         trainable_bytes = nbytes(self.parameters)
         activation_bytes = nbytes(self.output)
@@ -200,7 +203,31 @@ class _LayerRun:
             optimizer_bytes=optimizer_state_factor * trainable_bytes,
             peak_memory_bytes=self._peak_memory(activation_bytes + trainable_bytes),
             name=name,
+            saved_bytes=saved_bytes,
         )
+
+    def _saved_bytes(self) -> float:
+        """Bytes one forward keeps until its backward besides the layer's inputs, weights
+        and buffers: the storages autograd saves (the loss's too, on the last layer) and the
+        output's, each counted once."""
+        kept: dict[int, int] = {}
+
+        def keep(tensor: Tensor) -> Tensor:
+            storage = tensor.untyped_storage()
+            kept[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        leaves, fed = fresh_inputs(self.arguments)
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            output = self.module(*fed)
+            if self.targets is not None:
+                self.loss_fn(output, self.targets)
+        for tensor in tensors(output):
+            keep(tensor)
+        owned = [*tensors(leaves), *tensors(fed), *self.module.parameters()]
+        owned += list(self.module.buffers())
+        excluded = {tensor.untyped_storage().data_ptr() for tensor in owned}
+        return float(sum(size for pointer, size in kept.items() if pointer not in excluded))
 
     def _weight_share(self, backward_s: float, inputs_only_s: float) -> float:
         """The weight-gradient part of the backward, clamped into [0, backward_s]."""
