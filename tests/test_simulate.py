@@ -45,8 +45,8 @@ def test_zero_bubble_h1_has_a_third_of_1f1b_bubble(p: int, extra: int) -> None:
     assert zb.makespan == pytest.approx(3 * m + p - 1)
     assert zb.bubble_fraction == pytest.approx((p - 1) / (3 * m + p - 1))
     assert (zb.makespan - 3 * m) * 3 == pytest.approx(one_f_one_b.makespan - 3 * m)
-    # same activation memory as 1F1B
-    assert zb.peak_activations == one_f_one_b.peak_activations
+    # counted until each W, its deferred W's hold at least what 1F1B holds until each B
+    assert all(z >= o for z, o in zip(zb.peak_activations, one_f_one_b.peak_activations))
 
 
 @settings(max_examples=40, deadline=None)

@@ -5,6 +5,9 @@ buffer, the optimizer state, and the activations of the micro-batches in flight:
 
 ``peak = versions·|W| + |W| (gradients) + |optimizer| + activations + workspace``
 
+(under an asynchronous schedule, one version more: the runtime's stash copies every
+version it runs on, the newest included, beside the weights the optimizer updates)
+
 where, with ``n`` micro-batches in flight on the worker, ``A`` one micro-batch's stored
 activations of the stage (its input plus what every layer keeps for its backward: the
 tensors autograd saves and the output, as profiled) and ``I`` its input alone,
@@ -12,6 +15,9 @@ tensors autograd saves and the output, as profiled) and ``I`` its input alone,
 - without recomputation: ``activations = n · A``;
 - with recomputation: ``activations = n · I + A`` (only stage inputs are kept; one
   micro-batch is re-materialised at a time during its backward);
+  Under a split backward the B re-materialises, and what it made stays until the W:
+  ``activations = n · I + d · A`` with ``d`` the most micro-batches between their B and
+  their W at once, read from the schedule's order;
 - ``workspace`` is the largest one layer keeps for one micro-batch: a layer's backward
   holds the gradients of what it saved, about as large, while all the rest is still kept.
 
@@ -32,9 +38,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from pipetrain.profiler.costs import Profile
-from pipetrain.schedules import spec
+from pipetrain.schedules import Kind, build, spec
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,25 @@ def weight_versions(schedule: str, stage: int, replicas: Sequence[int]) -> int:
     return family.weight_versions(stage, replicas, family.resolve({}))
 
 
+@lru_cache(maxsize=256)
+def deferred_weights(schedule: str, ranks: int, microbatches: int, virtual: int) -> tuple[int, ...]:
+    """Per rank, the most (chunk) micro-batches whose B has run and whose W has not, at
+    once, in the order of ``schedule`` on ``ranks`` ranks (``virtual`` chunks each)."""
+    family = spec(schedule)
+    options: dict[str, int | bool] = {family.chunk_option: virtual} if family.chunk_option else {}
+    peaks = []
+    for lane in build(schedule, ranks, microbatches, replicas=None, **options).ranks:
+        waiting = peak = 0
+        for action in lane:
+            if action.kind is Kind.BACKWARD:
+                waiting += 1
+                peak = max(peak, waiting)
+            elif action.kind is Kind.WEIGHT:
+                waiting -= 1
+        peaks.append(peak)
+    return tuple(peaks)
+
+
 def worker_memory(
     chunks: Sequence[StageFootprint],
     recompute: Sequence[bool],
@@ -121,7 +147,12 @@ def worker_memory(
     rematerialised = max(
         (c.activation_bytes for c, again in zip(chunks, recompute) if again), default=0.0
     )
+    if rematerialised and spec(schedule).split_backward:
+        ranks, virtual = len(replicas), len(chunks)
+        rematerialised *= max(deferred_weights(schedule, ranks, microbatches, virtual)[stage], 1)
     activations = count * kept / len(chunks) + rematerialised
     workspace = max(chunk.workspace_bytes for chunk in chunks)
     versions = weight_versions(schedule, stage, replicas)
+    if spec(schedule).asynchronous:
+        versions += 1  # the stash copies every version, the newest too, beside the live weights
     return versions * weights + weights + optimizer + activations + workspace

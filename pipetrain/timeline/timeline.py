@@ -238,9 +238,10 @@ class Timeline(JsonFile):
     def peak_activations(self) -> list[int]:
         """Per rank, the most (stage, micro-batch) pairs held at once.
 
-        A pair is held from the start of its ``"F"`` event to the end of its ``"B"`` event.
-        At equal times releases happen before acquisitions, so a backward that ends exactly
-        when the next forward starts frees its slot first.
+        A pair is held from the start of its ``"F"`` event to the end of its ``"B"`` event,
+        or of its ``"W"`` event where the backward is split. At equal times releases happen
+        before acquisitions, so a backward that ends exactly when the next forward starts
+        frees its slot first.
         """
         return [_peak_held(lane) for lane in self._by_rank]
 
@@ -334,10 +335,17 @@ class Timeline(JsonFile):
 
 
 def _peak_held(lane: Sequence[Event]) -> int:
-    """The most (stage, micro-batch) pairs held at once on one rank's events."""
+    """The most (stage, micro-batch) pairs held at once on one rank's events: from the
+    forward to the end of the backward, or of the W where the backward is split (the
+    weight gradient reads the activations)."""
     release, acquire = 0, 1  # sort order: releases first at equal times
+    ends: dict[tuple[int | None, int | None], float] = {}
+    for e in lane:
+        if e.kind in ("B", "W"):
+            pair = (e.stage, e.microbatch)
+            ends[pair] = max(ends.get(pair, e.end), e.end)
     changes = [(e.start, acquire, (e.stage, e.microbatch)) for e in lane if e.kind == "F"]
-    changes += [(e.end, release, (e.stage, e.microbatch)) for e in lane if e.kind == "B"]
+    changes += [(end, release, pair) for pair, end in ends.items()]
     changes.sort(key=lambda change: change[:2])
     held: set[tuple[int | None, int | None]] = set()
     peak = 0

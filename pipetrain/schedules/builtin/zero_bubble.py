@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
+from functools import lru_cache
 
 from pipetrain.schedules.actions import Action, Kind
-from pipetrain.schedules.builtin.common import one_f_one_b_in_flight
+from pipetrain.schedules.builtin.unit_time import peak_held
 from pipetrain.schedules.registry import (
     Bubble,
     Generated,
@@ -66,6 +67,17 @@ def generate(
     return Generated(orders, [(rank,) for rank in range(p)])
 
 
+@lru_cache(maxsize=256)
+def _peaks(ranks: int, microbatches: int) -> tuple[int, ...]:
+    return tuple(peak_held([list(o) for o in generate(ranks, microbatches, None, {}).orders]))
+
+
+def in_flight(stage: int, microbatches: int, replicas: Sequence[int], chunks: int) -> int:
+    """Micro-batches rank ``stage`` holds at once, from each forward to its W (a deferred W
+    keeps the activations its weight gradient reads), read from the order."""
+    return _peaks(len(replicas), microbatches)[stage]
+
+
 def bubble(ranks: int, microbatches: int, options: Options, costs: UniformCosts) -> Bubble | None:
     """The zero-bubble paper's count, where it holds (m >= p and W <= min(F, B))."""
     f, b, w = costs
@@ -80,7 +92,7 @@ SPEC = ScheduleSpec(
     summary="zero-bubble ZB-H1: B and W apart, W's fill the bubble; one synchronous update",
     generate=generate,
     split_backward=True,
-    in_flight=one_f_one_b_in_flight,
+    in_flight=in_flight,
     textbook_bubble=bubble,
     default_costs={"forward_s": 1.0, "backward_s": 1.0, "weight_s": 1.0},
     planned_by_default=True,
