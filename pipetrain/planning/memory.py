@@ -29,7 +29,7 @@ In-flight micro-batches ``n`` and weight versions come from each schedule's spec
 (:class:`pipetrain.schedules.ScheduleSpec`): for example ``gpipe`` holds all of a worker's
 ``⌈m / r_s⌉`` micro-batches, the 1F1B family at most PipeDream's in-flight depth
 ``⌈(r_s + … + r_{p-1}) / r_s⌉``, ``interleaved`` Megatron-LM's warm-up depth, the V
-families and ``interleaved-zb`` the peak of their own orders (until each W); ``2bw``
+families, ``zb-h1`` and ``interleaved-zb`` the peak of their own orders (until each W); ``2bw``
 keeps 2 weight versions, ``pipedream`` one per in-flight mini-batch.
 """
 

@@ -230,7 +230,7 @@ def _fastest(
     share ``cores`` cores (None: one each).
 
     A candidate's promise is its throughput at its makespan lower bound. Equal throughputs
-    (within a relative 1e-9) go to the smaller peak memory.
+    (within a relative 1e-9) go to fewer micro-batches, then to the smaller peak memory.
     """
     report(f"planning: {counted(len(fitting), 'candidate')} fit; simulating the most promising")
     bounded = []
@@ -251,7 +251,9 @@ def _fastest(
         size = candidate.profile.microbatch_size
         throughput = processed * size / timeline.makespan if timeline.makespan > 0 else math.inf
         verdicts.simulated(candidate, throughput)
-        if best is None or _better(throughput, peak, best[0], best[1]):
+        if best is None or _better(
+            (throughput, candidate.microbatches, peak), (best[0], best[2].microbatches, best[1])
+        ):
             best = (throughput, peak, candidate, memory, costs, processed, timeline.makespan)
         report(
             f"planning: {simulated + 1}/{len(bounded)} candidates simulated, best so far "
@@ -290,11 +292,19 @@ def _varied_step_s(candidate: Candidate, costs: Costs, variation: Variation) -> 
     )
 
 
-def _better(throughput: float, peak: float, best_throughput: float, best_peak: float) -> bool:
-    """Faster, or as fast (within :data:`_TIE`) with less memory."""
+def _better(trial: tuple[float, int, float], best: tuple[float, int, float]) -> bool:
+    """Whether ``trial`` (throughput, micro-batches, peak memory) beats ``best``: faster,
+    or as fast (within :data:`_TIE`) with fewer micro-batches, then with less memory.
+    Every micro-batch costs a fixed overhead the profile's linear costs leave out, so where
+    the simulation cannot tell counts apart (a single stage, replicated), fewer run faster.
+    """
+    throughput, microbatches, peak = trial
+    best_throughput, best_microbatches, best_peak = best
     if throughput > best_throughput * (1 + _TIE):
         return True
-    return throughput >= best_throughput * (1 - _TIE) and peak < best_peak
+    if throughput < best_throughput * (1 - _TIE):
+        return False
+    return (microbatches, peak) < (best_microbatches, best_peak)
 
 
 def _as_plan(

@@ -35,7 +35,8 @@ def measure_links(rounds: int = 3) -> Link:
 
     A message's time is the median of ``rounds`` round trips (the message there, one byte
     back), halved for the latency; bandwidth is the large message's extra bytes over its
-    extra time. With one rank there is no link: infinite bandwidth, no latency.
+    extra time (:func:`bandwidth_of`). With one rank there is no link: infinite bandwidth,
+    no latency.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     if world == 1:
@@ -78,7 +79,14 @@ def _measure_pair(sender: int, receiver: int, rank: int, rounds: int, out: torch
         times.append(statistics.median(runs[1:]))
     if rank == sender:
         small, large = times
-        latency = small / 2
-        bandwidth = (LARGE_BYTES - SMALL_BYTES) / max(large - small, 1e-9)
-        out[0] = max(float(out[0]), -bandwidth)
-        out[1] = max(float(out[1]), latency)
+        out[0] = max(float(out[0]), -bandwidth_of(small, large))
+        out[1] = max(float(out[1]), small / 2)
+
+
+def bandwidth_of(small_s: float, large_s: float) -> float:
+    """Bytes/s from the round trips of the small and the large message: the large one's
+    extra bytes over its extra time, that time taken as at least half its round trip. On a
+    fast link the two round trips are close, and a moment's delay of the small one (another
+    process on the core) can make their difference vanish or turn negative: the bound
+    keeps such a link fast but finite."""
+    return (LARGE_BYTES - SMALL_BYTES) / max(large_s - small_s, large_s / 2)

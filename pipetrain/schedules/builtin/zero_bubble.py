@@ -27,7 +27,8 @@ def generate(
     micro-batches are in flight (the 1F1B memory limit), and a deferred W whenever it would
     otherwise wait or holds more than ``stages`` deferred W's. Deferring W's lets every B
     travel up the pipeline at once, so with F = B = W the bubble is (p − 1)/(3m + p − 1), a
-    third of 1F1B's.
+    third of 1F1B's. A deferred W still needs its micro-batch's activations, so a rank
+    holds more micro-batches than 1F1B's limit until its W's run (:func:`in_flight`).
     """
     p, m = ranks, microbatches
     forward_done = [[math.inf] * m for _ in range(p)]
