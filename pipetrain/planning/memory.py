@@ -42,6 +42,7 @@ from functools import lru_cache
 
 from pipetrain.profiler.costs import Profile
 from pipetrain.schedules import Kind, build, spec
+from pipetrain.schedules.builtin.unit_time import peak_held
 
 
 @dataclass(frozen=True)
@@ -108,17 +109,8 @@ def deferred_weights(schedule: str, ranks: int, microbatches: int, virtual: int)
     once, in the order of ``schedule`` on ``ranks`` ranks (``virtual`` chunks each)."""
     family = spec(schedule)
     options: dict[str, int | bool] = {family.chunk_option: virtual} if family.chunk_option else {}
-    peaks = []
-    for lane in build(schedule, ranks, microbatches, replicas=None, **options).ranks:
-        waiting = peak = 0
-        for action in lane:
-            if action.kind is Kind.BACKWARD:
-                waiting += 1
-                peak = max(peak, waiting)
-            elif action.kind is Kind.WEIGHT:
-                waiting -= 1
-        peaks.append(peak)
-    return tuple(peaks)
+    built = build(schedule, ranks, microbatches, replicas=None, **options)
+    return tuple(peak_held([list(lane) for lane in built.ranks], since=Kind.BACKWARD))
 
 
 def worker_memory(

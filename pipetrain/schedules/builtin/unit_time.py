@@ -170,13 +170,14 @@ def repeated_block(stage_rank: Sequence[int], microbatches: int, block: Block) -
     return orders
 
 
-def peak_held(orders: Orders) -> list[int]:
-    """Per rank, the most chunk micro-batches held at once: from a forward to its W."""
+def peak_held(orders: Orders, since: Kind = Kind.FORWARD) -> list[int]:
+    """Per rank, the most chunk micro-batches held at once: from a forward (or the pass
+    ``since``) to its W."""
     peaks = []
     for order in orders:
         held = peak = 0
         for action in order:
-            if action.kind is Kind.FORWARD:
+            if action.kind is since:
                 held += 1
                 peak = max(peak, held)
             elif action.kind is Kind.WEIGHT:
