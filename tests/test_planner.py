@@ -496,3 +496,5 @@ def test_a_2bw_plan_predicts_the_step_it_will_run() -> None:
     by_hand = simulate(build("2bw", 2, 2), Costs(forward_s=2.0, backward_s=4.0)).makespan
     assert two_bw.predicted_step_s == pytest.approx(by_hand)
     assert two_bw.predicted_throughput == pytest.approx(8 / by_hand)
+    assert "2 micro-batches of 2 per update, 2 updates a step" in two_bw.describe()
+    assert "2 micro-batches of 4, recomputation" in one_f_one_b.describe()

@@ -95,11 +95,13 @@ class Plan(JsonFile):
         """A readable summary, one table row per stage, and the schedules rejected and why."""
         chunks = f", {self.virtual} chunks per worker" if self.virtual > 1 else ""
         network = f" ({self.topology})" if self.topology and _has_links(self.topology) else ""
+        updates = self.batch_size // (self.microbatches * self.microbatch_size)
+        per_update = f" per update, {updates} updates a step" if updates > 1 else ""
         lines = [
             f"{self.schedule}: {counted(len(self.stages), 'stage')} on "
             f"{counted(self.workers, 'worker')}{network}{chunks}, "
             f"{counted(self.microbatches, 'micro-batch', 'micro-batches')} of "
-            f"{self.microbatch_size}, recomputation {self.recompute}",
+            f"{self.microbatch_size}{per_update}, recomputation {self.recompute}",
             f"predicted step {self.predicted_step_s:.4g} s, "
             f"{self.predicted_throughput:.4g} samples/s"
             + (
