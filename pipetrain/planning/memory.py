@@ -5,9 +5,6 @@ buffer, the optimizer state, and the activations of the micro-batches in flight:
 
 ``peak = versions·|W| + |W| (gradients) + |optimizer| + activations + workspace``
 
-(under an asynchronous schedule, one version more: the runtime's stash copies every
-version it runs on, the newest included, beside the weights the optimizer updates)
-
 where, with ``n`` micro-batches in flight on the worker, ``A`` one micro-batch's stored
 activations of the stage (its input plus what every layer keeps for its backward: the
 tensors autograd saves and the output, as profiled) and ``I`` its input alone,
@@ -19,7 +16,11 @@ tensors autograd saves and the output, as profiled) and ``I`` its input alone,
   ``activations = n · I + d · A`` with ``d`` the most micro-batches between their B and
   their W at once, read from the schedule's order;
 - ``workspace`` is the largest one layer keeps for one micro-batch: a layer's backward
-  holds the gradients of what it saved, about as large, while all the rest is still kept.
+  holds the gradients of what it saved, about as large, while all the rest is still kept;
+- ``sent`` is what the worker has sent by then: a send's buffer lives until the step's
+  end, when the runtime waits for all of them (gloo completes a send only once it is
+  waited for), so the peak comes late in the step, when every forward has sent its
+  output and every backward but the ``n`` held micro-batches' its input gradient.
 
 These are the GPipe and PipeDream-2BW formulas of ANCHORS.md per stage: GPipe with
 recomputation ``|W|/d + |A_total(b)|/d + m·|A_input(b)|`` (``n = m``); 2BW
@@ -50,13 +51,16 @@ class StageFootprint:
     """What one stage (or chunk) stores, per micro-batch where it applies:
     ``activation_bytes`` all it keeps for the backward, ``input_bytes`` its input alone and
     ``workspace_bytes`` the most that one of its layers keeps (what that layer's backward
-    holds again as gradients)."""
+    holds again as gradients); what it sends: ``output_bytes`` (none from the last stage)
+    and its input's gradient, ``gradient_bytes`` (none from the first)."""
 
     parameter_bytes: float
     optimizer_bytes: float
     activation_bytes: float
     input_bytes: float
     workspace_bytes: float = 0.0
+    output_bytes: float = 0.0
+    gradient_bytes: float = 0.0
 
     @classmethod
     def of(cls, profile: Profile, start: int, stop: int) -> StageFootprint:
@@ -76,6 +80,8 @@ class StageFootprint:
             activation_bytes=stage_input + sum(kept),
             input_bytes=stage_input,
             workspace_bytes=max(kept, default=0.0),
+            output_bytes=layers[-1].activation_bytes if stop < len(profile.layers) else 0.0,
+            gradient_bytes=stage_input if start > 0 else 0.0,
         )
 
 
@@ -144,7 +150,11 @@ def worker_memory(
         rematerialised *= max(deferred_weights(schedule, ranks, microbatches, virtual)[stage], 1)
     activations = count * kept / len(chunks) + rematerialised
     workspace = max(chunk.workspace_bytes for chunk in chunks)
+    family = spec(schedule)
+    window = math.ceil(family.window(microbatches, family.resolve({})) / replicas[stage])
+    # at the peak every forward of the step has sent its output, and every backward but
+    # those of the micro-batches still held its gradient
+    gradients_sent = max(window * len(chunks) - count, 0) / len(chunks)
+    sent = sum(window * c.output_bytes + gradients_sent * c.gradient_bytes for c in chunks)
     versions = weight_versions(schedule, stage, replicas)
-    if spec(schedule).asynchronous:
-        versions += 1  # the stash copies every version, the newest too, beside the live weights
-    return versions * weights + weights + optimizer + activations + workspace
+    return versions * weights + weights + optimizer + activations + workspace + sent
