@@ -235,7 +235,7 @@ def deepest(stages: int, recompute: str, args: argparse.Namespace) -> str:
     def case(layers: int) -> Case:
         return Case(layers, stages, "gpipe", recompute, args.microbatches, args.batch_size)
 
-    proposal = 0
+    proposal = stages - 1  # a block on every stage at least
     while max(predicted(case(proposal + 1))) <= cap and proposal < 4096:
         proposal += 1
     peaks: dict[int, float] = {}

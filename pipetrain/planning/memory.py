@@ -80,7 +80,9 @@ class StageFootprint:
             activation_bytes=stage_input + sum(kept),
             input_bytes=stage_input,
             workspace_bytes=max(kept, default=0.0),
-            output_bytes=layers[-1].activation_bytes if stop < len(profile.layers) else 0.0,
+            output_bytes=profile.layers[stop - 1].activation_bytes
+            if 0 < stop < len(profile.layers)
+            else 0.0,
             gradient_bytes=stage_input if start > 0 else 0.0,
         )
 
