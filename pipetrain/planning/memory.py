@@ -147,12 +147,12 @@ def worker_memory(
     rematerialised = max(
         (c.activation_bytes for c, again in zip(chunks, recompute) if again), default=0.0
     )
-    if rematerialised and spec(schedule).split_backward:
+    family = spec(schedule)
+    if rematerialised and family.split_backward:
         ranks, virtual = len(replicas), len(chunks)
         rematerialised *= max(deferred_weights(schedule, ranks, microbatches, virtual)[stage], 1)
     activations = count * kept / len(chunks) + rematerialised
     workspace = max(chunk.workspace_bytes for chunk in chunks)
-    family = spec(schedule)
     window = math.ceil(family.window(microbatches, family.resolve({})) / replicas[stage])
     # at the peak every forward of the step has sent its output, and every backward but
     # those of the micro-batches still held its gradient
