@@ -3,10 +3,13 @@ deepest GPT that trains within a per-worker memory cap on 1, 2 and 4 stages, wit
 without re-materialization (GPipe's Table 1 at small scale).
 
 Measured: each rank trains a few steps of the built-in GPT (``d_model`` 64, 64-byte
-windows) under ``torch.distributed._tools.MemTracker``, which follows every tensor storage
-the rank allocates (parameters, gradients, optimizer state, activations and the backward's
-temporaries, received buffers) and records the peak of their sum; the first step runs
-before tracking starts, so that gradients and optimizer state exist, as in any later step.
+windows) under :class:`LiveBytes`, a ``TorchDispatchMode`` that follows every tensor
+storage an operator makes on the rank (activations, the backward's temporaries, stashed
+weights, message buffers) and those of the weights, gradients and optimizer state that
+exist before, until each is freed, and records the peak of their sum
+(``torch.distributed._tools.MemTracker`` refuses a module called once per micro-batch).
+The first step runs before tracking starts, so that gradients and optimizer state exist,
+as in any later step.
 Predicted: the planner's memory model (``Candidate.memory``) on the profile of the same
 model at the same micro-batch size (saved activations measured by the profiler).
 
@@ -93,9 +96,9 @@ class LiveBytes(TorchDispatchMode):
 
     def __init__(self, existing: list[torch.Tensor]) -> None:
         super().__init__()
-        self.live: dict[int, int] = {}
+        # live storages: their bytes, and a reference whose callback counts them freed
+        self.live: dict[int, tuple[int, weakref.ref[Any]]] = {}
         self.current = self.peak = 0
-        self._refs: list[weakref.ref[Any]] = []
         for tensor in existing:
             self._track(tensor)
 
@@ -104,13 +107,15 @@ class LiveBytes(TorchDispatchMode):
         key = storage._cdata
         if key in self.live:
             return
-        self.live[key] = size = storage.nbytes()
+        size = storage.nbytes()
+        self.live[key] = size, weakref.ref(storage, partial(self._freed, key))
         self.current += size
         self.peak = max(self.peak, self.current)
-        self._refs.append(weakref.ref(storage, partial(self._freed, key)))
 
     def _freed(self, key: int, _: object) -> None:
-        self.current -= self.live.pop(key, 0)
+        freed = self.live.pop(key, None)
+        if freed is not None:
+            self.current -= freed[0]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
@@ -204,7 +209,7 @@ def check(args: argparse.Namespace) -> None:
         f"\nGPT, {args.layers} blocks on {args.stages} workers, batch {args.batch_size} in "
         f"{args.microbatches} micro-batches, Adam\n\n"
         "| schedule | recompute | highest rank | measured peak | predicted | predicted / "
-        "measured | largest error over ranks | measured parts at the peak (MiB) |\n"
+        "measured | largest error over ranks | kept between steps (MiB) |\n"
         "|---|---|---|---|---|---|---|---|"
     )
     for schedule, options in CHECKED:

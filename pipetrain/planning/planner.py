@@ -15,12 +15,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from pipetrain.planning.candidates import Candidate, Layout, layouts, step_costs
+from pipetrain.planning.candidates import Candidate
+from pipetrain.planning.fitting import fitting_candidates
 from pipetrain.planning.result import Plan, PlanStage
 from pipetrain.planning.topology import Topology, resolve
 from pipetrain.planning.verdicts import Verdicts
 from pipetrain.profiler.costs import Profile
-from pipetrain.schedules import RECOMPUTE_MODES, names, spec
+from pipetrain.schedules import names, spec
 from pipetrain.simulation import Costs, Variation, median_makespan
 from pipetrain.units import counted
 
@@ -85,7 +86,7 @@ def plan(
         )
     report = progress or _silent
     verdicts = Verdicts(schedules)
-    fitting, smallest = _fitting_candidates(
+    fitting, smallest = fitting_candidates(
         profile,
         topology,
         schedules,
@@ -141,81 +142,6 @@ def _microbatch_counts(microbatches: Sequence[int], batch_size: int | None) -> l
             f"batch_size={batch_size}; give counts that divide it"
         )
     return counts
-
-
-def _fitting_candidates(
-    profile: Profile,
-    topology: Topology,
-    schedules: tuple[str, ...],
-    counts: list[int],
-    batch_size: int | None,
-    replication: bool,
-    memory_limit: float | None,
-    report: Callable[[str], None],
-    verdicts: Verdicts,
-    every_worker: bool,
-) -> tuple[list[tuple[Candidate, list[float]]], tuple[float, Candidate | None]]:
-    """Candidates that fit with their memory, and the smallest peak among those that do not;
-    each tried candidate goes to ``verdicts``."""
-    fitting: list[tuple[Candidate, list[float]]] = []
-    smallest: tuple[float, Candidate | None] = (math.inf, None)
-    layouts_by_batch: dict[int, list[Layout]] = {}
-    for index, count in enumerate(counts):
-        for size, runnable in _by_microbatch_size(profile, schedules, count, batch_size):
-            micro = profile if size == profile.microbatch_size else profile.scaled(size)
-            step_batch = size * count
-            if step_batch not in layouts_by_batch:
-                report(
-                    f"planning: stage layouts for "
-                    f"{counted(count, 'micro-batch', 'micro-batches')} ({index + 1}/{len(counts)})"
-                )
-                layouts_by_batch[step_batch] = layouts(
-                    step_costs(micro, count),
-                    topology,
-                    replication,
-                    any(spec(name).chunk_option for name in schedules),
-                )
-            for layout in layouts_by_batch[step_batch]:
-                if every_worker and layout.workers != topology.workers:
-                    continue
-                for schedule in runnable:
-                    if not layout.runs(schedule, count):
-                        continue
-                    seen: set[tuple[bool, ...]] = set()
-                    for recompute in RECOMPUTE_MODES:
-                        candidate = Candidate(layout, schedule, count, recompute, micro)
-                        if tuple(candidate.recompute_flags) in seen:
-                            continue
-                        seen.add(tuple(candidate.recompute_flags))
-                        memory = candidate.memory()
-                        fits = memory_limit is None or max(memory) <= memory_limit
-                        verdicts.tried(candidate, max(memory), fits)
-                        if fits:
-                            fitting.append((candidate, memory))
-                            break
-                        smallest = min(smallest, (max(memory), candidate), key=lambda pair: pair[0])
-    return fitting, smallest
-
-
-def _by_microbatch_size(
-    profile: Profile, schedules: tuple[str, ...], count: int, batch_size: int | None
-) -> list[tuple[int, list[str]]]:
-    """The schedules grouped by the micro-batch size they run ``count`` micro-batches per
-    update at: the profile's, or with ``batch_size`` the samples of one training step over
-    the micro-batches that step plays (its window: ``2bw`` makes two updates a step), in
-    first-seen order; a schedule whose window does not divide ``batch_size`` is left out."""
-    groups: dict[int, list[str]] = {}
-    for schedule in schedules:
-        family = spec(schedule)
-        window = family.window(count, family.resolve({}))
-        if batch_size is None:
-            size = profile.microbatch_size
-        elif batch_size % window == 0:
-            size = batch_size // window
-        else:
-            continue
-        groups.setdefault(size, []).append(schedule)
-    return list(groups.items())
 
 
 def _fastest(
