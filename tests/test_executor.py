@@ -21,7 +21,7 @@ from pipetrain.runtime.stage import Stage
 from pipetrain.runtime.transport import PeerError
 from pipetrain.runtime.update import Updater
 from pipetrain.runtime.weights import Weights
-from pipetrain.schedules import Schedule, forward_only, with_targets_shipped
+from pipetrain.schedules import Action, Schedule, forward_only, with_targets_shipped
 from pipetrain.timeline import Event
 
 BATCH, LR = 12, 0.5
@@ -181,6 +181,41 @@ CASES = {
 def test_written_schedules_match_the_unpipelined_model(case: str, recompute: str) -> None:
     text, balance = CASES[case]
     assert_matches_reference(play(Schedule.from_text(text), balance, recompute=recompute))
+
+
+def test_an_update_sums_the_loss_so_the_step_needs_no_loss_all_reduce() -> None:
+    schedule = Schedule.from_text(
+        """
+        rank 0: F0.0 F0.1 B0.0 B0.1 STEP0
+        rank 1: F1.0 B1.0 F1.1 B1.1 STEP1
+        """
+    )
+    reduced: dict[int, list[int]] = {0: [], 1: []}
+
+    def updater(optimizer: torch.optim.Optimizer | None, transport: LoopbackTransport) -> Updater:
+        def all_reduce(tensor: torch.Tensor) -> None:
+            reduced[transport.rank].append(tensor.numel())
+            transport.all_reduce(tensor)
+
+        return Updater(optimizer, all_reduce=all_reduce)
+
+    # the executor's own LOSS would use the transport, not this counted all-reduce
+    counted = play(schedule, [2, 3], optimizer=True, updater=updater)
+    expected_loss, _ = reference()
+    assert [r.loss for r in counted] == pytest.approx([expected_loss] * 2, rel=1e-6)
+    assert reduced == {0: [5], 1: [5]}  # norm, overflow, then loss, count, pairs
+    uncounted = play(schedule, [2, 3], optimizer=True)  # no all-reduce in the updater
+    assert [r.loss for r in uncounted] == pytest.approx([expected_loss] * 2, rel=1e-6)
+
+
+def test_a_rank_holding_the_input_and_last_stage_reads_its_own_targets() -> None:
+    lanes = tuple(
+        tuple(Action.parse(text) for text in lane)
+        for lane in (("F0.0", "B0.0", "STEP0"), ("F0.1", "B0.1", "STEP0"))
+    )
+    assert with_targets_shipped(lanes, [[0, 1]]) == lanes  # one stage on two replicas
+    two_stages = with_targets_shipped(lanes, [[0], [1]])
+    assert [str(two_stages[0][0]), str(two_stages[1][0])] == ["SEND_T0@1", "RECV_T1@0"]
 
 
 def test_targets_shipped_by_the_schedule_reach_the_last_stage() -> None:

@@ -95,8 +95,9 @@ class StepData:
     ) -> StepData:
         """What ``rank`` reads of a step of ``schedule``: the inputs if it holds the first
         stage; when ``training``, the targets if it holds the last stage, or, with
-        ``ships_targets``, if it is the first input-stage rank (which sends them on; the
-        other last-stage ranks then receive them). ValueError names a missing one."""
+        ``ships_targets``, if it is the first input-stage rank (which sends them on to the
+        last-stage ranks that do not hold the first stage; one that does reads its own).
+        ValueError names a missing one."""
         data = cls(schedule.microbatches, per_update, device)
         held = schedule.stages_of(rank)
         if 0 in held:
@@ -115,7 +116,7 @@ class StepData:
                     "needs the targets; got None"
                 )
             data.set_shipped(targets)
-        if schedule.stages - 1 in held and not (ships_targets and rank != source):
+        if schedule.stages - 1 in held and not (ships_targets and 0 not in held):
             if targets is None:
                 raise ValueError(
                     f"rank {rank} holds the last stage and needs the targets; got None"

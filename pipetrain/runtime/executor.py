@@ -101,6 +101,7 @@ class Executor:
         # the step's count is learnt after this rank's last backward: at its last STEP
         self._steps_left = sum(a.kind is Kind.STEP for a in lane)
         self._normalized = False
+        self._reduced_loss: torch.Tensor | None = None  # by the update, when it sums them
         self.weights.begin(lane, update)
         reduced = self.reducers if update else {}
         self._arming = completing_passes(lane, reduced, schedule.split_backward)
@@ -206,16 +207,28 @@ class Executor:
                 self._count, self._pairs, self._schedule.microbatches, self.weights.updating
             )
 
+    def _loss_stats(self) -> torch.Tensor:
+        """This rank's share of the step's loss, its target count and its pair losses."""
+        return torch.stack([self._loss.double(), self._count, self._count.new_tensor(self._pairs)])
+
     def _step(self, action: Action) -> None:
         self._steps_left -= 1
-        if self._steps_left == 0:
-            self._normalize()
-        self.weights.step(action.stage, self._loss)
+        if self._steps_left > 0:
+            self.weights.step(action.stage, self._loss)
+            return
+        self._normalize()
+        # a synchronous update sums the loss statistics with its gradient norm, so LOSS
+        # takes them from there instead of all-reducing again
+        self.weights.step(action.stage, self._loss_stats())
+        if self.weights.updating and not self._schedule.asynchronous:
+            self._reduced_loss = self.weights.updater.take_reduced_loss()
 
     def _all_reduce_loss(self, action: Action) -> None:
         self._normalize()
-        stats = torch.stack([self._loss.double(), self._count, self._count.new_tensor(self._pairs)])
-        self.transport.all_reduce(stats)
+        stats = self._reduced_loss
+        if stats is None:
+            stats = self._loss_stats()
+            self.transport.all_reduce(stats)
         pairs = round(float(stats[2]))
         if pairs:
             if not self.normalizer.normalizing:

@@ -80,8 +80,9 @@ class Pipeline:
             micro-batches and recomputation.
         replicas: ranks per stage, for replicable families.
         schedule_options: the family's options, such as ``{"virtual": 2}``.
-        targets_on_first_stage: the first stage's rank is given the targets too and sends
-            them to the last stage, so only the input stage's ranks need to load data.
+        targets_on_first_stage: the first stage's ranks are given the targets too, and the
+            first sends them to the last stage's ranks (those not holding the first stage),
+            so only the input stage's ranks need to load data.
         device: where this rank computes (by default its GPU under NCCL, else the CPU).
         group: the process group (the default one if ``None``).
         timeout_s: how long any transfer, and the loss and gradient-norm all-reduces, may

@@ -1,10 +1,11 @@
 """What an update does around the optimizer's step on one rank: the global gradient norm,
 clipping, the finiteness check with its policy, and the learning-rate schedule.
 
-A synchronous update happens on every rank at its last ``STEP``: one all-reduce of two
-floats (this rank's squared gradient norm and its share of the step's loss) gives every
-rank the same global norm and loss, so every rank takes the same decision: clip, step, or
-refuse the update. A replicated stage's gradients count once, on its first replica (the
+A synchronous update happens on every rank at its last ``STEP``: one all-reduce of this
+rank's squared gradient norm and its share of the step's loss (with whatever else the
+caller's loss statistics carry, kept summed for :meth:`Updater.take_reduced_loss`, so that
+the step's reported loss needs no all-reduce of its own) gives every rank the same global
+norm and loss, so every rank takes the same decision: clip, step, or refuse the update. A replicated stage's gradients count once, on its first replica (the
 replicas hold equal gradients after their all-reduce); a stage without parameters
 contributes nothing. Asynchronous schedules update each stage on its own, so their check
 is local: a non-finite gradient raises before that stage's update. With clipping they
@@ -13,7 +14,7 @@ all-reduce of their squared norm starts at once; the update is applied, clipped 
 global norm, when a forward first needs its weights or at the end of the window, so it
 waits for the input stage's backward only where the schedule's versions already do
 (every stage running each micro-batch on the same version). Under fp16 the
-gradients are unscaled first and the all-reduce carries a third float, whether any rank's
+gradients are unscaled first and the all-reduce also carries whether any rank's
 gradients overflowed: then every rank skips the update and backs its loss scale off, as
 :class:`torch.amp.GradScaler` does (see :mod:`pipetrain.runtime.precision`).
 """
@@ -118,6 +119,7 @@ class Updater:
         )
         self.precision = precision or Precision("fp32", self.device)
         self._found_inf: torch.Tensor | None = None  # set once this update's grads are unscaled
+        self._reduced_loss: torch.Tensor | None = None
         self.updates = 0  # applied
         self.skipped_updates = 0
 
@@ -141,18 +143,25 @@ class Updater:
             self.reduce_shared()
             self._shared = True
 
-    def _reduced(self, loss: torch.Tensor | None) -> tuple[torch.Tensor, float, bool]:
-        """The global gradient norm (a tensor), the step's loss and whether any rank's
-        gradients overflowed, over every rank."""
-        local_loss = torch.zeros((), device=self.device) if loss is None else loss.float()
+    def _reduced(self, loss: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The global gradient norm (a tensor), the loss statistics and whether any rank's
+        gradients overflowed, over every rank; ``loss`` is this rank's loss statistics
+        (the loss first), summed over every rank in the same all-reduce."""
+        local = torch.zeros(1, device=self.device) if loss is None else loss.reshape(-1)
         self._share()
         overflowed = self._unscaled().to(self.device)  # before the norm: it is of unscaled grads
-        stats = torch.stack(
-            [_square_norm(self._grads(self.counted), self.device), local_loss, overflowed]
-        )
+        square = _square_norm(self._grads(self.counted), self.device)
+        # float64, so that counts carried with the loss stay exact
+        stats = torch.cat([torch.stack([square, overflowed]).double(), local.double()])
         if self.all_reduce is not None:
             self.all_reduce(stats)
-        return stats[0].sqrt(), float(stats[1]), bool(stats[2] > 0)
+        return stats[0].sqrt().float(), stats[2:].to(local.dtype), bool(stats[1] > 0)
+
+    def take_reduced_loss(self) -> torch.Tensor | None:
+        """The loss statistics the last :meth:`apply` summed over every rank (``None`` if no
+        update all-reduced them since the last call)."""
+        reduced, self._reduced_loss = self._reduced_loss, None
+        return reduced
 
     def global_norm(self) -> torch.Tensor:
         """The 2-norm of every rank's (unscaled) gradients taken together (every rank must
@@ -168,12 +177,16 @@ class Updater:
 
     def apply(self, loss: torch.Tensor | None) -> None:
         """A synchronous update on every rank: check that ``loss`` (this rank's share of the
-        step's loss) and the global gradient norm are finite, clip, and step. Under fp16 an
+        step's loss, or a vector of loss statistics with the loss first, the same length on
+        every rank) and the global gradient norm are finite, clip, and step. Under fp16 an
         overflow of finite-loss gradients skips the update and backs the scale off."""
         if not self.active:
             self._share()  # the gradients are the result: they must be the model's
             return
-        norm, total_loss, overflowed = self._reduced(loss)
+        norm, reduced_loss, overflowed = self._reduced(loss)
+        total_loss = float(reduced_loss[0])
+        if self.all_reduce is not None:  # else the sum is this rank's alone
+            self._reduced_loss = reduced_loss
         self._found_inf = None
         if not math.isfinite(total_loss) or not (overflowed or math.isfinite(float(norm))):
             self.precision.update(overflowed)

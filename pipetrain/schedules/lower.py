@@ -104,13 +104,15 @@ def lower(
 
 def with_targets_shipped(lanes: Lanes, stage_ranks: Sequence[Sequence[int]]) -> Lanes:
     """``lanes`` with the step's targets sent from the first input-stage rank to every
-    last-stage rank before anything else, so only the input stage needs to load data."""
-    source, sinks, last = stage_ranks[0][0], stage_ranks[-1], len(stage_ranks) - 1
+    last-stage rank that does not hold the input stage too, before anything else, so only
+    the input stage's ranks need to load data (a rank holding both reads its own)."""
+    source, last = stage_ranks[0][0], len(stage_ranks) - 1
+    sinks = [rank for rank in stage_ranks[-1] if rank not in stage_ranks[0]]
     shipped = []
     for rank, actions in enumerate(lanes):
         head: tuple[Action, ...] = ()
         if rank == source:
-            head = tuple(Action(Kind.SEND_T, 0, None, sink) for sink in sinks if sink != source)
+            head = tuple(Action(Kind.SEND_T, 0, None, sink) for sink in sinks)
         elif rank in sinks:
             head = (Action(Kind.RECV_T, last, None, source),)
         shipped.append(head + tuple(actions))
