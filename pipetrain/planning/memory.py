@@ -3,7 +3,11 @@
 A worker holds its stage's weights (several versions under weight stashing), one gradient
 buffer, the optimizer state, and the activations of the micro-batches in flight:
 
-``peak = versions·|W| + |W| (gradients) + |optimizer| + activations + workspace``
+``peak = versions·|W| + |W| (gradients) + |optimizer| + activations + workspace + sent``
+
+The gradient buffer is left out where an asynchronous schedule updates after every
+micro-batch (``pipedream``): its update frees the gradients right after the backward that
+made them, so they never meet the in-flight activations at the peak.
 
 where, with ``n`` micro-batches in flight on the worker, ``A`` one micro-batch's stored
 activations of the stage (its input plus what every layer keeps for its backward: the
@@ -159,4 +163,6 @@ def worker_memory(
     gradients_sent = max(window * len(chunks) - count, 0) / len(chunks)
     sent = sum(window * c.output_bytes + gradients_sent * c.gradient_bytes for c in chunks)
     versions = weight_versions(schedule, stage, replicas)
-    return versions * weights + weights + optimizer + activations + workspace + sent
+    freed = family.asynchronous and family.per_update(microbatches, family.resolve({})) == 1
+    gradients = 0.0 if freed else weights
+    return versions * weights + gradients + optimizer + activations + workspace + sent
