@@ -40,16 +40,46 @@ def test_workers_that_never_compute_at_once_do_not_stretch() -> None:
     assert timeline.makespan == pytest.approx(0.02)
 
 
+def _sending_beside_computing(costs: Costs) -> Timeline:
+    """Rank 0 packs a message (and rank 1 copies one in after waiting) while rank 1
+    computes a forward as long as the packing."""
+    forward = float(costs.per_stage("forward_s", 1)[0])
+    return Timeline(
+        [
+            Event(0, "SEND_F", 0, 0, 0.0, costs.send_s),
+            Event(1, "F", 1, 0, 0.0, forward),
+            Event(1, "RECV_B", 1, 0, forward, forward + costs.receive_s),
+        ],
+        2,
+    )
+
+
+def test_packing_and_copying_messages_take_a_core_too() -> None:
+    costs = Costs(0.01, 0.0, send_s=0.01, receive_s=0.002)
+    factor, timeline = shared_cores_stretch(_sending_beside_computing, costs, workers=2, cores=1)
+    # 0.022 core-seconds of work in a step of 0.012 s at most on one core: it stretches
+    # until the step holds it, (0.012 f >= 0.022)
+    assert factor == pytest.approx(0.022 / 0.012, rel=1e-3)
+    assert timeline.makespan == pytest.approx(0.022, rel=1e-3)
+    # with the message's work left out, a forward alone fits the one core: no stretch
+    quiet = Costs(0.01, 0.0)
+    assert shared_cores_stretch(_sending_beside_computing, quiet, workers=2, cores=1)[0] == 1.0
+
+
 def test_enough_cores_never_stretch() -> None:
     assert shared_cores_stretch(_side_by_side, Costs(0.01, 0.0), workers=2, cores=2)[0] == 1.0
 
 
-def test_stretched_scales_compute_and_leaves_messages() -> None:
-    costs = Costs([1.0, 2.0], 3.0, weight_s=0.5, step_s=[0.1, 0.2], send_s=0.7, latency_s=0.3)
+def test_stretched_scales_what_a_core_does_and_leaves_the_links() -> None:
+    costs = Costs(
+        [1.0, 2.0], 3.0, weight_s=0.5, step_s=[0.1, 0.2], send_s=0.7, receive_s=0.1,
+        latency_s=0.3, bandwidth=[5.0], loss_s=0.4,
+    )  # fmt: skip
     longer = stretched(costs, 2.0)
     assert longer.forward_s == [2.0, 4.0] and longer.backward_s == 6.0
     assert longer.weight_s == 1.0 and longer.step_s == [0.2, 0.4]
-    assert (longer.send_s, longer.latency_s) == (0.7, 0.3)
+    assert (longer.send_s, longer.receive_s) == (1.4, 0.2)
+    assert (longer.latency_s, longer.bandwidth, longer.loss_s) == (0.3, [5.0], 0.4)
 
 
 def test_a_plan_for_workers_sharing_cores_predicts_a_longer_step() -> None:
