@@ -5,8 +5,9 @@ A synchronous update happens on every rank at its last ``STEP``: one all-reduce 
 rank's squared gradient norm and its share of the step's loss (with whatever else the
 caller's loss statistics carry, kept summed for :meth:`Updater.take_reduced_loss`, so that
 the step's reported loss needs no all-reduce of its own) gives every rank the same global
-norm and loss, so every rank takes the same decision: clip, step, or refuse the update. A replicated stage's gradients count once, on its first replica (the
-replicas hold equal gradients after their all-reduce); a stage without parameters
+norm and loss, so every rank takes the same decision: clip, step, or refuse the update.
+A replicated stage's gradients count once, on its first replica (the replicas hold equal
+gradients after their all-reduce); a stage without parameters
 contributes nothing. Asynchronous schedules update each stage on its own, so their check
 is local: a non-finite gradient raises before that stage's update. With clipping they
 defer each update instead (:meth:`Updater.defer`): its gradients are put aside and an
