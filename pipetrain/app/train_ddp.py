@@ -136,13 +136,17 @@ def ddp_worker(config: TrainConfig) -> dict[str, Any] | None:
         step_times.append(time.perf_counter() - start)
         if progress is not None:
             progress.update(step + 1, losses[-1])
-        if held is not None and config.eval_every and (step + 1) % config.eval_every == 0:
-            with torch.no_grad():
-                outputs = model.eval()(held[0])
-            model.train()
-            evaluations.append({"step": step + 1, **held_out(config.model, outputs, held[1])})
-            if progress is not None:
-                progress.evaluation(step + 1, evaluations[-1])
+        if config.eval_every and (step + 1) % config.eval_every == 0:
+            if held is not None:
+                with torch.no_grad():
+                    outputs = model.eval()(held[0])
+                model.train()
+                evaluations.append({"step": step + 1, **held_out(config.model, outputs, held[1])})
+                if progress is not None:
+                    progress.evaluation(step + 1, evaluations[-1])
+            # rank 0 evaluates alone: the others would wait for it inside the next step,
+            # whose time on rank 0, the one reported, would then leave that wait out
+            dist.barrier()
     sent = sent_since(sent_before)
     if rank != 0:
         return None

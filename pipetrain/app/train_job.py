@@ -143,6 +143,9 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
                 history.evaluations.append({"step": step + 1, **metrics})
                 if progress is not None:
                     progress.evaluation(step + 1, history.evaluations[-1])
+            # every rank starts the next step together: rank 0's metrics and progress
+            # lines would otherwise count in the ranks' next step
+            dist.barrier()
         save_if_due(pipe, config, batches, history)
     sent = sent_since(sent_before)
     timeline = pipe.timeline()
