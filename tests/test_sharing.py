@@ -1,4 +1,4 @@
-"""Workers sharing fewer cores than there are of them: the planner's compute stretch."""
+"""Workers sharing fewer cores than there are of them: the planner's stretch of their work."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from test_planner import uniform
 
 from pipetrain.planning import plan
-from pipetrain.planning.sharing import shared_cores_stretch, stretched
+from pipetrain.planning.sharing import MESSAGES, shared_cores_stretch, stretched
 from pipetrain.simulation import Costs
 from pipetrain.timeline import Event, Timeline
 
@@ -19,31 +19,59 @@ def _side_by_side(costs: Costs) -> Timeline:
 
 def _one_after_another(costs: Costs) -> Timeline:
     """Rank 1's forward starts when rank 0's ends: never two busy at once."""
-    forward = float(costs.per_stage("forward_s", 1)[0])
+    first, second = costs.per_stage("forward_s", 2)
     return Timeline(
-        [Event(0, "F", 0, 0, 0.0, forward), Event(1, "F", 1, 0, forward, 2 * forward)], 2
+        [Event(0, "F", 0, 0, 0.0, first), Event(1, "F", 1, 0, first, first + second)], 2
     )
 
 
+def _forwards(timeline: Timeline) -> list[float]:
+    return [e.duration for e in timeline.events if e.kind == "F"]
+
+
 def test_two_workers_computing_at_once_on_one_core_take_twice_as_long() -> None:
-    factor, timeline = shared_cores_stretch(_side_by_side, Costs(0.01, 0.0), workers=2, cores=1)
+    costs, timeline = shared_cores_stretch(
+        _side_by_side, Costs(0.01, 0.0), stages=1, workers=2, cores=1
+    )
     # processor sharing: two equal jobs on one core both end at twice their time
-    assert factor == pytest.approx(2.0, rel=1e-3)
+    assert costs.per_stage("forward_s", 1) == [pytest.approx(0.02, rel=1e-3)]
     assert timeline.makespan == pytest.approx(0.02, rel=1e-3)
 
 
 def test_workers_that_never_compute_at_once_do_not_stretch() -> None:
-    factor, timeline = shared_cores_stretch(
-        _one_after_another, Costs(0.01, 0.0), workers=2, cores=1
+    costs, timeline = shared_cores_stretch(
+        _one_after_another, Costs(0.01, 0.0), stages=2, workers=2, cores=1
     )
-    assert factor == 1.0
+    assert costs.per_stage("forward_s", 2) == [0.01, 0.01]
     assert timeline.makespan == pytest.approx(0.02)
 
 
-def _sending_beside_computing(costs: Costs) -> Timeline:
-    """Rank 0 packs a message (and rank 1 copies one in after waiting) while rank 1
-    computes a forward as long as the packing."""
+def _together_then_waiting(costs: Costs) -> Timeline:
+    """Data parallelism's rhythm: both ranks compute at once, then wait together on a long
+    all-reduce that needs no core."""
     forward = float(costs.per_stage("forward_s", 1)[0])
+    events = []
+    for rank in (0, 1):
+        events += [
+            Event(rank, "F", 0, 0, 0.0, forward),
+            Event(rank, "ALLREDUCE", 0, None, forward, forward + 0.1),
+        ]
+    return Timeline(events, 2)
+
+
+def test_workers_computing_in_step_stretch_however_long_they_wait_together() -> None:
+    # the cores idle through most of the step, yet while both compute they share one
+    costs, timeline = shared_cores_stretch(
+        _together_then_waiting, Costs(0.01, 0.0), stages=1, workers=2, cores=1
+    )
+    assert costs.per_stage("forward_s", 1) == [pytest.approx(0.02, rel=1e-3)]
+    assert _forwards(timeline) == [pytest.approx(0.02, rel=1e-3)] * 2
+    assert timeline.makespan == pytest.approx(0.12, rel=1e-3)
+
+
+def _sending_beside_computing(costs: Costs) -> Timeline:
+    """Rank 0 packs a message while rank 1 computes a forward, then copies one in."""
+    forward = float(costs.per_stage("forward_s", 2)[1])
     return Timeline(
         [
             Event(0, "SEND_F", 0, 0, 0.0, costs.send_s),
@@ -56,18 +84,24 @@ def _sending_beside_computing(costs: Costs) -> Timeline:
 
 def test_packing_and_copying_messages_take_a_core_too() -> None:
     costs = Costs(0.01, 0.0, send_s=0.01, receive_s=0.002)
-    factor, timeline = shared_cores_stretch(_sending_beside_computing, costs, workers=2, cores=1)
-    # 0.022 core-seconds of work in a step of 0.012 s at most on one core: it stretches
-    # until the step holds it, (0.012 f >= 0.022)
-    assert factor == pytest.approx(0.022 / 0.012, rel=1e-3)
-    assert timeline.makespan == pytest.approx(0.022, rel=1e-3)
-    # with the message's work left out, a forward alone fits the one core: no stretch
-    quiet = Costs(0.01, 0.0)
-    assert shared_cores_stretch(_sending_beside_computing, quiet, workers=2, cores=1)[0] == 1.0
+    shared, timeline = shared_cores_stretch(
+        _sending_beside_computing, costs, stages=2, workers=2, cores=1
+    )
+    # the packing and the forward share the core: with a core each the step takes 0.012 s;
+    # exact processor sharing ends both at 0.02 s, then the copy at 0.022 s
+    assert 0.012 * 1.5 < timeline.makespan <= 0.022 * 1.05
+    assert shared.send_s > 0.01 * 1.5
+    # without the message's work, a forward alone has the core: no stretch
+    quiet, alone = shared_cores_stretch(
+        _sending_beside_computing, Costs(0.01, 0.0), stages=2, workers=2, cores=1
+    )
+    assert quiet.per_stage("forward_s", 2) == [0.01, 0.01]
+    assert alone.makespan == pytest.approx(0.01)
 
 
 def test_enough_cores_never_stretch() -> None:
-    assert shared_cores_stretch(_side_by_side, Costs(0.01, 0.0), workers=2, cores=2)[0] == 1.0
+    costs = Costs(0.01, 0.0)
+    assert shared_cores_stretch(_side_by_side, costs, stages=1, workers=2, cores=2)[0] is costs
 
 
 def test_stretched_scales_what_a_core_does_and_leaves_the_links() -> None:
@@ -75,9 +109,9 @@ def test_stretched_scales_what_a_core_does_and_leaves_the_links() -> None:
         [1.0, 2.0], 3.0, weight_s=0.5, step_s=[0.1, 0.2], send_s=0.7, receive_s=0.1,
         latency_s=0.3, bandwidth=[5.0], loss_s=0.4,
     )  # fmt: skip
-    longer = stretched(costs, 2.0)
-    assert longer.forward_s == [2.0, 4.0] and longer.backward_s == 6.0
-    assert longer.weight_s == 1.0 and longer.step_s == [0.2, 0.4]
+    longer = stretched(costs, {0: 2.0, 1: 3.0, MESSAGES: 2.0}, stages=2)
+    assert longer.forward_s == [2.0, 6.0] and longer.backward_s == [6.0, 9.0]
+    assert longer.weight_s == [1.0, 1.5] and longer.step_s == [0.2, pytest.approx(0.6)]
     assert (longer.send_s, longer.receive_s) == (1.4, 0.2)
     assert (longer.latency_s, longer.bandwidth, longer.loss_s) == (0.3, [5.0], 0.4)
 

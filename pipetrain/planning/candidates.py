@@ -18,7 +18,7 @@ from functools import cached_property
 from pipetrain.planning.memory import StageFootprint, worker_memory
 from pipetrain.planning.partition import partition
 from pipetrain.planning.replicate import replicate
-from pipetrain.planning.sharing import shared_cores_stretch, stretched
+from pipetrain.planning.sharing import shared_cores_stretch
 from pipetrain.planning.topology import Topology
 from pipetrain.profiler.costs import Profile
 from pipetrain.schedules import Schedule, build, spec
@@ -343,16 +343,17 @@ class Candidate:
         self, costs: Costs, cores: int | None = None
     ) -> tuple[Timeline, int, Costs]:
         """Simulate the candidate; return the timeline, the micro-batches it processed, and
-        the costs it ran on: ``costs``, with compute stretched where its workers share
+        the costs it ran on: ``costs``, with its work stretched where its workers share
         ``cores`` cores (None: a core each; see :mod:`pipetrain.planning.sharing`)."""
         schedule = self.build()
-        factor, timeline = shared_cores_stretch(
+        shared, timeline = shared_cores_stretch(
             lambda trial: simulate(schedule, trial),
             costs,
+            schedule.stages,
             self.layout.workers,
             self.layout.workers if cores is None else cores,
         )
-        return timeline, schedule.microbatches, stretched(costs, factor)
+        return timeline, schedule.microbatches, shared
 
 
 def step_costs(profile: Profile, microbatches: int) -> Profile:

@@ -1,85 +1,117 @@
 """Workers that share a machine's cores: what a simulated step costs when more of them
-compute at once than there are cores.
+work at once than there are cores.
 
 Each worker's profile says how long its actions take with a core to itself. When ``W``
 workers share ``C < W`` cores (local workers, or the hosts of an emulated cluster on one
 machine), the pipeline's actions stretch whenever more than ``C`` of them run at once. A
-pipeline with bubbles keeps fewer busy than one without, so the stretch depends on the
-schedule: this module finds it as the fixed point of a processor-sharing model averaged over
-the step. The ranks' work needs ``B`` core-seconds (their busy time with a core each: the
-compute, and the packing and copying of every message, which takes a core too); with every
-such action stretched by ``f`` the step takes ``M(f)``, in which the cores give ``C·M(f)``
-core-seconds, so ``f`` is the smallest stretch, at least 1, with ``B ≤ C·M(f)``: 1 when the
-pipeline's bubbles leave cores free, else the stretch at which the step is as long as its
-work spread over the cores.
+pipeline with bubbles keeps fewer busy than one without, and data parallelism keeps every
+worker busy at the same moments, so the stretch depends on when the schedule works: this
+module finds it by processor sharing over the simulated step. Work is compute and each
+message's packing and copying, which take a core too. While ``n`` workers work at once,
+each gets ``min(1, C / n)`` of a core, so an action that needs ``w`` core-seconds lasts
+until it has received them. A stage's actions, and the messages, are stretched by a factor
+of their own: the time they last over the core time they receive in the step simulated
+with the factors so far, iterated to a fixed point (each round moves halfway).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import bisect
+from collections import defaultdict
+from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any
 
 from pipetrain.schedules import RECV_KINDS, SEND_KINDS
 from pipetrain.simulation import Costs
-from pipetrain.simulation.costs import PerStage
-from pipetrain.timeline import Timeline
+from pipetrain.timeline import BUSY_KINDS, Timeline
 
-# what a core does: compute, and each message's packing (sender) and copying in (receiver)
-_CORE_FIELDS = ("forward_s", "backward_s", "weight_s", "step_s", "send_s", "receive_s")
+_STAGE_FIELDS = ("forward_s", "backward_s", "weight_s", "step_s")
+_MESSAGE_FIELDS = ("send_s", "receive_s")  # a message's packing and copying in
 _SENDS = frozenset(kind.value for kind in SEND_KINDS)
 _RECEIVES = frozenset(kind.value for kind in RECV_KINDS)
-_BISECTIONS = 12  # the stretch to within (workers / cores) / 4096
+_ROUNDS = 16
+_SETTLED = 1e-3  # factors that move less than this between rounds have converged
+
+MESSAGES = -1
+"""The key of the messages' factor beside the stages' in a factor mapping."""
 
 
-def core_time(timeline: Timeline, receive_s: float) -> float:
-    """The core-seconds a simulated step's ranks work: their compute, their sends (the
-    packing the simulator charges there) and ``receive_s`` for every receive's copy (a
-    receive's event is mostly waiting)."""
-    total = 0.0
-    for rank in range(timeline.num_ranks):
-        total += timeline.busy_time(rank)
-        for event in timeline.rank_events(rank):
-            if event.kind in _SENDS:
-                total += event.duration
-            elif event.kind in _RECEIVES:
-                total += receive_s
-    return total
+def stretched(costs: Costs, factors: Mapping[int, float], stages: int) -> Costs:
+    """``costs`` with each stage's compute times (forward, backward, weight, optimizer step)
+    times its factor in ``factors`` (1 where absent) and a message's packing and copying
+    times ``factors[MESSAGES]``; links and latencies unchanged."""
+    scaled: dict[str, object] = {
+        name: [
+            value * factors.get(stage, 1.0)
+            for stage, value in enumerate(costs.per_stage(name, stages))
+        ]
+        for name in _STAGE_FIELDS
+    }
+    for name in _MESSAGE_FIELDS:
+        scaled[name] = getattr(costs, name) * factors.get(MESSAGES, 1.0)
+    return replace(costs, **scaled)  # type: ignore[arg-type]
 
 
-def stretched(costs: Costs, factor: float) -> Costs:
-    """``costs`` with every time a core works (forward, backward, weight, optimizer step,
-    a message's packing and copying) times ``factor``; links and latencies unchanged."""
+def work_intervals(timeline: Timeline, receive_s: float) -> list[tuple[float, float, int]]:
+    """``(start, end, key)`` of every stretch of core work in ``timeline``: compute keyed by
+    its stage, a send (the packing the simulator charges there) and the last ``receive_s``
+    of a receive (its copy; the rest is waiting) keyed :data:`MESSAGES`."""
+    intervals = []
+    for event in timeline.events:
+        if event.kind in BUSY_KINDS and event.stage is not None:
+            intervals.append((event.start, event.end, event.stage))
+        elif event.kind in _SENDS:
+            intervals.append((event.start, event.end, MESSAGES))
+        elif event.kind in _RECEIVES:
+            intervals.append((max(event.start, event.end - receive_s), event.end, MESSAGES))
+    return [interval for interval in intervals if interval[1] > interval[0]]
 
-    def scale(value: PerStage) -> PerStage:
-        if isinstance(value, (int, float)):
-            return value * factor
-        return [v * factor for v in value]
 
-    scaled: dict[str, Any] = {name: scale(getattr(costs, name)) for name in _CORE_FIELDS}
-    return replace(costs, **scaled)
+def implied_factors(intervals: list[tuple[float, float, int]], cores: int) -> dict[int, float]:
+    """Per key, the time its intervals last over the core time processor sharing gives them
+    (each of ``n`` intervals running at once gets ``min(1, cores / n)`` of a core)."""
+    points = sorted({t for start, end, _ in intervals for t in (start, end)})
+    change = [0] * len(points)
+    for start, end, _ in intervals:
+        change[bisect.bisect_left(points, start)] += 1
+        change[bisect.bisect_left(points, end)] -= 1
+    received = [0.0]  # core time one working interval has received by each point
+    load = 0
+    for index in range(len(points) - 1):
+        load += change[index]
+        share = min(1.0, cores / load) if load else 1.0
+        received.append(received[-1] + share * (points[index + 1] - points[index]))
+    lasted: dict[int, float] = defaultdict(float)
+    given: dict[int, float] = defaultdict(float)
+    for start, end, key in intervals:
+        lasted[key] += end - start
+        given[key] += (
+            received[bisect.bisect_left(points, end)] - received[bisect.bisect_left(points, start)]
+        )
+    return {key: lasted[key] / given[key] for key in lasted if given[key] > 0}
 
 
 def shared_cores_stretch(
-    simulate: Callable[[Costs], Timeline], costs: Costs, workers: int, cores: int
-) -> tuple[float, Timeline]:
-    """The compute stretch of ``workers`` sharing ``cores`` cores, and the step simulated with
-    it. ``simulate`` runs the candidate's schedule on given costs; with at least as many
-    cores as workers the stretch is 1 (one simulation)."""
+    simulate: Callable[[Costs], Timeline], costs: Costs, stages: int, workers: int, cores: int
+) -> tuple[Costs, Timeline]:
+    """The costs of ``workers`` sharing ``cores`` cores (``costs`` stretched per stage and for
+    messages) and the step simulated on them. ``simulate`` runs the candidate's schedule,
+    of ``stages`` stages, on given costs; with at least as many cores as workers nothing
+    stretches (one simulation)."""
     timeline = simulate(costs)
     if cores >= workers:
-        return 1.0, timeline
-    busy = core_time(timeline, costs.receive_s)
-    if busy <= cores * timeline.makespan:
-        return 1.0, timeline
-    # B ≤ C·M(f) holds at f = workers / cores: M(f) is at least every rank's f·B_r
-    low, high = 1.0, workers / cores
-    best = simulate(stretched(costs, high))
-    for _ in range(_BISECTIONS):
-        middle = (low + high) / 2
-        trial = simulate(stretched(costs, middle))
-        if busy <= cores * trial.makespan:
-            high, best = middle, trial
-        else:
-            low = middle
-    return high, best
+        return costs, timeline
+    factors: dict[int, float] = {}
+    current = costs
+    for _ in range(_ROUNDS):
+        implied = implied_factors(work_intervals(timeline, current.receive_s), cores)
+        moved = {
+            key: (factors.get(key, 1.0) + max(value, 1.0)) / 2 for key, value in implied.items()
+        }
+        settled = all(abs(moved[key] - factors.get(key, 1.0)) < _SETTLED for key in moved)
+        factors = moved
+        current = stretched(costs, factors, stages)
+        timeline = simulate(current)
+        if settled:
+            break
+    return current, timeline
