@@ -121,6 +121,13 @@ class Plan(JsonFile):
                 f"{stage.stop - stage.start:>5}  {stage.replicas:>8}  {compute:>9.4g}s  "
                 f"{format_bytes(memory):>13}"
             )
+        for index, stage in enumerate(self.stages):
+            if stage.replicas > self.microbatches:  # micro-batches go round the replicas
+                idle = stage.replicas - self.microbatches
+                lines.append(
+                    f"stage {index}: {self.microbatches} of its {stage.replicas} replicas get "
+                    f"a micro-batch; the other {idle} only join its all-reduce"
+                )
         if self.rejected:
             lines.append("rejected:")
             lines += [f"  {name}: {reason}" for name, reason in self.rejected.items()]
