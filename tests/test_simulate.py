@@ -196,6 +196,18 @@ def test_a_link_carries_one_transfer_at_a_time() -> None:
     assert timeline.makespan == pytest.approx(0.1 + 4 * 1.0 + 0.1 + 4 * 1.0)
 
 
+def test_messages_sent_back_to_back_overlap_their_latencies() -> None:
+    # a 0.1 s forward, 1 s of bytes a message and 0.5 s of latency: the link holds each
+    # message's bytes only, so the 4th activation lands at 0.1 + 4 * 1.0 + 0.5, not after
+    # four latencies queued on the link
+    costs = Costs(forward_s=0.1, backward_s=0.0, activation_bytes=1.0, bandwidth=1.0, latency_s=0.5)
+    timeline = simulate(build("gpipe", 2, 4), costs)
+    last_forward = max(
+        (e for e in timeline.events if e.kind == "F" and e.rank == 1), key=lambda e: e.start
+    )
+    assert last_forward.start == pytest.approx(0.1 + 4 * 1.0 + 0.5)
+
+
 def test_replicated_stage_allreduce_waits_for_all_replicas() -> None:
     schedule = build("1f1b", 3, 4, replicas=[2, 1])
     timeline = simulate(

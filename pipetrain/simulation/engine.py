@@ -3,8 +3,10 @@
 Every rank runs its actions in order, and each becomes an event of the kind the runtime's
 recorder gives it, on the same rank. Compute takes the stage's cost. A send keeps its rank
 busy for ``Costs.send_s`` (packing the message; its ``SEND_*`` event), then the message
-travels on the directed link to its peer (links carry one transfer at a time, in the order
-the sender issues them) without the sender; a receive's event runs from when the rank
+travels on the directed link to its peer without the sender: its bytes hold the link (one
+message's bytes at a time, in the order the sender issues them) and it lands
+``Costs.latency_s`` after its last byte left, so back-to-back messages overlap their
+latencies; a receive's event runs from when the rank
 reaches it until its message has landed and been copied in (``Costs.receive_s``); an
 all-reduce starts when every replica of the stage has reached it. An overlapped pair's
 forward and backward together take the longer of the two plus the part of the shorter that
@@ -71,7 +73,7 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
             Kind.WEIGHT: variation.backward,
         }
     latency, send_s, receive_s = costs.latency_s, costs.send_s, costs.receive_s
-    transfer_s = [latency + size / speed for size, speed in zip(activation, bandwidth)]
+    wire_s = [size / speed for size, speed in zip(activation, bandwidth)]
     collective_s = {
         Kind.ALLREDUCE: costs.per_stage("allreduce_s", stages),
         Kind.LOSS: [costs.loss_s],
@@ -119,10 +121,12 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
                 # the sender packs the message, then the link carries it without the sender
                 events.append(make((rank, names[kind], stage, mb, now, now + send_s)))
                 now += send_s
+                # the bytes hold the link; the latency follows them off it, so messages
+                # sent back to back overlap their latencies
                 link = (rank, peer)
-                end = max(now, link_free[link]) + (latency if whole_step else transfer_s[boundary])
-                link_free[link] = end
-                arrival[key] = end
+                sent = max(now, link_free[link]) + (0.0 if whole_step else wire_s[boundary])
+                link_free[link] = sent
+                arrival[key] = sent + latency
                 waiter = waiting_on.pop(key, None)
                 if waiter is not None:
                     runnable.append(waiter)
