@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -510,3 +511,23 @@ def test_a_2bw_plan_predicts_the_step_it_will_run() -> None:
     assert two_bw.predicted_throughput == pytest.approx(8 / by_hand)
     assert "2 micro-batches of 2 per update, 2 updates a step" in two_bw.describe()
     assert "2 micro-batches of 4, recomputation" in one_f_one_b.describe()
+
+
+def test_a_plan_says_which_replicas_get_no_micro_batch() -> None:
+    two_of_four = Plan(
+        stages=[PlanStage(0, 6, 4)],
+        schedule="gpipe",
+        microbatches=2,
+        recompute="never",
+        predicted_step_s=0.1,
+        predicted_throughput=640.0,
+        stage_memory_bytes=[1e6],
+        workers=4,
+        microbatch_size=32,
+    )
+    assert (
+        "stage 0: 2 of its 4 replicas get a micro-batch; the other 2 only join its all-reduce"
+        in (two_of_four.describe())
+    )
+    every_one = dataclasses.replace(two_of_four, microbatches=4, microbatch_size=16)
+    assert "replicas get a micro-batch" not in every_one.describe()

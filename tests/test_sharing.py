@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 from test_planner import uniform
 
-from pipetrain.planning import Plan, PlanStage, plan
+from pipetrain.planning import plan
 from pipetrain.planning.sharing import MESSAGES, shared_cores_stretch, stretched
 from pipetrain.simulation import Costs
 from pipetrain.timeline import Event, Timeline
@@ -130,23 +128,3 @@ def test_a_plan_for_workers_sharing_cores_predicts_a_longer_step() -> None:
     assert shared.predicted_step_s >= work * (1 - 1e-3) > alone.predicted_step_s
     with pytest.raises(ValueError, match="shared_cores must be a positive integer"):
         plan(profile, workers=4, shared_cores=0)
-
-
-def test_a_plan_says_which_replicas_get_no_micro_batch() -> None:
-    two_of_four = Plan(
-        stages=[PlanStage(0, 6, 4)],
-        schedule="gpipe",
-        microbatches=2,
-        recompute="never",
-        predicted_step_s=0.1,
-        predicted_throughput=640.0,
-        stage_memory_bytes=[1e6],
-        workers=4,
-        microbatch_size=32,
-    )
-    assert (
-        "stage 0: 2 of its 4 replicas get a micro-batch; the other 2 only join its all-reduce"
-        in (two_of_four.describe())
-    )
-    every_one = replace(two_of_four, microbatches=4, microbatch_size=16)
-    assert "replicas get a micro-batch" not in every_one.describe()

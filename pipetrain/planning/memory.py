@@ -152,17 +152,18 @@ def worker_memory(
         (c.activation_bytes for c, again in zip(chunks, recompute) if again), default=0.0
     )
     family = spec(schedule)
+    options = family.resolve({})
     if rematerialised and family.split_backward:
         ranks, virtual = len(replicas), len(chunks)
         rematerialised *= max(deferred_weights(schedule, ranks, microbatches, virtual)[stage], 1)
     activations = count * kept / len(chunks) + rematerialised
     workspace = max(chunk.workspace_bytes for chunk in chunks)
-    window = math.ceil(family.window(microbatches, family.resolve({})) / replicas[stage])
+    window = math.ceil(family.window(microbatches, options) / replicas[stage])
     # at the peak every forward of the step has sent its output, and every backward but
     # those of the micro-batches still held its gradient
     gradients_sent = max(window * len(chunks) - count, 0) / len(chunks)
     sent = sum(window * c.output_bytes + gradients_sent * c.gradient_bytes for c in chunks)
     versions = weight_versions(schedule, stage, replicas)
-    freed = family.asynchronous and family.per_update(microbatches, family.resolve({})) == 1
+    freed = family.asynchronous and family.per_update(microbatches, options) == 1
     gradients = 0.0 if freed else weights
     return versions * weights + gradients + optimizer + activations + workspace + sent

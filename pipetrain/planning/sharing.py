@@ -52,7 +52,7 @@ def stretched(costs: Costs, factors: Mapping[int, float], stages: int) -> Costs:
     return replace(costs, **scaled)  # type: ignore[arg-type]
 
 
-def work_intervals(timeline: Timeline, receive_s: float) -> list[tuple[float, float, int]]:
+def _work_intervals(timeline: Timeline, receive_s: float) -> list[tuple[float, float, int]]:
     """``(start, end, key)`` of every stretch of core work in ``timeline``: compute keyed by
     its stage, a send (the packing the simulator charges there) and the last ``receive_s``
     of a receive (its copy; the rest is waiting) keyed :data:`MESSAGES`."""
@@ -67,7 +67,7 @@ def work_intervals(timeline: Timeline, receive_s: float) -> list[tuple[float, fl
     return [interval for interval in intervals if interval[1] > interval[0]]
 
 
-def implied_factors(intervals: list[tuple[float, float, int]], cores: int) -> dict[int, float]:
+def _implied_factors(intervals: list[tuple[float, float, int]], cores: int) -> dict[int, float]:
     """Per key, the time its intervals last over the core time processor sharing gives them
     (each of ``n`` intervals running at once gets ``min(1, cores / n)`` of a core)."""
     points = sorted({t for start, end, _ in intervals for t in (start, end)})
@@ -104,7 +104,7 @@ def shared_cores_stretch(
     factors: dict[int, float] = {}
     current = costs
     for _ in range(_ROUNDS):
-        implied = implied_factors(work_intervals(timeline, current.receive_s), cores)
+        implied = _implied_factors(_work_intervals(timeline, current.receive_s), cores)
         moved = {
             key: (factors.get(key, 1.0) + max(value, 1.0)) / 2 for key, value in implied.items()
         }

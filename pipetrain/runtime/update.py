@@ -7,11 +7,11 @@ caller's loss statistics carry, kept summed for :meth:`Updater.take_reduced_loss
 the step's reported loss needs no all-reduce of its own) gives every rank the same global
 norm and loss, so every rank takes the same decision: clip, step, or refuse the update.
 A replicated stage's gradients count once, on its first replica (the replicas hold equal
-gradients after their all-reduce); a stage without parameters
-contributes nothing. Asynchronous schedules update each stage on its own, so their check
-is local: a non-finite gradient raises before that stage's update. With clipping they
-defer each update instead (:meth:`Updater.defer`): its gradients are put aside and an
-all-reduce of their squared norm starts at once; the update is applied, clipped by that
+gradients after their all-reduce); a stage without parameters contributes nothing.
+Asynchronous schedules update each stage on its own, so their check is local: a
+non-finite gradient raises before that stage's update. With clipping they defer each
+update instead (:meth:`Updater.defer`): its gradients are put aside and an all-reduce of
+their squared norm starts at once; the update is applied, clipped by that
 global norm, when a forward first needs its weights or at the end of the window, so it
 waits for the input stage's backward only where the schedule's versions already do
 (every stage running each micro-batch on the same version). Under fp16 the
