@@ -10,6 +10,8 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
+from datetime import timedelta
 from pathlib import Path
 
 import launch_cases
@@ -165,3 +167,25 @@ def test_a_process_exits_cleanly_while_its_heartbeat_beats() -> None:
     )
     assert ended.returncode == 0, ended.stderr
     assert "terminate called" not in ended.stderr
+
+
+class _Unfinished:
+    """A work not done when handed over, so that the watch passes it to its waiter thread."""
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self, timeout: timedelta) -> bool:
+        time.sleep(0.05)
+        return True
+
+
+def test_the_waiter_thread_keeps_no_work_it_has_waited_for() -> None:
+    """A work the waiter still held when a watch was collected at exit was freed in that
+    thread during finalization, which aborts the process ("terminate called")."""
+    watch = heartbeat.Watch(timedelta(seconds=5))
+    work = _Unfinished()
+    held = weakref.ref(work)
+    assert watch.wait(work, [])
+    del work
+    assert held() is None

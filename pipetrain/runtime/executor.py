@@ -67,7 +67,6 @@ class Executor:
         holders = {stage: weights.holders(stage, None) for stage in self.stages}
         # divides the gradients of (loss_sum, count) losses by the step's count
         self.normalizer = Normalizer(holders, self.reducers, transport.all_reduce, transport.device)
-        self._ahead = transport.device.type == "cuda"  # see pipetrain.runtime.inbox
         self._handlers: dict[Kind, Callable[[Action], None]] = {
             Kind.FORWARD: self._forward,
             Kind.BACKWARD: self._backward,
@@ -105,7 +104,7 @@ class Executor:
         self.weights.begin(lane, update)
         reduced = self.reducers if update else {}
         self._arming = completing_passes(lane, reduced, schedule.split_backward)
-        self._inbox = Inbox(self.transport, lane, self._ahead)
+        self._inbox = Inbox(self.transport, lane)
         recorder = self.recorder
         try:
             for action in lane:

@@ -123,6 +123,10 @@ def _serve(
             outcome[0] = work.wait(timeout)
         except BaseException as error:  # handed to the caller, which raises it
             outcome[0] = error
+        # Drop the work before waiting for the next: a watch collected at exit would wake
+        # this thread to free it there, and freeing a work re-takes the GIL inside a C++
+        # destructor, which the finalizing interpreter ends by aborting the process.
+        del work
         done.release()
 
 

@@ -1,13 +1,14 @@
-"""A rank's receives for one run of its actions, optionally posted ahead of need.
+"""A rank's receives for one run of its actions, posted ahead of need.
 
 Posted early, a receive's data lands while the rank computes, and the receive action
 only waits. Receives are posted in the lane's order, one outstanding per peer: messages
 from one peer are matched in order, and a channel's first message is two (shapes, then
 data), so a second receive posted on the same peer could take the wrong one.
 
-Only worth it on GPUs: on a CPU whose cores all compute, an early receive is served by the
-backend's I/O thread only when the scheduler preempts a compute thread, which delays the
-data by milliseconds; posted when needed, it runs at once.
+On a slow link this is what lets a message cross while the receiver computes: gloo reads
+a message only into a posted receive, so without one only what the sockets buffer crosses
+early and the rest waits for the receive action (at 100 Mbit/s, 152 against 168 ms a VGG
+step on four hosts). On one machine it measured no slower.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from pipetrain.schedules.messages import channel
 class Inbox:
     """Receives the messages of ``lane``'s receive actions through ``transport``."""
 
-    def __init__(self, transport: Transport, lane: Sequence[Action], ahead: bool) -> None:
-        """With ``ahead``, post receives early, in order, one outstanding per peer."""
+    def __init__(self, transport: Transport, lane: Sequence[Action]) -> None:
+        """Post ``lane``'s receives early, in order, one outstanding per peer."""
         self._transport = transport
-        self._receives = [a for a in lane if a.kind in RECV_KINDS] if ahead else []
+        self._receives = [a for a in lane if a.kind in RECV_KINDS]
         self._next = 0
         self._posted: dict[Action, PendingReceive] = {}
         self._busy: set[int] = set()
@@ -43,11 +44,8 @@ class Inbox:
 
     def take(self, action: Action) -> Tensors:
         """The tensors that receive ``action`` brings (blocking)."""
-        assert action.peer is not None  # every lowered receive names its peer
-        posted = self._posted.pop(action, None)
-        if posted is None:
-            return self._transport.receive(action.peer, channel(action))
-        tensors = posted.wait()
+        # receives are taken in the lane's order, so this one was posted when the last was taken
+        tensors = self._posted.pop(action).wait()
         self._busy.discard(action.peer)
         self._post()
         return tensors
