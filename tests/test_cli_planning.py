@@ -214,7 +214,9 @@ def test_train_plan_auto_profiles_plans_and_trains(model: str, torchrun: bool) -
 
 
 def test_workers_profile_together_and_share_one_plan() -> None:
-    [pooled_profile, nothing] = pipetrain.launch(profile_together, 2, "mlp", 32, 2, 0, 1, 6)
+    [pooled_profile, nothing] = pipetrain.launch(
+        profile_together, 2, "mlp", 32, 2, 0, 1, 6, math.inf, [4]
+    )
     alone = profile_builtin("mlp", 32, 2, repeats=6)
     assert nothing is None
     assert [layer.activation_bytes for layer in pooled_profile.layers] == [
@@ -225,6 +227,9 @@ def test_workers_profile_together_and_share_one_plan() -> None:
         len(pooled_profile.spread.forward_s) == len(pooled_profile.spread.backward_s) == 2 * 6
     )  # both workers' runs
     assert pooled_profile.message_s > 0 and alone.message_s == 0
+    # also measured at 4 micro-batches of 8, both workers' runs pooled
+    [at_8] = pooled_profile.other_sizes
+    assert at_8.microbatch_size == 8 and len(at_8.spread.forward_s) == 2 * 6
     plans = pipetrain.launch(plan_together, 2, "mlp", 32)
     assert plans[0] == plans[1] and plans[0].workers == 2 and plans[0].batch_size == 32
 

@@ -174,6 +174,51 @@ def test_a_host_link_sends_no_faster_than_its_cap(runs: list[str]) -> None:
     assert sent_bytes <= CAP * elapsed + MIN_BURST_BYTES * 2
 
 
+SHORT = 32 * 1024  # a message well inside the token bucket
+
+
+@needs_namespaces
+def test_a_short_message_after_a_pause_crosses_no_faster_than_the_cap(runs: list[str]) -> None:
+    # each round: the bucket refills during a pause, then one short message and its reply
+    echo = (
+        "import socket; s = socket.socket(); s.bind(('0.0.0.0', 5002)); s.listen(); "
+        "c, _ = s.accept()\n"
+        "while True:\n"
+        "    n = 0\n"
+        f"    while n < {SHORT}:\n"
+        f"        d = c.recv({SHORT} - n)\n"
+        "        if not d: raise SystemExit\n"
+        "        n += len(d)\n"
+        "    c.sendall(b'k')"
+    )
+    send = (
+        "import socket, statistics, time\n"
+        "for _ in range(50):\n"
+        "    try: s = socket.create_connection(('{address}', 5002), timeout=20); break\n"
+        "    except OSError: time.sleep(0.1)\n"
+        "s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1); times = []\n"
+        "for _ in range(7):\n"
+        "    time.sleep(0.05); t = time.perf_counter()\n"
+        f"    s.sendall(bytes({SHORT})); s.recv(1); times.append(time.perf_counter() - t)\n"
+        "print(statistics.median(times))"
+    )
+    with Cluster(2, CAP) as cluster:
+        runs.append(cluster.name)
+        server, client = cluster.hosts
+        receiver = subprocess.Popen(server.command([sys.executable, "-c", echo]))
+        sent = subprocess.run(
+            client.command([sys.executable, "-c", send.format(address=server.address)]),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        receiver.kill()
+        receiver.wait(timeout=10)
+    assert sent.returncode == 0, sent.stderr
+    # a bucket that passed it at once would take well under a millisecond
+    assert float(sent.stdout) >= 0.8 * SHORT / CAP
+
+
 @needs_namespaces
 def test_an_uncapped_cluster_has_no_token_bucket(runs: list[str]) -> None:
     with Cluster(2, math.inf) as uncapped, Cluster(1, CAP) as capped:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from dataclasses import replace
 
 import pytest
 import torch
@@ -175,6 +176,25 @@ def test_scaled_by_hand() -> None:
     assert first.peak_memory_bytes == 1000.0 + 2 * 500.0
     assert second.weight_backward_s is None and second.peak_memory_bytes == 1600.0
     assert sample_profile().scaled(4) == sample_profile()
+
+
+def test_scaled_starts_from_the_nearest_measured_size() -> None:
+    # measured at 4 and at 16, where a sample costs less: every size scales from the nearer
+    at_16 = Profile([LayerCost(2.0, 3.0), LayerCost(1.0, 1.0)], microbatch_size=16)
+    both = replace(sample_profile(), other_sizes=(at_16,))
+    assert both.scaled(16).layers == at_16.layers
+    assert [layer.forward_s for layer in both.scaled(32).layers] == [4.0, 2.0]  # from 16
+    assert [layer.forward_s for layer in both.scaled(2).layers] == [0.25, 0.75]  # from 4
+    assert both.scaled(4) == both  # the measured size itself, nothing scaled
+    # a scaled profile keeps the measured sizes, so that scaling it again stays exact
+    assert both.scaled(32).scaled(16).layers == at_16.layers
+    again = Profile.from_dict(json.loads(json.dumps(both.to_dict())))
+    assert again == both
+    assert pooled([both, both]).other_sizes == (at_16,)
+    with pytest.raises(ValueError, match="measured at 1 other sizes, profile 0 at 0"):
+        pooled([sample_profile(), both])
+    with pytest.raises(ValueError, match="give each size once"):
+        replace(sample_profile(), other_sizes=(sample_profile(),))
 
 
 def test_weight_share_defaults_to_half_the_backward() -> None:

