@@ -221,8 +221,8 @@ def _varied_step_s(candidate: Candidate, costs: Costs, variation: Variation) -> 
 def _better(trial: tuple[float, int, float], best: tuple[float, int, float]) -> bool:
     """Whether ``trial`` (throughput, micro-batches, peak memory) beats ``best``: faster,
     or as fast (within :data:`_TIE`) with fewer micro-batches, then with less memory.
-    Every micro-batch costs a fixed overhead the profile's linear costs leave out, so where
-    the simulation cannot tell counts apart (a single stage, replicated), fewer run faster.
+    Every micro-batch costs the runtime a fixed overhead (its actions' dispatch) that the
+    profile leaves out, so where the simulation cannot tell counts apart, fewer run faster.
     """
     throughput, microbatches, peak = trial
     best_throughput, best_microbatches, best_peak = best
