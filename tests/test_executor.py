@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import pytest
 import torch
@@ -61,6 +62,7 @@ def play(
     broken_stage: int | None = None,
     group: LoopbackGroup | None = None,
     updater: Callable[[torch.optim.Optimizer | None, LoopbackTransport], Updater] | None = None,
+    loss_fn: Callable[..., Any] = nn.functional.cross_entropy,
 ) -> list[RankResult]:
     """Run ``schedule`` once with every rank a thread, each holding its own copy of the model;
     ``updater`` makes a rank's updater from its optimizer and transport."""
@@ -84,7 +86,7 @@ def play(
             s: Stage(
                 s,
                 weights,
-                nn.functional.cross_entropy,
+                loss_fn,
                 last=s == last,
                 recompute=recompute,
                 microbatches=schedule.microbatches,
@@ -206,6 +208,41 @@ def test_an_update_sums_the_loss_so_the_step_needs_no_loss_all_reduce() -> None:
     assert reduced == {0: [5], 1: [5]}  # norm, overflow, then loss, count, pairs
     uncounted = play(schedule, [2, 3], optimizer=True)  # no all-reduce in the updater
     assert [r.loss for r in uncounted] == pytest.approx([expected_loss] * 2, rel=1e-6)
+
+
+def test_a_pair_loss_is_divided_by_its_count_within_the_updates_all_reduce() -> None:
+    schedule = Schedule.from_text(
+        """
+        rank 0: F0.0 F0.1 B0.0 B0.1 STEP0
+        rank 1: F1.0 B1.0 F1.1 B1.1 STEP1
+        """
+    )
+    reduced: dict[int, list[int]] = {0: [], 1: []}
+
+    def updater(optimizer: torch.optim.Optimizer | None, transport: LoopbackTransport) -> Updater:
+        plain = transport.all_reduce
+
+        def all_reduce(tensor: torch.Tensor) -> None:
+            reduced[transport.rank].append(tensor.numel())
+            plain(tensor)
+
+        transport.all_reduce = all_reduce  # type: ignore[method-assign]  # the executor's too
+        return Updater(optimizer, all_reduce=all_reduce)
+
+    def summed(outputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return nn.functional.cross_entropy(outputs, targets, reduction="sum"), torch.tensor(
+            targets.numel()
+        )
+
+    pairs = play(schedule, [2, 3], optimizer=True, updater=updater, loss_fn=summed)
+    means = play(schedule, [2, 3], optimizer=True)
+    # the update's one all-reduce carries the count: norm, overflow, loss, count, pairs
+    assert reduced == {0: [5], 1: [5]}
+    expected_loss, _ = reference()
+    assert [r.loss for r in pairs] == pytest.approx([expected_loss] * 2, rel=1e-6)
+    for pair, mean in zip(pairs, means):  # the same update as the batch mean's
+        for name, weight in pair.weights.items():
+            torch.testing.assert_close(weight, mean.weights[name], rtol=1e-6, atol=1e-7)
 
 
 def test_a_rank_holding_the_input_and_last_stage_reads_its_own_targets() -> None:

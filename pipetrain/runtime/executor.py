@@ -215,12 +215,36 @@ class Executor:
         if self._steps_left > 0:
             self.weights.step(action.stage, self._loss)
             return
-        self._normalize()
         # a synchronous update sums the loss statistics with its gradient norm, so LOSS
-        # takes them from there instead of all-reducing again
-        self.weights.step(action.stage, self._loss_stats())
+        # takes them from there instead of all-reducing again; where it can, the update
+        # also divides by the step's count that they carry (one all-reduce, not two)
+        if self._update_normalizes():
+            self._normalized = True
+            self.weights.step(action.stage, self._loss_stats(), self._normalize_summed)
+        else:
+            self._normalize()
+            self.weights.step(action.stage, self._loss_stats())
         if self.weights.updating and not self._schedule.asynchronous:
             self._reduced_loss = self.weights.updater.take_reduced_loss()
+
+    def _update_normalizes(self) -> bool:
+        """Whether this rank's update, now, can divide the step's gradients by its count:
+        a synchronous update, with no gradients of earlier steps put aside (their norm is
+        known only once they are added back after the division)."""
+        return (
+            not self._normalized
+            and not self._schedule.asynchronous
+            and self.weights.updating
+            and self.weights.updater.active
+            and self.normalizer.normalizing is not False
+            and not self.normalizer.holds_aside
+        )
+
+    def _normalize_summed(self, reduced: torch.Tensor) -> float:
+        """Divide by the step's count in the update's summed loss statistics."""
+        return self.normalizer.divide(
+            reduced[1], round(float(reduced[2])), self._schedule.microbatches, True
+        )
 
     def _all_reduce_loss(self, action: Action) -> None:
         self._normalize()

@@ -7,10 +7,12 @@ and count both weighted by one weight shared by the whole update (see
 dividing everything a step produced by the step's total weighted count gives exactly the
 gradients of ``Σ loss_sum / Σ count`` on the whole batch.
 The total is known only once every last-stage forward ran, on whichever rank: at each
-rank's last ``STEP`` of a synchronous step, before any norm, clipping or update, one
-all-reduce of two numbers (the rank's counts and how many of its micro-batches returned a
-pair) gives it to every rank. A pipeline whose first step returned no pair never asks
-again; a later pair is refused at the loss all-reduce.
+rank's last ``STEP`` of a synchronous step, before any clipping or update, the update's
+statistics all-reduce sums the rank's counts and how many of its micro-batches returned a
+pair, and the division follows it (the gradients' norm, taken before, is divided too);
+where the update cannot (no update, or gradients put aside whose norm is not yet known),
+an all-reduce of those two numbers of its own does. A pipeline whose first step returned
+no pair never asks again; a later pair is refused at the loss all-reduce.
 
 Gradients accumulated by earlier ``train_step(update=False)`` calls are put aside for the
 step (:meth:`Normalizer.set_aside`) and added back after the division, so only the step's
@@ -68,11 +70,24 @@ class Normalizer:
         stats = torch.stack([count.double(), torch.tensor(float(pairs), dtype=torch.float64)])
         stats = stats.to(self.device)
         self.all_reduce(stats)
-        total, returned = stats[0], round(float(stats[1]))
+        self.divide(stats[0], round(float(stats[1])), microbatches, updating)
+
+    @property
+    def holds_aside(self) -> bool:
+        """Whether gradients of earlier steps are put aside, to be added back after the
+        division (the gradients' norm is then known only once they are)."""
+        return bool(self._aside)
+
+    def divide(
+        self, total: torch.Tensor, returned: int, microbatches: int, updating: bool
+    ) -> float:
+        """:meth:`finish` once the step's ``total`` count and ``returned`` pair-returning
+        micro-batches are summed over every rank (by an update's statistics all-reduce,
+        say); return the divisor applied (1.0 for scalar losses)."""
         check_kinds(returned, microbatches, self.normalizing)
         self.normalizing = returned > 0
         if not self.normalizing:
-            return
+            return 1.0
         for stage, tensors in self.holders.items():
             for tensor in tensors:
                 if tensor.grad is not None:
@@ -80,6 +95,7 @@ class Normalizer:
             aside = self._aside.pop(stage, None)
             if aside is not None:
                 self._add_back(stage, tensors, aside, updating)
+        return float(total)
 
     def _add_back(
         self,

@@ -176,15 +176,23 @@ class Updater:
         clip_grads_with_norm_(self.parameters, max_norm, norm)
         return float(norm)
 
-    def apply(self, loss: torch.Tensor | None) -> None:
+    def apply(
+        self,
+        loss: torch.Tensor | None,
+        normalize: Callable[[torch.Tensor], float] | None = None,
+    ) -> None:
         """A synchronous update on every rank: check that ``loss`` (this rank's share of the
         step's loss, or a vector of loss statistics with the loss first, the same length on
         every rank) and the global gradient norm are finite, clip, and step. Under fp16 an
-        overflow of finite-loss gradients skips the update and backs the scale off."""
+        overflow of finite-loss gradients skips the update and backs the scale off.
+        ``normalize``, given the summed loss statistics, divides every gradient by what it
+        returns before anything but the norm reads them (the norm is divided alike)."""
         if not self.active:
             self._share()  # the gradients are the result: they must be the model's
             return
         norm, reduced_loss, overflowed = self._reduced(loss)
+        if normalize is not None:
+            norm = norm / normalize(reduced_loss)
         total_loss = float(reduced_loss[0])
         if self.all_reduce is not None:  # else the sum is this rank's alone
             self._reduced_loss = reduced_loss

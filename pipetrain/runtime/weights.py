@@ -192,15 +192,20 @@ class Weights:
         if self.asynchronous:
             self.stashes[stage].load_gradients()
 
-    def step(self, stage: int, loss: torch.Tensor | None = None) -> None:
+    def step(
+        self,
+        stage: int,
+        loss: torch.Tensor | None = None,
+        normalize: Callable[[torch.Tensor], float] | None = None,
+    ) -> None:
         """Apply ``stage``'s update: synchronously, the rank's update happens once every
         held stage has stepped (``loss``, this rank's share of the step's loss, is checked
-        with the gradients); asynchronously, at once, and the new weights become the next
-        version."""
+        with the gradients, which ``normalize`` divides: see :meth:`Updater.apply`);
+        asynchronously, at once, and the new weights become the next version."""
         self._steps[stage] += 1
         if not self.asynchronous:
             if self.updating and sum(self._steps.values()) == len(self.modules):
-                self.updater.apply(loss)
+                self.updater.apply(loss, normalize)
             return
         stash = self.stashes[stage]
         stash.load_gradients()
