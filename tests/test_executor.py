@@ -185,39 +185,17 @@ def test_written_schedules_match_the_unpipelined_model(case: str, recompute: str
     assert_matches_reference(play(Schedule.from_text(text), balance, recompute=recompute))
 
 
-def test_an_update_sums_the_loss_so_the_step_needs_no_loss_all_reduce() -> None:
-    schedule = Schedule.from_text(
-        """
-        rank 0: F0.0 F0.1 B0.0 B0.1 STEP0
-        rank 1: F1.0 B1.0 F1.1 B1.1 STEP1
-        """
-    )
-    reduced: dict[int, list[int]] = {0: [], 1: []}
-
-    def updater(optimizer: torch.optim.Optimizer | None, transport: LoopbackTransport) -> Updater:
-        def all_reduce(tensor: torch.Tensor) -> None:
-            reduced[transport.rank].append(tensor.numel())
-            transport.all_reduce(tensor)
-
-        return Updater(optimizer, all_reduce=all_reduce)
-
-    # the executor's own LOSS would use the transport, not this counted all-reduce
-    counted = play(schedule, [2, 3], optimizer=True, updater=updater)
-    expected_loss, _ = reference()
-    assert [r.loss for r in counted] == pytest.approx([expected_loss] * 2, rel=1e-6)
-    assert reduced == {0: [5], 1: [5]}  # norm, overflow, then loss, count, pairs
-    uncounted = play(schedule, [2, 3], optimizer=True)  # no all-reduce in the updater
-    assert [r.loss for r in uncounted] == pytest.approx([expected_loss] * 2, rel=1e-6)
+ONE_UPDATE = """
+rank 0: F0.0 F0.1 B0.0 B0.1 STEP0
+rank 1: F1.0 B1.0 F1.1 B1.1 STEP1
+"""
 
 
-def test_a_pair_loss_is_divided_by_its_count_within_the_updates_all_reduce() -> None:
-    schedule = Schedule.from_text(
-        """
-        rank 0: F0.0 F0.1 B0.0 B0.1 STEP0
-        rank 1: F1.0 B1.0 F1.1 B1.1 STEP1
-        """
-    )
-    reduced: dict[int, list[int]] = {0: [], 1: []}
+def counting_updater(
+    reduced: dict[int, list[int]],
+) -> Callable[[torch.optim.Optimizer | None, LoopbackTransport], Updater]:
+    """An updater factory that records the size of every all-reduce a rank makes, the
+    executor's own (normalization, LOSS) included, in ``reduced[rank]``."""
 
     def updater(optimizer: torch.optim.Optimizer | None, transport: LoopbackTransport) -> Updater:
         plain = transport.all_reduce
@@ -229,11 +207,30 @@ def test_a_pair_loss_is_divided_by_its_count_within_the_updates_all_reduce() -> 
         transport.all_reduce = all_reduce  # type: ignore[method-assign]  # the executor's too
         return Updater(optimizer, all_reduce=all_reduce)
 
+    return updater
+
+
+def test_an_update_sums_the_loss_so_the_step_needs_no_loss_all_reduce() -> None:
+    schedule = Schedule.from_text(ONE_UPDATE)
+    reduced: dict[int, list[int]] = {0: [], 1: []}
+    counted = play(schedule, [2, 3], optimizer=True, updater=counting_updater(reduced))
+    expected_loss, _ = reference()
+    assert [r.loss for r in counted] == pytest.approx([expected_loss] * 2, rel=1e-6)
+    assert reduced == {0: [5], 1: [5]}  # norm, overflow, then loss, count, pairs
+    uncounted = play(schedule, [2, 3], optimizer=True)  # no all-reduce in the updater
+    assert [r.loss for r in uncounted] == pytest.approx([expected_loss] * 2, rel=1e-6)
+
+
+def test_a_pair_loss_is_divided_by_its_count_within_the_updates_all_reduce() -> None:
+    schedule = Schedule.from_text(ONE_UPDATE)
+    reduced: dict[int, list[int]] = {0: [], 1: []}
+
     def summed(outputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return nn.functional.cross_entropy(outputs, targets, reduction="sum"), torch.tensor(
             targets.numel()
         )
 
+    updater = counting_updater(reduced)
     pairs = play(schedule, [2, 3], optimizer=True, updater=updater, loss_fn=summed)
     means = play(schedule, [2, 3], optimizer=True)
     # the update's one all-reduce carries the count: norm, overflow, loss, count, pairs
