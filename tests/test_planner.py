@@ -269,8 +269,10 @@ def test_fewer_micro_batches_win_within_a_few_percent_of_the_fastest() -> None:
         )  # fmt: skip
         return chosen.predicted_step_s
 
-    assert [step_s((m,)) for m in (8, 16, 32)] == pytest.approx([432.0, 408.0, 396.0])
-    assert FEWER_WITHIN == 0.05
+    steps = [step_s((m,)) for m in (8, 16, 32)]
+    assert steps == pytest.approx([432.0, 408.0, 396.0])
+    # 32 is faster than 16 by less than FEWER_WITHIN, 16 than 8 by more
+    assert steps[1] / steps[2] - 1 < FEWER_WITHIN < steps[0] / steps[1] - 1
     chosen = plan(
         profile, workers=2, schedules=("1f1b",), microbatches=(8, 16, 32), batch_size=64,
         replication=False,
