@@ -97,7 +97,7 @@ def train(name: str, configs: list[dict[str, Any]], padded: bool = False) -> lis
         )
         steps = [padded_batch(step) if padded else (batch(step),) for step in range(STEPS)]
         losses = [pipe.train_step(*data) for data in steps]
-        state = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
+        state = {k: v.detach().cpu().clone() for k, v in pipe.state_dict().items()}
         results.append({"losses": losses, "state": state, "shared": pipe.shared_parameters})
     return results
 

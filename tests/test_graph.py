@@ -12,6 +12,7 @@ import torch
 
 import pipetrain
 from pipetrain.checkpoint import load_full
+from pipetrain.model.graph import GraphModel
 
 pytest.importorskip("transformers")
 
@@ -77,6 +78,15 @@ def test_stock_causal_lm_trains_as_unpipelined(name: str, world: int, padded: bo
     tied = name != "llama-untied"
     assert bool(per_rank[0][0]["shared"]) == tied, per_rank[0][0]["shared"]
     assert_same_training(cases.reference(name, padded), per_rank, _aliases(name))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_stock_model_on_two_ranks_sharing_a_gpu_trains_as_unpipelined() -> None:
+    """Llama's stages on the GPU (gloo stages messages through the host), its pair loss's
+    count summed on the device, against the unpipelined model on the CPU."""
+    configs = [{**config, "device": "cuda"} for config in SCHEDULES]
+    per_rank = pipetrain.launch(cases.train, 2, "llama", configs, True, timeout_s=240)
+    assert_same_training(cases.reference("llama", True), per_rank, _aliases("llama"), configs)
 
 
 @pytest.mark.slow
@@ -149,3 +159,32 @@ def test_a_model_given_as_layers_keeps_its_tied_weight_one_parameter() -> None:
     assert per_rank[0][0]["shared"] == ["0.weight"]
     aliases = [{"0.weight", "4.weight"}]
     assert_same_training(cases.sequential_reference(), per_rank, aliases)
+
+
+class _AutocastRegion(torch.nn.Module):
+    """Two blocks, the second under autocast, which export keeps as a graph of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks[0](x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = self.blocks[1](x) + torch.arange(4, device=x.device)
+        return y.float()
+
+
+def test_a_stage_placed_on_a_device_names_only_it_inside_an_autocast_region() -> None:
+    """The region's own graph makes and checks tensors on the capture's device: a stage
+    placed elsewhere must name its own there too (and the region's device type)."""
+    model, x = _AutocastRegion(), torch.randn(3, 4)
+    graph = GraphModel(model, x[:2])
+    placed = graph.stage(0, len(graph.names), device=torch.device("meta"))
+    regions = [m for m in placed.modules() if isinstance(m, torch.fx.GraphModule)]
+    assert len(regions) == 1, placed
+    assert "cpu" not in placed.code and "cpu" not in regions[0].code
+    assert "wrap_with_autocast('meta'" in placed.code
+    assert "cpu" in graph.captured.module.code  # other stages are placed from the capture
+    on_cpu = graph.stage(0, len(graph.names), device=torch.device("cpu"))
+    torch.testing.assert_close(on_cpu(x)[0], model(x))

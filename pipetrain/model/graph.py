@@ -27,6 +27,8 @@ from pipetrain.model.capture import Captured, Inputs, capture, flatten_inputs
 from pipetrain.planning.partition import partition
 
 _aten = torch.ops.aten
+# export's region of a `with torch.autocast(device_type, ...)`; its first argument is the type
+_WRAP_WITH_AUTOCAST = getattr(torch.ops.higher_order, "wrap_with_autocast", None)
 # operations whose behaviour follows train/eval mode, and the index of their flag
 _MODE_FLAGS = {
     _aten.dropout.default: 2,
@@ -259,8 +261,7 @@ class GraphModel:
                 continue
             env[node] = copied = graph.node_copy(node, lookup)
             if device is not None:  # devices fixed at capture become the stage's
-                copied.args = _on_device(copied.args, device)
-                copied.kwargs = _on_device(copied.kwargs, device)
+                _place(copied, device)
             flag = _MODE_FLAGS.get(node.target)
             if evaluation and flag is not None and len(copied.args) > flag:
                 copied.args = (*copied.args[:flag], False, *copied.args[flag + 1 :])
@@ -295,7 +296,12 @@ class GraphModel:
             raise ValueError(f"segment range [{start}, {stop}) is outside 0..{len(self.names)}")
         root = self.captured.module
         training, evaluation = (self._graph(start, stop, mode, device) for mode in (False, True))
-        return GraphStage(root, training, evaluation, self.model)
+        stage = GraphStage(root, training, evaluation, self.model)
+        if device is not None:  # a higher-order operation's own graph names devices too
+            for name, child in list(stage.named_children()):
+                if isinstance(child, fx.GraphModule):
+                    stage.add_module(name, _module_on_device(child, device))
+        return stage
 
     def crossing(self, segment: int) -> list[str]:
         """The names of the values crossing the cut before ``segment``."""
@@ -318,6 +324,28 @@ class GraphModel:
     def outputs(self, tensors: Sequence[torch.Tensor]) -> Any:
         """The last stage's flat outputs nested as the model returns them."""
         return torch.utils._pytree.tree_unflatten(list(tensors), self.captured.output_spec)
+
+
+def _place(node: fx.Node, device: torch.device) -> None:
+    """Make every device ``node`` names (where it makes tensors, what it asserts of
+    them, the device type of an autocast region) ``device``'s."""
+    node.args = _on_device(node.args, device)
+    node.kwargs = _on_device(node.kwargs, device)
+    if node.target is _WRAP_WITH_AUTOCAST and node.args:
+        node.args = (device.type, *node.args[1:])
+
+
+def _module_on_device(module: fx.GraphModule, device: torch.device) -> fx.GraphModule:
+    """A copy of a higher-order operation's graph module with its devices ``device``'s."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(module.graph, {}))
+    for node in graph.nodes:
+        _place(node, device)
+    placed = fx.GraphModule(module, graph)
+    for name, child in list(placed.named_children()):
+        if isinstance(child, fx.GraphModule):
+            placed.add_module(name, _module_on_device(child, device))
+    return placed
 
 
 def _on_device(value: Any, device: torch.device) -> Any:

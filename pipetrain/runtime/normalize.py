@@ -67,8 +67,8 @@ class Normalizer:
         ``microbatches``. Every rank calls it at the same point of the step."""
         if self.normalizing is False:
             return
-        stats = torch.stack([count.double(), torch.tensor(float(pairs), dtype=torch.float64)])
-        stats = stats.to(self.device)
+        pairs_held = torch.tensor(float(pairs), dtype=torch.float64, device=count.device)
+        stats = torch.stack([count.double(), pairs_held]).to(self.device)
         self.all_reduce(stats)
         self.divide(stats[0], round(float(stats[1])), microbatches, updating)
 

@@ -37,7 +37,7 @@ from pipetrain.runtime.outputs import Destination, check_destination
 from pipetrain.runtime.precision import LossScale, Precision
 from pipetrain.runtime.stage import LossFn
 from pipetrain.runtime.steps import Outputs, StepPlayer, prepare
-from pipetrain.runtime.torch_transport import default_device
+from pipetrain.runtime.torch_transport import default_device, indexed
 from pipetrain.runtime.update import LRSchedulerFactory, check_training
 from pipetrain.schedules import Schedule
 from pipetrain.timeline import Timeline
@@ -242,9 +242,7 @@ class Pipeline:
                 )
             front.layers = deferred_layers(front.layers, built)
         self.microbatches = built.microbatches
-        self.device = (
-            torch.device(config.device) if config.device is not None else default_device(group)
-        )
+        self.device = indexed(config.device) if config.device is not None else default_device(group)
         self._rank = assemble(
             built,
             self.rank,

@@ -112,6 +112,15 @@ def _started(work: dist.Work | None, peer: int) -> dist.Work:
     return work
 
 
+def indexed(device: torch.device | str) -> torch.device:
+    """``device`` with its index: a GPU named without one is the current GPU (a captured
+    graph's checks compare indices, so ``cuda`` is not ``cuda:0`` there)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def default_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """The device of this process: its local GPU under NCCL, else the CPU."""
     if dist.get_backend(group) == "nccl":
