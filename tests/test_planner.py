@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from planning_cases import VGG16_CONVOLUTIONS, resnet_like_profile, vgg16_profile
 
-from pipetrain.planning import Plan, PlanStage, StageFootprint, plan, worker_memory
+from pipetrain.planning import Plan, PlanStage, StageFootprint, Topology, plan, worker_memory
 from pipetrain.planning.memory import in_flight
 from pipetrain.planning.planner import FEWER_WITHIN
 from pipetrain.profiler import LayerCost, Profile, Spread
@@ -280,6 +280,24 @@ def test_fewer_micro_batches_win_within_a_few_percent_of_the_fastest() -> None:
     assert chosen.microbatches == 16
 
 
+def test_fewer_stages_win_within_a_few_percent_of_the_fastest() -> None:
+    # on 2 workers over 1 B/s links: the two-stage 1F1B pipeline steps in 432 s; data
+    # parallelism in 384 s plus the all-reduce of 4 layers' 15 bytes, 444 s (2.8% slower)
+    profile, topology = uniform(4, parameter_bytes=15), Topology.flat(2, 1.0)
+
+    def chosen(replication: bool) -> Plan:
+        return plan(
+            profile, topology=topology, schedules=("1f1b",), microbatches=(8,),
+            batch_size=64, replication=replication,
+        )  # fmt: skip
+
+    straight, preferred = chosen(replication=False), chosen(replication=True)
+    assert straight.replicas == [1, 1] and preferred.replicas == [2]
+    assert straight.predicted_step_s == pytest.approx(432.0)
+    assert preferred.predicted_step_s == pytest.approx(444.0)
+    assert 1 < preferred.predicted_step_s / straight.predicted_step_s < 1 / (1 - FEWER_WITHIN)
+
+
 def test_the_step_ends_with_the_loss_all_reduce() -> None:
     # one worker runs 4 micro-batches of 1 + 2 s back to back, then the loss is all-reduced
     profile = Profile(uniform(3).layers, message_s=0.5)
@@ -340,12 +358,19 @@ def test_under_a_memory_limit_that_1f1b_exceeds_a_v_schedule_is_chosen() -> None
     # 8·4 kB; V-Half 2·(4 + 2)//2 of them: 6·4 kB; V-Min 2·(4 + 4)//3: 4·4 kB; and every
     # worker the workspace of one layer, 1 kB
     one_f_one_b, zb_v, v_half, v_min = (1320 + n for n in (32_000, 32_000, 24_000, 16_000))
-    free = planned(None)
-    assert (free.schedule, free.virtual, free.recompute) == ("zb-v", 2, "never")
-    assert max(free.stage_memory_bytes) == zb_v
+    zb_v_alone = plan(
+        profile, workers=4, microbatches=(16,), replication=False, schedules=("zb-v",)
+    )
+    assert (zb_v_alone.schedule, zb_v_alone.virtual, zb_v_alone.recompute) == ("zb-v", 2, "never")
+    assert max(zb_v_alone.stage_memory_bytes) == zb_v
     # the bubble of ZB-V is 0 at F = B = W: each rank computes 16·8·3 s, and the last starts
     # after 3 chunk forwards of 4 s
-    assert free.predicted_step_s == pytest.approx(16 * 8 * 3 + 3 * 4)
+    assert zb_v_alone.predicted_step_s == pytest.approx(16 * 8 * 3 + 3 * 4)
+    # free to choose, the planner takes ZB-H1's 4 stages, 3% slower, over ZB-V's 8 chunks
+    free = planned(None)
+    assert (free.schedule, free.virtual) == ("zb-h1", 1)
+    assert free.predicted_step_s == pytest.approx(408.0)
+    assert "is as fast or within a few percent, with fewer stages" in free.rejected["zb-v"]
 
     under_1f1b = planned(33_000)
     assert one_f_one_b > 33_000 > v_half

@@ -36,11 +36,15 @@ _VARIED_ACTIONS = (
 )
 
 FEWER_WITHIN = 0.05
-"""A candidate with fewer micro-batches wins if its predicted throughput is within this
-fraction of the fastest's: every micro-batch costs the runtime a fixed overhead (its
-actions' dispatch, more workers busy at once on shared cores) that the profile leaves out.
-On four workers sharing two cores, data parallelism with 8 micro-batches predicted within
-3% of 2 reached its target 11-20% later than DDP where 2 came within 5% of it."""
+"""Among the candidates whose predicted throughput is within this fraction of the fastest's,
+the one with the fewest stages wins, then the one with the fewest micro-batches. Every
+stage boundary and every micro-batch costs the runtime what the profile leaves out (its
+messages' and actions' dispatch, more workers busy at once on shared cores), and
+predictions are good to about this much: so pipeline only where it clearly pays. On four
+workers sharing two cores, data parallelism with 8 micro-batches predicted within 3% of 2
+reached its target 11-20% later than DDP where 2 came within 5% of it; a VGG split into
+four straight stages and one into three with a replicated middle were predicted within 3%
+of each other, and which ran depended on the profile's noise."""
 
 
 def plan(
@@ -162,8 +166,8 @@ def _fastest(
     share ``cores`` cores (None: one each).
 
     A candidate's promise is its throughput at its makespan lower bound. Of the candidates
-    within :data:`FEWER_WITHIN` of the fastest, the one with the fewest micro-batches wins,
-    then the faster, then the one with the smaller peak memory.
+    within :data:`FEWER_WITHIN` of the fastest, the one with the fewest stages wins, then
+    the fewest micro-batches, then the faster, then the one with the smaller peak memory.
     """
     report(f"planning: {counted(len(fitting), 'candidate')} fit; simulating the most promising")
     bounded = []
@@ -196,6 +200,7 @@ def _fastest(
             f"{_summary(best.candidate)}: {best.throughput:.4g} samples/s"
         )
     assert best is not None  # the first candidate is always simulated
+    verdicts.chose(best.throughput)
     _, _, candidate, memory, costs, processed, makespan = best
     variation = candidate.variation()
     if variation is not None:
@@ -242,11 +247,12 @@ class _Simulated(NamedTuple):
 
 def _chosen(results: list[_Simulated], fastest: float) -> _Simulated:
     """Of ``results`` within :data:`FEWER_WITHIN` of ``fastest``, the one with the fewest
-    micro-batches, then the fastest (within a relative 1e-9), then the one with the
-    smallest peak memory."""
+    stages (model chunks), then the fewest micro-batches, then the fastest (within a
+    relative 1e-9), then the one with the smallest peak memory."""
     near = [r for r in results if r.throughput >= fastest * (1 - FEWER_WITHIN)]
-    fewest = min(r.candidate.microbatches for r in near)
-    near = [r for r in near if r.candidate.microbatches == fewest]
+    for count in (lambda r: len(r.candidate.layout.stages), lambda r: r.candidate.microbatches):
+        fewest = min(count(r) for r in near)
+        near = [r for r in near if count(r) == fewest]
     quickest = max(r.throughput for r in near)
     return min((r for r in near if r.throughput >= quickest * (1 - 1e-9)), key=lambda r: r.peak)
 

@@ -1,5 +1,6 @@
 """Why the planner passed over each schedule it considered: it could run no layout tried,
-it did not fit in memory, or it fitted and was slower than the plan chosen."""
+it did not fit in memory, or it fitted and was slower than the plan chosen (or not enough
+faster to beat its fewer stages or micro-batches)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,13 @@ class Verdicts:
     def __init__(self, schedules: tuple[str, ...]) -> None:
         """Start with nothing seen of each of ``schedules``."""
         self._records = {name: _Record() for name in schedules}
+        self._chosen_throughput = 0.0
+
+    def chose(self, throughput: float) -> None:
+        """The plan chosen was simulated at ``throughput`` samples per second (a faster
+        schedule can lose to it on the planner's preference for fewer stages and
+        micro-batches)."""
+        self._chosen_throughput = throughput
 
     def tried(self, candidate: Candidate, peak: float, fits: bool) -> None:
         """``candidate`` ran a layout and needs ``peak`` bytes on its fullest worker."""
@@ -77,10 +85,19 @@ class Verdicts:
                         f"recomputation {cheaper.recompute} ({format_bytes(over)} on a worker); "
                         + fits
                     )
-                reasons[name] = (
-                    f"{fits} but is slower: {record.simulated:.4g} samples/s at best"
-                    if record.simulated > 0
-                    else f"{fits} but cannot be faster: at most {record.ceiling:.4g} samples/s "
-                    "by its lower bound"
-                )
+                if record.simulated >= self._chosen_throughput * (1 - 1e-9):
+                    reasons[name] = (
+                        f"{fits} and reaches {record.simulated:.4g} samples/s, but the plan "
+                        f"chosen ({self._chosen_throughput:.4g}) is as fast or within a few "
+                        "percent, with fewer stages or micro-batches (or less memory)"
+                    )
+                elif record.simulated > 0:
+                    reasons[name] = (
+                        f"{fits} but is slower: {record.simulated:.4g} samples/s at best"
+                    )
+                else:
+                    reasons[name] = (
+                        f"{fits} but cannot be faster: at most {record.ceiling:.4g} samples/s "
+                        "by its lower bound"
+                    )
         return reasons
