@@ -298,9 +298,7 @@ class GraphModel:
         training, evaluation = (self._graph(start, stop, mode, device) for mode in (False, True))
         stage = GraphStage(root, training, evaluation, self.model)
         if device is not None:  # a higher-order operation's own graph names devices too
-            for name, child in list(stage.named_children()):
-                if isinstance(child, fx.GraphModule):
-                    stage.add_module(name, _module_on_device(child, device))
+            _place_graphs_within(stage, device)
         return stage
 
     def crossing(self, segment: int) -> list[str]:
@@ -342,10 +340,15 @@ def _module_on_device(module: fx.GraphModule, device: torch.device) -> fx.GraphM
     for node in graph.nodes:
         _place(node, device)
     placed = fx.GraphModule(module, graph)
-    for name, child in list(placed.named_children()):
-        if isinstance(child, fx.GraphModule):
-            placed.add_module(name, _module_on_device(child, device))
+    _place_graphs_within(placed, device)
     return placed
+
+
+def _place_graphs_within(module: nn.Module, device: torch.device) -> None:
+    """Replace each graph module among ``module``'s children by a copy on ``device``."""
+    for name, child in list(module.named_children()):
+        if isinstance(child, fx.GraphModule):
+            module.add_module(name, _module_on_device(child, device))
 
 
 def _on_device(value: Any, device: torch.device) -> Any:
