@@ -30,3 +30,28 @@ def test_a_noisy_fast_link_is_fast_but_finite() -> None:
     # a fast one whose small round trip was delayed past the large one's
     assert bandwidth_of(0.004, 0.003) == extra / 0.0015
     assert bandwidth_of(0.003, 0.003) == extra / 0.0015
+
+
+def measured_with_set_round_trips() -> Link:
+    """:func:`measure_links` where rank ``s``'s link to the next rank takes ``s + 1`` ms a
+    small round trip and ``10 (s + 1)`` ms more for the large message."""
+    import pipetrain.profiler.links as links
+
+    def round_trips(sender: int, receiver: int, rank: int, size: int, count: int) -> list[float]:
+        small = (sender + 1) * 1e-3
+        # the first small round trip of each link an outlier, which the median ignores
+        runs = [small] * count if size == LARGE_BYTES else [small * 5] + [small] * (count - 1)
+        return [run + 10 * small for run in runs] if size == LARGE_BYTES else runs
+
+    links._round_trips = round_trips
+    return links.measure_links(rounds=3, latency_rounds=4)
+
+
+def test_the_latency_is_the_mean_over_every_link_and_the_bandwidth_the_slowest() -> None:
+    results = pipetrain.launch(measured_with_set_round_trips, 3)
+    assert results[0] == results[1] == results[2]
+    bandwidth, latency = results[0]
+    # round trips (ms): link 0 [5, 1, 1, 1], link 1 [10, 2, 2, 2], link 2 [15, 3, 3, 3]
+    assert math.isclose(latency, (8 + 16 + 24) / 12 / 2 * 1e-3)
+    # the slowest link: 2, whose large message takes 30 ms more than its small one
+    assert math.isclose(bandwidth, (LARGE_BYTES - SMALL_BYTES) / 0.03)

@@ -208,6 +208,21 @@ def test_messages_sent_back_to_back_overlap_their_latencies() -> None:
     assert last_forward.start == pytest.approx(0.1 + 4 * 1.0 + 0.5)
 
 
+def test_a_rank_receives_from_its_neighbours_replicas_one_message_at_a_time() -> None:
+    # three replicas finish a forward each at 1 s and send 2 s of bytes to the one last
+    # stage: its incoming link carries them one after another (landing at 3, 5 and 7 s),
+    # and its gradients leave one after another too (GPipe's backwards, of no cost, all
+    # follow the last forward at 8 s: they land at 10, 12 and 14 s)
+    costs = Costs(forward_s=1.0, backward_s=0.0, activation_bytes=2.0, bandwidth=1.0, step_s=0.0)
+    timeline = simulate(build("gpipe", 4, 3, replicas=[3, 1]), costs)
+    forwards = sorted(e.start for e in timeline.rank_events(3) if e.kind == "F")
+    assert forwards == pytest.approx([3.0, 5.0, 7.0])
+    received = sorted(e.end for e in timeline.events if e.kind == "RECV_B")
+    assert received == pytest.approx([10.0, 12.0, 14.0])
+    # one link per sender-receiver pair would have landed all three at 3 s
+    assert timeline.makespan == pytest.approx(14.0)
+
+
 def test_replicated_stage_allreduce_waits_for_all_replicas() -> None:
     schedule = build("1f1b", 3, 4, replicas=[2, 1])
     timeline = simulate(

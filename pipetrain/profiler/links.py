@@ -20,6 +20,9 @@ LARGE_BYTES = 4_000_000
 """Large enough that its bytes, not the per-message cost, set its time on a 100 Mbit/s link
 (0.32 s there), small enough to cost milliseconds on a fast one."""
 
+LATENCY_ROUNDS = 16
+"""Small round trips timed on each link for the latency (about 0.1 s in all on 4 workers)."""
+
 
 class Link(NamedTuple):
     """A link's bandwidth (bytes/s) and the time one message takes besides its bytes."""
@@ -28,21 +31,28 @@ class Link(NamedTuple):
     latency_s: float
 
 
-def measure_links(rounds: int = 3) -> Link:
+def measure_links(rounds: int = 3, latency_rounds: int = LATENCY_ROUNDS) -> Link:
     """Call on every rank of the default process group (gloo, CPU tensors): the slowest
-    bandwidth and the largest latency measured between ring neighbours (rank ``r`` and
-    ``r + 1``, all pairs in turn), the same on every rank.
+    bandwidth measured between ring neighbours (rank ``r`` and ``r + 1``, all pairs in
+    turn) and the mean latency over all of them, the same on every rank.
 
-    A message's time is the median of ``rounds`` round trips (the message there, one byte
-    back), halved for the latency; bandwidth is the large message's extra bytes over its
-    extra time (:func:`bandwidth_of`). With one rank there is no link: infinite bandwidth,
-    no latency.
+    The bandwidth is the large message's extra bytes over its extra time, the median of
+    ``rounds`` round trips (the message there, one byte back) against the median of the
+    small message's (:func:`bandwidth_of`). The latency is half the mean of
+    ``latency_rounds`` small round trips on every link: where workers share cores, a
+    receiver woken while the cores are busy waits for one (up to a scheduler tick, 4 ms at
+    250 Hz), and whether it does changes from moment to moment, so a link's round trips
+    run at 0.1 ms for a while, then at 4 ms; the median of a few on the slowest link read
+    anywhere from 0.15 to 2.7 ms a message. The mean over many on every link is what a
+    run's many messages pay on average (the flat topology the planner builds from it has
+    one latency: a single slow link is averaged in, not singled out).
+    With one rank there is no link: infinite bandwidth, no latency.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     if world == 1:
         return Link(math.inf, 0.0)
-    # the links this rank sent over: -bandwidth and latency, so that MAX finds the slowest
-    measured = torch.tensor([-math.inf, 0.0], dtype=torch.float64)
+    slowest = torch.tensor([-math.inf], dtype=torch.float64)  # -bandwidth: MAX finds it
+    round_trips = torch.zeros(2, dtype=torch.float64)  # the small ones' total and count
     # even senders first, then odd ones, so that no rank is in two pairs at once
     for parity in (0, 1) if world > 2 else (0,):
         for sender in range(parity, world, 2):
@@ -50,37 +60,61 @@ def measure_links(rounds: int = 3) -> Link:
             if world % 2 == 1 and parity == 0 and sender == world - 1:
                 continue  # an odd ring's last link: measured alone below
             if rank in (sender, receiver):
-                _measure_pair(sender, receiver, rank, rounds, measured)
+                _measure_pair(
+                    sender, receiver, rank, (rounds, latency_rounds), slowest, round_trips
+                )
         dist.barrier()
     if world % 2 == 1 and world > 2:
         if rank in (world - 1, 0):
-            _measure_pair(world - 1, 0, rank, rounds, measured)
+            _measure_pair(world - 1, 0, rank, (rounds, latency_rounds), slowest, round_trips)
         dist.barrier()
-    dist.all_reduce(measured, op=dist.ReduceOp.MAX)
-    return Link(-float(measured[0]), float(measured[1]))
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    dist.all_reduce(round_trips)
+    total, count = (float(value) for value in round_trips)
+    return Link(-float(slowest[0]), total / count / 2)
 
 
-def _measure_pair(sender: int, receiver: int, rank: int, rounds: int, out: torch.Tensor) -> None:
-    """Time the link from ``sender`` to ``receiver``; the sender writes it into ``out``."""
-    times = []
-    for size in (SMALL_BYTES, LARGE_BYTES):
-        payload = torch.zeros(size, dtype=torch.uint8)
-        reply = torch.zeros(1, dtype=torch.uint8)
-        runs = []
-        for _ in range(rounds + 1):  # the first round sets the connection up
-            start = time.perf_counter()
-            if rank == sender:
-                dist.send(payload, receiver)
-                dist.recv(reply, receiver)
-            else:
-                dist.recv(payload, sender)
-                dist.send(reply, sender)
-            runs.append(time.perf_counter() - start)
-        times.append(statistics.median(runs[1:]))
+def _measure_pair(
+    sender: int,
+    receiver: int,
+    rank: int,
+    rounds: tuple[int, int],
+    slowest: torch.Tensor,
+    round_trips: torch.Tensor,
+) -> None:
+    """Time the link from ``sender`` to ``receiver`` (``rounds``: the large message's round
+    trips, the small one's); the sender adds its bandwidth to ``slowest`` and its small
+    round trips to ``round_trips``."""
+    large_rounds, small_rounds = rounds
+    runs = {
+        size: _round_trips(sender, receiver, rank, size, count)
+        for size, count in ((SMALL_BYTES, small_rounds), (LARGE_BYTES, large_rounds))
+    }
     if rank == sender:
-        small, large = times
-        out[0] = max(float(out[0]), -bandwidth_of(small, large))
-        out[1] = max(float(out[1]), small / 2)
+        small = statistics.median(runs[SMALL_BYTES])
+        large = statistics.median(runs[LARGE_BYTES])
+        slowest[0] = max(float(slowest[0]), -bandwidth_of(small, large))
+        round_trips += torch.tensor(
+            [sum(runs[SMALL_BYTES]), len(runs[SMALL_BYTES])], dtype=torch.float64
+        )
+
+
+def _round_trips(sender: int, receiver: int, rank: int, size: int, count: int) -> list[float]:
+    """``count`` round trips of a ``size``-byte message and a one-byte reply, in seconds,
+    after one that sets the connection up."""
+    payload = torch.zeros(size, dtype=torch.uint8)
+    reply = torch.zeros(1, dtype=torch.uint8)
+    runs = []
+    for _ in range(count + 1):
+        start = time.perf_counter()
+        if rank == sender:
+            dist.send(payload, receiver)
+            dist.recv(reply, receiver)
+        else:
+            dist.recv(payload, sender)
+            dist.send(reply, sender)
+        runs.append(time.perf_counter() - start)
+    return runs[1:]
 
 
 def bandwidth_of(small_s: float, large_s: float) -> float:

@@ -2,6 +2,7 @@
 
 - :mod:`~pipetrain.simulation.costs`: :class:`Costs` and :class:`Variation`;
 - :mod:`~pipetrain.simulation.engine`: :func:`simulate` and :func:`median_makespan`;
+- :mod:`~pipetrain.simulation.ports`: each rank's link each way, which its messages share;
 - :mod:`~pipetrain.simulation.measured`: costs recovered from measured timelines.
 """
 

@@ -3,15 +3,16 @@
 Every rank runs its actions in order, and each becomes an event of the kind the runtime's
 recorder gives it, on the same rank. Compute takes the stage's cost. A send keeps its rank
 busy for ``Costs.send_s`` (packing the message; its ``SEND_*`` event), then the message
-travels on the directed link to its peer without the sender: its bytes hold the link (one
-message's bytes at a time, in the order the sender issues them) and it lands
-``Costs.latency_s`` after its last byte left, so back-to-back messages overlap their
-latencies; a receive's event runs from when the rank
-reaches it until its message has landed and been copied in (``Costs.receive_s``); an
-all-reduce starts when every replica of the stage has reached it. An overlapped pair's
-forward and backward together take the longer of the two plus the part of the shorter that
-``Costs.overlap`` does not hide, shared between them in proportion; its ``OVERLAP`` marker
-is an event of no length, as recorded.
+crosses the network without the sender: its bytes hold the sender's outgoing link and the
+peer's incoming one (:class:`~pipetrain.simulation.ports.Ports`: one link each way per
+rank, so what a rank sends to, or receives from, several peers crosses one message at a
+time, each sender's in the order it issues them) and it lands ``Costs.latency_s`` after its
+last byte left, so back-to-back messages overlap their latencies; a receive's event runs
+from when the rank reaches it until its message has landed and been copied in
+(``Costs.receive_s``); an all-reduce starts when every replica of the stage has reached
+it. An overlapped pair's forward and backward together take the longer of the two plus the
+part of the shorter that ``Costs.overlap`` does not hide, shared between them in
+proportion; its ``OVERLAP`` marker is an event of no length, as recorded.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pipetrain.schedules import RECV_KINDS, SEND_KINDS, Kind, Schedule
 from pipetrain.schedules.messages import CHANNELS
 from pipetrain.schedules.overlap import pairs
 from pipetrain.simulation.costs import Costs, Variation
+from pipetrain.simulation.ports import Ports
 from pipetrain.timeline import Event, Timeline, trusted_event
 
 
@@ -87,7 +89,7 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
     events: list[Event] = []
     # (receiver, family, boundary, micro-batch): a message's key on the rank receiving it
     arrival: dict[tuple[int, str, int, int | None], float] = {}  # -> time it lands
-    link_free: dict[tuple[int, int], float] = defaultdict(float)
+    ports = Ports(num_ranks)
     waiting_on: dict[tuple[int, str, int, int | None], int] = {}
     arrived: dict[tuple[Kind, int, int], dict[int, float]] = defaultdict(dict)
     collectives_done: list[dict[tuple[Kind, int], int]] = [
@@ -121,11 +123,10 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
                 # the sender packs the message, then the link carries it without the sender
                 events.append(make((rank, names[kind], stage, mb, now, now + send_s)))
                 now += send_s
-                # the bytes hold the link; the latency follows them off it, so messages
-                # sent back to back overlap their latencies
-                link = (rank, peer)
-                sent = max(now, link_free[link]) + (0.0 if whole_step else wire_s[boundary])
-                link_free[link] = sent
+                # the bytes hold both ranks' links; the latency follows them off, so
+                # messages sent back to back overlap their latencies
+                wire = 0.0 if whole_step else wire_s[boundary]
+                sent = ports.carry(rank, peer, now, wire) if wire > 0 else now
                 arrival[key] = sent + latency
                 waiter = waiting_on.pop(key, None)
                 if waiter is not None:
