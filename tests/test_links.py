@@ -5,8 +5,17 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 import pipetrain
-from pipetrain.profiler.links import LARGE_BYTES, SMALL_BYTES, Link, bandwidth_of, measure_links
+from pipetrain.profiler.links import (
+    LARGE_BYTES,
+    SMALL_BYTES,
+    Link,
+    bandwidth_of,
+    combined,
+    measure_links,
+)
 
 
 def test_every_rank_gets_the_same_link_figures() -> None:
@@ -55,3 +64,9 @@ def test_the_latency_is_the_mean_over_every_link_and_the_bandwidth_the_slowest()
     assert math.isclose(latency, (8 + 16 + 24) / 12 / 2 * 1e-3)
     # the slowest link: 2, whose large message takes 30 ms more than its small one
     assert math.isclose(bandwidth, (LARGE_BYTES - SMALL_BYTES) / 0.03)
+
+
+def test_measurements_combine_to_the_slowest_bandwidth_and_the_mean_latency() -> None:
+    assert combined([Link(2e9, 0.004), Link(1e9, 0.001), Link(3e9, 0.001)]) == Link(1e9, 0.002)
+    with pytest.raises(ValueError, match="at least one"):
+        combined([])

@@ -20,7 +20,7 @@ from pipetrain.app.data import BatchStream
 from pipetrain.app.models import build_model, loss_function
 from pipetrain.planning import Plan, Topology, plan
 from pipetrain.profiler import Profile, pooled
-from pipetrain.profiler.links import measure_links
+from pipetrain.profiler.links import combined, measure_links
 from pipetrain.profiler.measure import profile
 from pipetrain.runtime.torch_transport import TorchTransport
 from pipetrain.units import counted, format_bandwidth, format_seconds
@@ -177,9 +177,10 @@ def plan_together(
     schedules: Sequence[str] | None = None,
 ) -> Plan:
     """Call on every rank of the default process group (gloo): profile a built-in model on all
-    ranks at once (:func:`profile_together`), measure the links between them
-    (:func:`pipetrain.profiler.links.measure_links`), plan it on rank 0 for as many workers as
-    the group has on that topology, among ``schedules`` (``None``: every one), and return that
+    ranks at once (:func:`profile_together`), measure the links between them before and
+    after it (:func:`pipetrain.profiler.links.measure_links`, then
+    :func:`~pipetrain.profiler.links.combined`), plan it on rank 0 for as many workers as the
+    group has on that topology, among ``schedules`` (``None``: every one), and return that
     plan on every rank.
 
     Profiling in the processes that will train ties the prediction to them: separate
@@ -202,6 +203,7 @@ def plan_together(
         bandwidth=link.bandwidth,
         other_counts=[count for count in counts if count != profiled],
     )
+    link = combined([link, measure_links()])  # the latency's regime changes over seconds
     cores = shared_cores(threads)
     outcome: list[Plan | Exception | None] = [None]
     if measured is not None:

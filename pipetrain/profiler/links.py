@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -72,6 +73,19 @@ def measure_links(rounds: int = 3, latency_rounds: int = LATENCY_ROUNDS) -> Link
     dist.all_reduce(round_trips)
     total, count = (float(value) for value in round_trips)
     return Link(-float(slowest[0]), total / count / 2)
+
+
+def combined(measurements: Sequence[Link]) -> Link:
+    """Several measurements of the same links as one: the slowest bandwidth and the mean
+    latency. Round trips on shared cores keep to one regime (0.1 ms, or a 4 ms scheduler
+    tick) for seconds at a time, so measurements taken apart (before and after a profile)
+    sample more of them than one measurement of many round trips."""
+    if not measurements:
+        raise ValueError("combined() needs at least one measurement")
+    return Link(
+        min(link.bandwidth for link in measurements),
+        statistics.fmean(link.latency_s for link in measurements),
+    )
 
 
 def _measure_pair(
