@@ -44,10 +44,10 @@ def measure_links(rounds: int = 3, latency_rounds: int = LATENCY_ROUNDS) -> Link
     receiver woken while the cores are busy waits for one (up to a scheduler tick, 4 ms at
     250 Hz), and whether it does changes from moment to moment, so a link's round trips
     run at 0.1 ms for a while, then at 4 ms; the median of a few on the slowest link read
-    anywhere from 0.15 to 2.7 ms a message. The mean over many on every link is what a
-    run's many messages pay on average (the flat topology the planner builds from it has
-    one latency: a single slow link is averaged in, not singled out).
-    With one rank there is no link: infinite bandwidth, no latency.
+    anywhere from 0.15 to 2.7 ms a message, the mean over many on every link moves less
+    (the flat topology the planner builds from it has one latency: a single slow link is
+    averaged in, not singled out). With one rank there is no link: infinite bandwidth, no
+    latency.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     if world == 1:
