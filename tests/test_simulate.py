@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from pipetrain.schedules import Schedule, build
 from pipetrain.simulation import Costs, Variation, median_makespan, simulate
+from pipetrain.simulation.ports import Ports
 from pipetrain.timeline import Timeline
 
 
@@ -221,6 +222,18 @@ def test_a_rank_receives_from_its_neighbours_replicas_one_message_at_a_time() ->
     assert received == pytest.approx([10.0, 12.0, 14.0])
     # one link per sender-receiver pair would have landed all three at 3 s
     assert timeline.makespan == pytest.approx(14.0)
+
+
+def test_an_incoming_link_gives_each_message_the_earliest_gap_that_holds_it() -> None:
+    ports = Ports(5)
+    assert ports.carry(0, 4, ready=0.0, wire_s=2.0) == 2.0  # busy 0-2
+    assert ports.carry(1, 4, ready=5.0, wire_s=1.0) == 6.0  # busy 5-6
+    # played later but ready earlier: fits the 2-5 gap
+    assert ports.carry(2, 4, ready=2.5, wire_s=2.0) == 4.5
+    # no gap left before 6 holds 3 s
+    assert ports.carry(3, 4, ready=0.0, wire_s=3.0) == 9.0
+    # a sender's outgoing link: its next message leaves after its last, to any receiver
+    assert ports.carry(3, 0, ready=0.0, wire_s=1.0) == 10.0
 
 
 def test_replicated_stage_allreduce_waits_for_all_replicas() -> None:
