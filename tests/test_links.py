@@ -48,9 +48,10 @@ def measured_with_set_round_trips() -> Link:
 
     def round_trips(sender: int, receiver: int, rank: int, size: int, count: int) -> list[float]:
         small = (sender + 1) * 1e-3
+        if size == LARGE_BYTES:
+            return [11 * small] * count
         # the first small round trip of each link an outlier, which the median ignores
-        runs = [small] * count if size == LARGE_BYTES else [small * 5] + [small] * (count - 1)
-        return [run + 10 * small for run in runs] if size == LARGE_BYTES else runs
+        return [5 * small] + [small] * (count - 1)
 
     links._round_trips = round_trips
     return links.measure_links(rounds=3, latency_rounds=4)
