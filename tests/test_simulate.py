@@ -209,31 +209,60 @@ def test_messages_sent_back_to_back_overlap_their_latencies() -> None:
     assert last_forward.start == pytest.approx(0.1 + 4 * 1.0 + 0.5)
 
 
-def test_a_rank_receives_from_its_neighbours_replicas_one_message_at_a_time() -> None:
+def test_a_rank_receives_from_its_neighbours_replicas_sharing_its_link() -> None:
     # three replicas finish a forward each at 1 s and send 2 s of bytes to the one last
-    # stage: its incoming link carries them one after another (landing at 3, 5 and 7 s),
-    # and its gradients leave one after another too (GPipe's backwards, of no cost, all
-    # follow the last forward at 8 s: they land at 10, 12 and 14 s)
+    # stage: its incoming link carries all three at once, a third of its speed each, so
+    # they land together at 7 s; its gradients leave one after another (GPipe's
+    # backwards, of no cost, all follow the last forward at 10 s: they land at 12, 14, 16 s)
     costs = Costs(forward_s=1.0, backward_s=0.0, activation_bytes=2.0, bandwidth=1.0, step_s=0.0)
     timeline = simulate(build("gpipe", 4, 3, replicas=[3, 1]), costs)
     forwards = sorted(e.start for e in timeline.rank_events(3) if e.kind == "F")
-    assert forwards == pytest.approx([3.0, 5.0, 7.0])
+    assert forwards == pytest.approx([7.0, 8.0, 9.0])
     received = sorted(e.end for e in timeline.events if e.kind == "RECV_B")
-    assert received == pytest.approx([10.0, 12.0, 14.0])
+    assert received == pytest.approx([12.0, 14.0, 16.0])
     # one link per sender-receiver pair would have landed all three at 3 s
-    assert timeline.makespan == pytest.approx(14.0)
+    assert timeline.makespan == pytest.approx(16.0)
 
 
-def test_an_incoming_link_gives_each_message_the_earliest_gap_that_holds_it() -> None:
+def test_an_incoming_link_is_shared_among_the_messages_crossing_it() -> None:
     ports = Ports(5)
-    assert ports.carry(0, 4, ready=0.0, wire_s=2.0) == 2.0  # busy 0-2
-    assert ports.carry(1, 4, ready=5.0, wire_s=1.0) == 6.0  # busy 5-6
-    # played later but ready earlier: fits the 2-5 gap
-    assert ports.carry(2, 4, ready=2.5, wire_s=2.0) == 4.5
-    # no gap left before 6 holds 3 s
-    assert ports.carry(3, 4, ready=0.0, wire_s=3.0) == 9.0
+    ports.carry(0, 4, ready=0.0, wire_s=2.0, key="a")
+    ports.carry(1, 4, ready=6.0, wire_s=1.0, key="b")
+    # played later but ready earlier: alone 1-2 s, then half the link with "a"
+    ports.carry(2, 4, ready=1.0, wire_s=2.0, key="c")
+    assert ports.take("a") == pytest.approx(3.0)  # 1 s alone, then 1 s at half speed
+    # "a" is taken: a message added now cannot move it
+    ports.carry(3, 4, ready=0.0, wire_s=0.5, key="d")
+    assert ports.take("d") == pytest.approx(1.0)  # shares 0-1 s with "a"
+    # "d" took half the link from "a" until 1 s; "c" then shares it with "a" (still
+    # crossing by the new count, until 4 s, though its taker keeps 3 s), then runs alone
+    assert ports.take("c") == pytest.approx(4.5)
+    assert ports.take("b") == pytest.approx(7.0)
+    assert ports.take("a") is None  # taken once
     # a sender's outgoing link: its next message leaves after its last, to any receiver
-    assert ports.carry(3, 0, ready=0.0, wire_s=1.0) == 10.0
+    ports.carry(3, 0, ready=0.0, wire_s=1.0, key="e")
+    assert ports.take("e") == pytest.approx(1.5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 4.0), st.floats(0.05, 2.0)), min_size=1, max_size=6))
+def test_sharing_matches_a_link_stepped_in_small_ticks(flows: list[tuple[float, float]]) -> None:
+    ports = Ports(len(flows) + 1)
+    for sender, (ready, wire) in enumerate(flows):
+        ports.carry(sender, len(flows), ready, wire, key=sender)
+    found = [ports.take(sender) for sender in range(len(flows))]
+    # reference: every tick, the link's speed split equally among the unfinished messages
+    tick, now = 1e-4, 0.0
+    left = [wire for _, wire in flows]
+    done = [math.inf] * len(flows)
+    while any(math.isinf(d) for d in done):
+        crossing = [i for i, (ready, _) in enumerate(flows) if ready <= now and math.isinf(done[i])]
+        for i in crossing:
+            left[i] -= tick / len(crossing)
+            if left[i] <= 0:
+                done[i] = now + tick
+        now += tick
+    assert found == pytest.approx(done, abs=10 * len(flows) * tick)  # a tick per event
 
 
 def test_replicated_stage_allreduce_waits_for_all_replicas() -> None:

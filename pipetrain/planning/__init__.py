@@ -4,6 +4,7 @@
 - :mod:`~pipetrain.planning.partition`: exact minimum-bottleneck straight pipelines;
 - :mod:`~pipetrain.planning.replicate` and :mod:`~pipetrain.planning.reach`: PipeDream's
   replicated, hierarchical planner and its feasibility tests;
+- :mod:`~pipetrain.planning.depths`: the least-bottleneck replicated pipeline of each depth;
 - :mod:`~pipetrain.planning.memory`: per-worker peak memory for each schedule;
 - :mod:`~pipetrain.planning.candidates`: layouts and candidates, asked of the schedule specs;
 - :mod:`~pipetrain.planning.fitting`: the candidates that fit the memory limit;

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
+from pipetrain.planning.depths import by_depth
 from pipetrain.planning.memory import StageFootprint, worker_memory
 from pipetrain.planning.partition import partition
 from pipetrain.planning.replicate import replicate
@@ -86,7 +87,10 @@ def layouts(
     - with ``replication``, PipeDream's replicated pipeline on the hierarchical topology and,
       for several levels, on a flat topology priced at the slowest link (whole-component
       levels cannot express plans such as "15-1" on 4×4 workers); where a plan leaves workers
-      idle, also with the idle workers added to each of its stages in turn;
+      idle, also with the idle workers added to each of its stages in turn; and, on the
+      flat topology, the least-bottleneck pipeline of each depth on every worker
+      (:func:`pipetrain.planning.depths.by_depth`: the cost model ranks plans of different
+      depths without their bubbles and latencies, which the simulation adds);
     - a straight pipeline with one stage per worker;
     - with ``interleaved`` (any schedule with chunks asked for), :data:`VIRTUAL_CHUNKS`
       chunks per worker, split as if chunk ``c`` sat on rank ``c mod p`` (one split for
@@ -112,6 +116,8 @@ def layouts(
                     [(s.start, s.stop, s.replicas) for s in replicated.stages], topology.workers
                 ),
             )
+        for stages in by_depth(compute, weights, activations, topology.workers, slowest):
+            _add(found, [Layout(tuple((s.start, s.stop, s.replicas) for s in stages))])
     workers = topology.workers
     for virtual in (1, VIRTUAL_CHUNKS) if interleaved and workers > 1 else (1,):
         chunks = virtual * workers

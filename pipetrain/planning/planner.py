@@ -167,7 +167,8 @@ def _fastest(
 
     A candidate's promise is its throughput at its makespan lower bound. Of the candidates
     within :data:`FEWER_WITHIN` of the fastest, the one with the fewest stages wins, then
-    the fewest micro-batches, then the faster, then the one with the smaller peak memory.
+    the fewest micro-batches, then the faster, then the one on fewer workers, then the one
+    with the smaller peak memory.
     """
     report(f"planning: {counted(len(fitting), 'candidate')} fit; simulating the most promising")
     bounded = []
@@ -248,13 +249,17 @@ class _Simulated(NamedTuple):
 def _chosen(results: list[_Simulated], fastest: float) -> _Simulated:
     """Of ``results`` within :data:`FEWER_WITHIN` of ``fastest``, the one with the fewest
     stages (model chunks), then the fewest micro-batches, then the fastest (within a
-    relative 1e-9), then the one with the smallest peak memory."""
+    relative 1e-9), then the one on the fewest workers (a replica whose all-reduce hides
+    behind other work costs nothing in the simulation), then the smallest peak memory."""
     near = [r for r in results if r.throughput >= fastest * (1 - FEWER_WITHIN)]
     for count in (lambda r: len(r.candidate.layout.stages), lambda r: r.candidate.microbatches):
         fewest = min(count(r) for r in near)
         near = [r for r in near if count(r) == fewest]
     quickest = max(r.throughput for r in near)
-    return min((r for r in near if r.throughput >= quickest * (1 - 1e-9)), key=lambda r: r.peak)
+    return min(
+        (r for r in near if r.throughput >= quickest * (1 - 1e-9)),
+        key=lambda r: (r.candidate.layout.workers, r.peak),
+    )
 
 
 def _as_plan(

@@ -3,11 +3,12 @@
 Every rank runs its actions in order, and each becomes an event of the kind the runtime's
 recorder gives it, on the same rank. Compute takes the stage's cost. A send keeps its rank
 busy for ``Costs.send_s`` (packing the message; its ``SEND_*`` event), then the message
-crosses the network without the sender: its bytes hold the sender's outgoing link and the
-peer's incoming one (:class:`~pipetrain.simulation.ports.Ports`: one link each way per
-rank, so what a rank sends to, or receives from, several peers crosses one message at a
-time, each sender's in the order it issues them) and it lands ``Costs.latency_s`` after its
-last byte left, so back-to-back messages overlap their latencies; a receive's event runs
+crosses the network without the sender: its bytes hold the sender's outgoing link, and
+share the peer's incoming one with the messages crossing it at once
+(:class:`~pipetrain.simulation.ports.Ports`: one link each way per rank; a rank's own
+messages leave one after another, in the order it issues them) and it lands
+``Costs.latency_s`` after its last byte, so back-to-back messages overlap their latencies;
+a receive's event runs
 from when the rank reaches it until its message has landed and been copied in
 (``Costs.receive_s``); an all-reduce starts when every replica of the stage has reached
 it. An overlapped pair's forward and backward together take the longer of the two plus the
@@ -88,8 +89,8 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
     position = [0] * num_ranks
     events: list[Event] = []
     # (receiver, family, boundary, micro-batch): a message's key on the rank receiving it
-    arrival: dict[tuple[int, str, int, int | None], float] = {}  # -> time it lands
-    ports = Ports(num_ranks)
+    arrival: dict[tuple[int, str, int, int | None], float] = {}  # -> time it lands, no wire
+    ports = Ports(num_ranks)  # the messages with bytes on the wire
     waiting_on: dict[tuple[int, str, int, int | None], int] = {}
     arrived: dict[tuple[Kind, int, int], dict[int, float]] = defaultdict(dict)
     collectives_done: list[dict[tuple[Kind, int], int]] = [
@@ -123,11 +124,13 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
                 # the sender packs the message, then the link carries it without the sender
                 events.append(make((rank, names[kind], stage, mb, now, now + send_s)))
                 now += send_s
-                # the bytes hold both ranks' links; the latency follows them off, so
+                # the bytes cross both ranks' links; the latency follows them off, so
                 # messages sent back to back overlap their latencies
                 wire = 0.0 if whole_step else wire_s[boundary]
-                sent = ports.carry(rank, peer, now, wire) if wire > 0 else now
-                arrival[key] = sent + latency
+                if wire > 0:
+                    ports.carry(rank, peer, now, wire, key)
+                else:
+                    arrival[key] = now + latency
                 waiter = waiting_on.pop(key, None)
                 if waiter is not None:
                     runnable.append(waiter)
@@ -136,8 +139,11 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
                 key = (rank, family, 0 if whole_step else stage + offset, mb)
                 landed = arrival.pop(key, None)
                 if landed is None:
-                    waiting_on[key] = rank
-                    break
+                    last_byte = ports.take(key)
+                    if last_byte is None:
+                        waiting_on[key] = rank
+                        break
+                    landed = last_byte + latency
                 end = max(now, landed) + receive_s
                 events.append(make((rank, names[kind], stage, mb, now, end)))
                 now = end
