@@ -8,11 +8,10 @@ share the peer's incoming one with the messages crossing it at once
 (:class:`~pipetrain.simulation.ports.Ports`: one link each way per rank; a rank's own
 messages leave one after another, in the order it issues them) and it lands
 ``Costs.latency_s`` after its last byte, so back-to-back messages overlap their latencies;
-a receive's event runs
-from when the rank reaches it until its message has landed and been copied in
-(``Costs.receive_s``); an all-reduce starts when every replica of the stage has reached
-it. An overlapped pair's forward and backward together take the longer of the two plus the
-part of the shorter that ``Costs.overlap`` does not hide, shared between them in
+a receive's event runs from when the rank reaches it until its message has landed and been
+copied in (``Costs.receive_s``); an all-reduce starts when every replica of the stage has
+reached it. An overlapped pair's forward and backward together take the longer of the two
+plus the part of the shorter that ``Costs.overlap`` does not hide, shared between them in
 proportion; its ``OVERLAP`` marker is an event of no length, as recorded.
 """
 

@@ -21,14 +21,13 @@ from dataclasses import dataclass
 class _Flow:
     """A message on an incoming link: its bytes start at ``ready`` and take ``wire_s`` at
     the link's full speed. ``ends`` is when its last byte arrives with the link shared;
-    ``reported``, what :meth:`Ports.take` gave (fixed from then on); ``busy_until``, the
-    latest ``ends`` from the start of its busy period (the link never idle since) to it."""
+    ``busy_until``, the latest ``ends`` from the start of its busy period (the link never
+    idle since) to it."""
 
     ready: float
     wire_s: float
     ends: float
     busy_until: float
-    reported: float | None = None
 
 
 class Ports:
@@ -73,18 +72,16 @@ class Ports:
         """When the last byte of the message ``key`` arrives, from now on fixed; ``None`` if
         it has not been sent, or was taken already."""
         flow = self._flows.pop(key, None)
-        if flow is None:
-            return None
-        flow.reported = flow.ends
-        return flow.reported
+        return None if flow is None else flow.ends
 
 
 def _share(flows: list[_Flow], first: int) -> None:
     """Set ``ends`` and ``busy_until`` of the flows in the busy period that starts at
     ``first`` (flows sorted by ``ready``): the link's speed shared equally among the flows
-    crossing it at once. A flow taken already keeps the time it reported, but still shares
-    the link. The period ends where the link falls idle; adding a flow only adds work, so
-    the periods after it were idle-separated before too, and are as they were."""
+    crossing it at once. A flow taken already still shares the link, though its receiver
+    keeps the time it was given. The period ends where the link falls idle; adding a flow
+    only adds work, so the periods after it were idle-separated before too, and are as they
+    were."""
     now, index = flows[first].ready, first
     active: dict[int, tuple[_Flow, float]] = {}  # id -> (flow, the wire time it has left)
     while True:
