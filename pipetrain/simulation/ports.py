@@ -44,7 +44,6 @@ class Ports:
         """Every link free from time 0."""
         self._out_free = [0.0] * ranks
         self._incoming: list[list[_Flow]] = [[] for _ in range(ranks)]  # by ``ready``
-        self._readies: list[list[float]] = [[] for _ in range(ranks)]
         self._flows: dict[Hashable, _Flow] = {}
 
     def carry(self, sender: int, receiver: int, ready: float, wire_s: float, key: Hashable) -> None:
@@ -58,10 +57,9 @@ class Ports:
         flow = _Flow(start, wire_s, start + wire_s, start + wire_s)
         self._flows[key] = flow
         if receiver >= 0:
-            flows, readies = self._incoming[receiver], self._readies[receiver]
-            index = bisect.bisect_right(readies, start)
+            flows = self._incoming[receiver]
+            index = bisect.bisect_right(flows, start, key=_ready)
             flows.insert(index, flow)
-            readies.insert(index, start)
             # the link's busy period that the message joins; those before it do not change
             while index > 0 and flows[index - 1].busy_until > flows[index].ready:
                 index -= 1
@@ -83,26 +81,32 @@ def _share(flows: list[_Flow], first: int) -> None:
     only adds work, so the periods after it were idle-separated before too, and are as they
     were."""
     now, index = flows[first].ready, first
-    active: dict[int, tuple[_Flow, float]] = {}  # id -> (flow, the wire time it has left)
+    active: list[tuple[_Flow, float]] = []  # each crossing flow and the wire time it has left
     while True:
         while index < len(flows) and flows[index].ready <= now:
-            active[id(flows[index])] = (flows[index], flows[index].wire_s)
+            active.append((flows[index], flows[index].wire_s))
             index += 1
         if not active:
             break  # idle until the next flow, if any
         share = len(active)
-        finishing = min(left for _, left in active.values())
+        finishing = min(left for _, left in active)
         arrival = flows[index].ready if index < len(flows) else math.inf
         step = min(finishing * share, arrival - now)  # until a flow ends or another starts
         now += step
-        for name, (flow, left) in list(active.items()):
+        crossing = []
+        for flow, left in active:
             left -= step / share
             if left <= 1e-9 * flow.wire_s:  # ended, but for rounding
-                del active[name]
                 flow.ends = now
             else:
-                active[name] = (flow, left)
+                crossing.append((flow, left))
+        active = crossing
     latest = -math.inf
     for flow in flows[first:index]:
         latest = max(latest, flow.ends)
         flow.busy_until = latest
+
+
+def _ready(flow: _Flow) -> float:
+    """The order of an incoming link's flows."""
+    return flow.ready
