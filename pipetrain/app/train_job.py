@@ -32,6 +32,7 @@ from pipetrain.app.train_report import TrainReport
 from pipetrain.app.train_resume import check_resumable, resume, save_if_due
 from pipetrain.runtime import Pipeline, launch
 from pipetrain.runtime.heartbeat import stop_beating
+from pipetrain.runtime.io_threads import defer_gloo_io_threads
 
 
 class Progress:
@@ -188,6 +189,7 @@ def run_on_workers(
     started_group = not dist.is_initialized()
     if started_group:
         dist.init_process_group("gloo", timeout=timedelta(seconds=config.timeout_s))
+        defer_gloo_io_threads()
     torch.set_num_threads(config.threads)
     try:
         config = ready(config, dist.get_world_size())

@@ -21,6 +21,7 @@ from pipetrain.model.layers import stage_bounds
 from pipetrain.model.materialize import InitFn, materialize
 from pipetrain.model.weights_source import WeightsArg
 from pipetrain.runtime.executor import Executor
+from pipetrain.runtime.io_threads import defer_gloo_io_threads
 from pipetrain.runtime.precision import LossScale, Precision
 from pipetrain.runtime.recorder import Recorder
 from pipetrain.runtime.reduce import GradientReducer, replica_reducers
@@ -138,6 +139,7 @@ def assemble(
     }
     recorder = Recorder(rank, device, enabled=record)
     reducers = replica_reducers(stages, schedule, transport.global_rank, device, bucket_bytes)
+    defer_gloo_io_threads()  # the shared weights' and the replicas' groups started theirs
     executor = Executor(rank, runners, transport, weights, recorder, reducers)
     return Rank(
         stages, optimizer, transport, recorder, updater, weights, reducers, executor, sharing

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.runtime.heartbeat import stop_beating
+from pipetrain.runtime.io_threads import defer_gloo_io_threads
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _PARENT_POLL_S = 0.25
@@ -91,6 +92,7 @@ def _worker(
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=nprocs, timeout=timedelta(seconds=timeout_s)
         )
+        defer_gloo_io_threads()
         result = fn(*args)
         # as bytes: tensors shared through file descriptors would die with this process
         payload = io.BytesIO()
