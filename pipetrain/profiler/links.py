@@ -42,13 +42,11 @@ def measure_links(rounds: int = 3, latency_rounds: int = LATENCY_ROUNDS) -> Link
     ``rounds`` round trips (the message there, one byte back) against the median of the
     small message's (:func:`bandwidth_of`). The latency is half the mean of
     ``latency_rounds`` small round trips on every link: where workers share cores, a
-    receiver woken while the cores are busy waits for one (up to a scheduler tick, 4 ms at
-    250 Hz), and whether it does changes from moment to moment, so a link's round trips
-    run at 0.1 ms for a while, then at 4 ms; the median of a few on the slowest link read
-    anywhere from 0.15 to 2.7 ms a message, the mean over many on every link moves less
-    (the flat topology the planner builds from it has one latency: a single slow link is
-    averaged in, not singled out). With one rank there is no link: infinite bandwidth, no
-    latency.
+    receiver woken while the cores are busy waits for one, and whether it does changes
+    from moment to moment, so the mean over many round trips on every link moves less than
+    a few on one (the flat topology the planner builds from it has one latency: a single
+    slow link is averaged in, not singled out). With one rank there is no link: infinite
+    bandwidth, no latency.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     if world == 1:
@@ -76,9 +74,10 @@ def measure_links(rounds: int = 3, latency_rounds: int = LATENCY_ROUNDS) -> Link
 
 def combined(measurements: Sequence[Link]) -> Link:
     """Several measurements of the same links as one: the slowest bandwidth and the mean
-    latency. Round trips on shared cores keep to one regime (0.1 ms, or a 4 ms scheduler
-    tick) for seconds at a time, so measurements taken apart (before and after a profile)
-    sample more of them than one measurement of many round trips."""
+    latency. Round trips on shared cores can keep to one regime for seconds at a time (a
+    4 ms scheduler tick, before gloo's loop threads were deferred:
+    :mod:`pipetrain.runtime.io_threads`), so measurements taken apart (before and after a
+    profile) sample more of them than one measurement of many round trips."""
     if not measurements:
         raise ValueError("combined() needs at least one measurement")
     return Link(
