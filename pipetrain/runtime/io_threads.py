@@ -9,6 +9,8 @@ between processes that share two cores took a whole tick (4.0 ms at 250 Hz) for 
 dozens at a time, against 0.1-0.5 ms otherwise. A thread marked ``SCHED_BATCH`` does not
 take a running thread's core when it is woken: it runs at once on an idle core, or when
 the running thread blocks (as a thread waiting for a message soon does), or at the tick.
+The thread is found by its name, which the gloo of torch 2.13 gives it; torch 2.11's
+leaves it unnamed, and there nothing is marked.
 """
 
 from __future__ import annotations
