@@ -1,9 +1,9 @@
 """What gloo's event-loop threads cost small messages when they may take a core on wakeup.
 
 Four worker processes (1 thread each) on this machine make two pairs, (0, 1) and (2, 3),
-and each pair makes round trips of a 4-byte message with gloo's blocking send and receive,
-both pairs at once. Every round runs both ways in turn in the same processes, so both see
-the same machine:
+and each pair makes round trips of a 4-byte message and a 1-byte reply with gloo's
+blocking send and receive (as the plan jobs' link measurement does), both pairs at once.
+Every round runs both ways in turn in the same processes, so both see the same machine:
 
 - ``normal``: gloo's ``gloo_tcp_loop`` threads under the default policy (the baseline);
 - ``deferred``: the same threads marked ``SCHED_BATCH``, as pipetrain marks them
@@ -20,13 +20,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from contextlib import suppress
 
-import torch
 import torch.distributed as dist
 
 import pipetrain
+from pipetrain.profiler.links import SMALL_BYTES, time_round_trips
 from pipetrain.runtime.io_threads import LOOP_THREAD, defer_gloo_io_threads
 
 WARMUP = 20
@@ -41,22 +40,12 @@ def _undo_deferral() -> None:
                 os.sched_setscheduler(int(thread), os.SCHED_OTHER, os.sched_param(0))
 
 
-def _round_trips(trips: int) -> list[float]:
+def _pair_round_trips(trips: int) -> list[float]:
     """Seconds of each round trip this rank's pair made (the pair's first rank times them)."""
     rank = dist.get_rank()
-    peer = rank ^ 1
-    message = torch.zeros(1, dtype=torch.int32)
-    times = []
-    for _ in range(WARMUP + trips):
-        start = time.perf_counter()
-        if rank % 2 == 0:
-            dist.send(message, peer)
-            dist.recv(message, peer)
-        else:
-            dist.recv(message, peer)
-            dist.send(message, peer)
-        times.append(time.perf_counter() - start)
-    return times[WARMUP:] if rank % 2 == 0 else []
+    sender = rank - rank % 2
+    times = time_round_trips(sender, sender + 1, rank, SMALL_BYTES, WARMUP + trips)[WARMUP:]
+    return times if rank == sender else []
 
 
 def worker(trips: int, rounds: int) -> dict[str, list[float]] | None:
@@ -70,7 +59,7 @@ def worker(trips: int, rounds: int) -> dict[str, list[float]] | None:
                 defer_gloo_io_threads()
             dist.barrier()
             gathered: list[list[float]] = [[] for _ in range(dist.get_world_size())]
-            dist.all_gather_object(gathered, _round_trips(trips))
+            dist.all_gather_object(gathered, _pair_round_trips(trips))
             for times in gathered:
                 collected[arm] += times
     return collected if dist.get_rank() == 0 else None

@@ -53,7 +53,7 @@ def measured_with_set_round_trips() -> Link:
         # the first small round trip of each link an outlier, which the median ignores
         return [5 * small] + [small] * (count - 1)
 
-    links._round_trips = round_trips
+    links.time_round_trips = round_trips
     return links.measure_links(rounds=3, latency_rounds=4)
 
 

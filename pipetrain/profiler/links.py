@@ -99,7 +99,7 @@ def _measure_pair(
     message; the sender adds its bandwidth to ``slowest`` and its small round trips to
     ``round_trips``."""
     runs = {
-        size: _round_trips(sender, receiver, rank, size, count)
+        size: time_round_trips(sender, receiver, rank, size, count)
         for size, count in ((SMALL_BYTES, small_rounds), (LARGE_BYTES, large_rounds))
     }
     if rank == sender:
@@ -111,7 +111,7 @@ def _measure_pair(
         )
 
 
-def _round_trips(sender: int, receiver: int, rank: int, size: int, count: int) -> list[float]:
+def time_round_trips(sender: int, receiver: int, rank: int, size: int, count: int) -> list[float]:
     """``count`` round trips of a ``size``-byte message and a one-byte reply, in seconds,
     after one that sets the connection up."""
     payload = torch.zeros(size, dtype=torch.uint8)
