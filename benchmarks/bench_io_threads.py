@@ -20,13 +20,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-from contextlib import suppress
 
 import torch.distributed as dist
 
 import pipetrain
 from pipetrain.profiler.links import SMALL_BYTES, time_round_trips
-from pipetrain.runtime.io_threads import LOOP_THREAD, defer_gloo_io_threads
+from pipetrain.runtime.io_threads import defer_gloo_io_threads, loop_threads
 
 WARMUP = 20
 ARMS = ("normal", "deferred")
@@ -34,10 +33,8 @@ ARMS = ("normal", "deferred")
 
 def _undo_deferral() -> None:
     """Put this process's gloo event-loop threads back under the default policy."""
-    for thread in os.listdir("/proc/self/task"):
-        with suppress(OSError), open(f"/proc/self/task/{thread}/comm") as name:
-            if name.read().strip() == LOOP_THREAD:
-                os.sched_setscheduler(int(thread), os.SCHED_OTHER, os.sched_param(0))
+    for thread in loop_threads():
+        os.sched_setscheduler(thread, os.SCHED_OTHER, os.sched_param(0))
 
 
 def _pair_round_trips(trips: int) -> list[float]:

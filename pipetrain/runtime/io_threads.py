@@ -21,20 +21,30 @@ from contextlib import suppress
 LOOP_THREAD = "gloo_tcp_loop"
 
 
+def loop_threads() -> list[int]:
+    """The thread ids of this process's gloo event-loop threads (none where ``/proc`` is
+    missing or gloo leaves them unnamed)."""
+    if not os.path.isdir("/proc/self/task"):
+        return []
+    found = []
+    for thread in os.listdir("/proc/self/task"):
+        # a thread may end between the listing and the read: skip it
+        with suppress(OSError), open(f"/proc/self/task/{thread}/comm") as name:
+            if name.read().strip() == LOOP_THREAD:
+                found.append(int(thread))
+    return found
+
+
 def defer_gloo_io_threads() -> int:
     """Mark every gloo event-loop thread of this process ``SCHED_BATCH`` (Linux; elsewhere
-    nothing changes) and return how many there are. Call it after creating a gloo process
+    nothing changes) and return how many were marked. Call it after creating a gloo process
     group, whose devices start new threads; threads marked before are marked again."""
     setter = getattr(os, "sched_setscheduler", None)
-    if setter is None or not os.path.isdir("/proc/self/task"):
+    if setter is None:
         return 0
     marked = 0
-    for thread in os.listdir("/proc/self/task"):
-        # a thread may end between the listing and the calls: skip it
-        with suppress(OSError):
-            with open(f"/proc/self/task/{thread}/comm") as name:
-                if name.read().strip() != LOOP_THREAD:
-                    continue
-            setter(int(thread), os.SCHED_BATCH, os.sched_param(0))
+    for thread in loop_threads():
+        with suppress(OSError):  # the thread ended since it was found
+            setter(thread, os.SCHED_BATCH, os.sched_param(0))
             marked += 1
     return marked
