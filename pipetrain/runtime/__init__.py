@@ -22,11 +22,14 @@
   :mod:`~pipetrain.runtime.loopback` between threads; :mod:`~pipetrain.runtime.inbox`
   receives ahead of need;
 - :mod:`~pipetrain.runtime.recorder`, :mod:`~pipetrain.runtime.failure`,
-  :mod:`~pipetrain.runtime.launch`: measured timelines, failures, local workers.
+  :mod:`~pipetrain.runtime.launch`: measured timelines, failures, local workers;
+  :mod:`~pipetrain.runtime.io_threads` and :mod:`~pipetrain.runtime.heap`: gloo's threads
+  and the allocator, tuned for a worker process (:func:`keep_freed_memory`).
 """
 
 from pipetrain.runtime.config import PipelineConfig
 from pipetrain.runtime.failure import PipelineError
+from pipetrain.runtime.heap import keep_freed_memory
 from pipetrain.runtime.launch import LaunchError, launch
 from pipetrain.runtime.losses import causal_lm_loss
 from pipetrain.runtime.pipeline import Pipeline
@@ -39,5 +42,6 @@ __all__ = [
     "PipelineConfig",
     "PipelineError",
     "causal_lm_loss",
+    "keep_freed_memory",
     "launch",
 ]

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipetrain.runtime.heap import keep_freed_memory
 from pipetrain.runtime.heartbeat import stop_beating
 from pipetrain.runtime.io_threads import defer_gloo_io_threads
 
@@ -77,6 +78,7 @@ def _worker(
     args: tuple,
 ) -> None:
     _end_with_parent(parent)
+    keep_freed_memory()
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
