@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from test_planner import uniform
 
@@ -76,7 +78,7 @@ def _sending_beside_computing(costs: Costs) -> Timeline:
         [
             Event(0, "SEND_F", 0, 0, 0.0, costs.send_s),
             Event(1, "F", 1, 0, 0.0, forward),
-            Event(1, "RECV_B", 1, 0, forward, forward + costs.receive_s),
+            Event(1, "RECV_F", 1, 0, forward, forward + costs.receive_s),
         ],
         2,
     )
@@ -99,6 +101,30 @@ def test_packing_and_copying_messages_take_a_core_too() -> None:
     assert alone.makespan == pytest.approx(0.01)
 
 
+def _receiving_beside_computing(costs: Costs) -> Timeline:
+    """Rank 1 copies in a message of the boundary's bytes while rank 0 computes a forward."""
+    forward = float(costs.per_stage("forward_s", 2)[0])
+    copy = costs.receive_busy_s(float(costs.per_stage("activation_bytes", 1)[0]))
+    return Timeline(
+        [Event(0, "F", 0, 0, 0.0, forward), Event(1, "RECV_F", 1, 0, forward - copy, forward)], 2
+    )
+
+
+def test_copying_a_messages_bytes_in_takes_a_core_too() -> None:
+    # the copy's 0.01 s are its bytes' (1e6 bytes at 1e-8 s each): without them the copy is
+    # too short to share the core for long; with them it takes half of it for 0.02 s
+    fixed_only = Costs(0.01, 0.0, activation_bytes=1e6, receive_s=1e-6)
+    per_byte = replace(fixed_only, receive_byte_s=1e-8)
+    quiet, _ = shared_cores_stretch(
+        _receiving_beside_computing, fixed_only, stages=2, workers=2, cores=1
+    )
+    busy, _ = shared_cores_stretch(
+        _receiving_beside_computing, per_byte, stages=2, workers=2, cores=1
+    )
+    assert quiet.per_stage("forward_s", 2)[0] < 0.0101
+    assert busy.per_stage("forward_s", 2)[0] > 0.015
+
+
 def test_enough_cores_never_stretch() -> None:
     costs = Costs(0.01, 0.0)
     assert shared_cores_stretch(_side_by_side, costs, stages=1, workers=2, cores=2)[0] is costs
@@ -107,12 +133,13 @@ def test_enough_cores_never_stretch() -> None:
 def test_stretched_scales_what_a_core_does_and_leaves_the_links() -> None:
     costs = Costs(
         [1.0, 2.0], 3.0, weight_s=0.5, step_s=[0.1, 0.2], send_s=0.7, receive_s=0.1,
-        latency_s=0.3, bandwidth=[5.0], loss_s=0.4,
+        send_byte_s=0.25, receive_byte_s=0.125, latency_s=0.3, bandwidth=[5.0], loss_s=0.4,
     )  # fmt: skip
     longer = stretched(costs, {0: 2.0, 1: 3.0, MESSAGES: 2.0}, stages=2)
     assert longer.forward_s == [2.0, 6.0] and longer.backward_s == [6.0, 9.0]
     assert longer.weight_s == [1.0, 1.5] and longer.step_s == [0.2, pytest.approx(0.6)]
     assert (longer.send_s, longer.receive_s) == (1.4, 0.2)
+    assert (longer.send_byte_s, longer.receive_byte_s) == (0.5, 0.25)
     assert (longer.latency_s, longer.bandwidth, longer.loss_s) == (0.3, [5.0], 0.4)
 
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipetrain.schedules import Schedule, build
+from pipetrain.schedules import Schedule, build, with_targets_shipped
 from pipetrain.simulation import Costs, Variation, median_makespan, simulate
 from pipetrain.simulation.ports import Ports
 from pipetrain.timeline import Timeline
@@ -186,6 +187,27 @@ def test_communication_on_the_critical_path() -> None:
     assert {"SEND_F", "RECV_F", "SEND_B", "RECV_B"} <= kinds
 
 
+def test_each_byte_of_a_message_adds_to_its_senders_and_receivers_busy_time() -> None:
+    # 2 stages, 1 micro-batch: a message of 1e6 bytes keeps its sender busy
+    # 0.01 + 1e6 * 1e-8 = 0.02 s and its receiver 0.005 + 1e6 * 5e-9 = 0.01 s; the bytes
+    # then cross the link (0.1 s) after the send, and the latency (0.05 s) follows them
+    costs = Costs(
+        forward_s=1.0, backward_s=2.0, activation_bytes=1e6, bandwidth=1e7, latency_s=0.05,
+        send_s=0.01, receive_s=0.005, send_byte_s=1e-8, receive_byte_s=5e-9,
+    )  # fmt: skip
+    schedule = build("gpipe", 2, 1)
+    shipped = replace(schedule, ranks=with_targets_shipped(schedule.ranks, schedule.stage_ranks))
+    timeline = simulate(shipped, costs)
+    by_kind = {e.kind: e for e in timeline.events}
+    assert by_kind["SEND_F"].duration == pytest.approx(0.02)
+    assert by_kind["SEND_B"].duration == pytest.approx(0.02)
+    assert by_kind["RECV_F"].end - (by_kind["SEND_F"].end + 0.1 + 0.05) == pytest.approx(0.01)
+    # the step's targets carry no activation bytes: only the fixed cost, first on rank 0
+    assert by_kind["SEND_T"].duration == pytest.approx(0.01)
+    message = 0.02 + 0.1 + 0.05 + 0.01
+    assert timeline.makespan == pytest.approx(0.01 + 1 + message + 1 + 2 + message + 2)
+
+
 def test_a_link_carries_one_transfer_at_a_time() -> None:
     # sends of 4 micro-batches queue on the link when transfers outlast the forward
     costs = Costs(forward_s=0.1, backward_s=0.0, activation_bytes=1.0, bandwidth=1.0)
@@ -290,6 +312,8 @@ def test_costs_are_checked() -> None:
         simulate(schedule, Costs(forward_s=[1, 1, 1], backward_s=1))
     with pytest.raises(ValueError, match="non-negative"):
         simulate(schedule, Costs(forward_s=-1, backward_s=1))
+    with pytest.raises(ValueError, match="send_byte_s must be a non-negative"):
+        simulate(schedule, Costs(forward_s=1, backward_s=1, send_byte_s=-1e-9))
     assert math.isinf(Costs(1, 1).bandwidth)
 
 

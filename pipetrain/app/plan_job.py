@@ -7,9 +7,7 @@ import math
 import os
 import re
 import socket
-import statistics
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -17,12 +15,12 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.app.data import BatchStream
+from pipetrain.app.message_costs import MessageCosts, measure_message_costs
 from pipetrain.app.models import build_model, loss_function
 from pipetrain.planning import Plan, Topology, plan
 from pipetrain.profiler import Profile, pooled
 from pipetrain.profiler.links import combined, measure_links
 from pipetrain.profiler.measure import profile
-from pipetrain.runtime.torch_transport import TorchTransport
 from pipetrain.units import counted, format_bandwidth, format_seconds
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKMGT]?)(i?)B?\s*$")
@@ -84,9 +82,11 @@ def profile_together(
     CPU): every rank profiles the model at once (in turns of as many as there are cores,
     where :func:`shared_cores` finds them sharing fewer), at ``microbatches`` and at each of
     ``other_counts`` (its ``other_sizes``); rank 0 returns the pooled profile
-    (:func:`pipetrain.profiler.pooled`) with the time an activation message takes between
-    ranks 0 and 1 (``message_s``, timed once the message has crossed a link of
-    ``bandwidth`` bytes/s), other ranks ``None``.
+    (:func:`pipetrain.profiler.pooled`) with what a message costs each side's core, fixed
+    and per byte, between ranks 0 and 1 while the others compute (``message_s``,
+    ``send_byte_s``, ``receive_byte_s``:
+    :func:`~pipetrain.app.message_costs.measure_message_costs`, each round long enough
+    for its message to cross a link of ``bandwidth`` bytes/s), other ranks ``None``.
 
     In a running pipeline every worker computes at once, and workers that share a machine
     slow each other down (memory bandwidth, caches), so costs measured on an idle machine
@@ -112,15 +112,21 @@ def profile_together(
         [measured] * dist.get_world_size() if dist.get_rank() == 0 else None
     )
     dist.gather_object(measured, gathered, dst=0)
-    alone = dist.get_world_size() == 1
-    message_s = (
-        0.0
-        if alone
-        else _message_s(
-            int(statistics.median(layer.activation_bytes for layer in measured.layers)), bandwidth
+    message = (
+        MessageCosts(0.0, 0.0, 0.0)
+        if dist.get_world_size() == 1
+        else measure_message_costs(
+            int(max(layer.activation_bytes for layer in measured.layers)), bandwidth
         )
     )
-    return replace(pooled(gathered), message_s=message_s) if gathered is not None else None
+    if gathered is None:
+        return None
+    return replace(
+        pooled(gathered),
+        message_s=message.fixed_s,
+        send_byte_s=message.send_byte_s,
+        receive_byte_s=message.receive_byte_s,
+    )
 
 
 def shared_cores(threads: int) -> int | None:
@@ -135,38 +141,6 @@ def shared_cores(threads: int) -> int | None:
     if len(set(machines)) > 1 or cores >= dist.get_world_size():
         return None
     return cores
-
-
-def _message_s(nbytes: int, bandwidth: float, rounds: int = 24, warmup: int = 4) -> float:
-    """The longer of the median times a message of ``nbytes`` keeps rank 0 sending and rank 1
-    receiving it, as the pipeline's transport does it: the receive posted before the send,
-    and waited for once the data has had time to cross a link of ``bandwidth`` bytes/s (a
-    receive that waits would time the wait, which the simulator charges to the link)."""
-    arrival_s = 0.002 + 1.5 * nbytes / bandwidth
-    rank = dist.get_rank()
-    transport = TorchTransport(torch.device("cpu"))
-    payload = (torch.zeros(max(1, nbytes // 4)),)
-    times = []
-    for round_index in range(warmup + rounds):
-        dist.barrier()
-        posted = transport.post_receive(0, "message") if rank == 1 else None
-        start = time.perf_counter()
-        if rank == 0:
-            transport.send(payload, 1, "message")
-            elapsed = time.perf_counter() - start
-            transport.flush()
-        elif posted is not None:
-            time.sleep(arrival_s)
-            start = time.perf_counter()
-            posted.wait()
-            elapsed = time.perf_counter() - start
-        else:
-            elapsed = 0.0
-        if round_index >= warmup:
-            times.append(elapsed)
-    longest = torch.tensor([statistics.median(times)])
-    dist.all_reduce(longest, op=dist.ReduceOp.MAX)
-    return float(longest)
 
 
 def plan_together(
@@ -211,7 +185,8 @@ def plan_together(
         print(
             f"links measured: {format_bandwidth(link.bandwidth)}, {format_seconds(link.latency_s)}"
             f" a message; a message keeps each side busy {format_seconds(measured.message_s)}"
-            + sharing,
+            f" and {format_seconds(measured.send_byte_s * 1e6)} (sender),"
+            f" {format_seconds(measured.receive_byte_s * 1e6)} (receiver) more a MB" + sharing,
             file=sys.stderr,
             flush=True,
         )

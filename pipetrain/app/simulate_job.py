@@ -21,7 +21,15 @@ from pipetrain.timeline import Timeline
 COST_FIELDS = tuple(f.name for f in fields(Costs))
 """The fields a costs file may hold."""
 
-SCALAR_FIELDS = ("latency_s", "send_s", "receive_s", "loss_s", "overlap")
+SCALAR_FIELDS = (
+    "latency_s",
+    "send_s",
+    "receive_s",
+    "send_byte_s",
+    "receive_byte_s",
+    "loss_s",
+    "overlap",
+)
 """The fields that take one number for the whole schedule, not one per stage."""
 
 # time fields that, with several chunks per rank, are given per rank and shared among them

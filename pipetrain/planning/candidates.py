@@ -259,8 +259,8 @@ class Candidate:
             sum(layer.optimizer_s for layer in layers[start:stop])
             for start, stop, _ in layout.stages
         ]
-        # each message keeps its sender busy while packing it, and its receiver while
-        # copying it in, as the runtime records them
+        # each message keeps its sender busy while packing it and handing its bytes over,
+        # and its receiver while copying it in
         message = self.profile.message_s
         return Costs(
             forward,
@@ -273,6 +273,8 @@ class Candidate:
             allreduce_s=allreduce,
             send_s=message,
             receive_s=message,
+            send_byte_s=self.profile.send_byte_s,
+            receive_byte_s=self.profile.receive_byte_s,
             # the loss all-reduce that ends the step: one small message, round the ring
             loss_s=message + everyone,
         )

@@ -22,13 +22,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from pipetrain.schedules import RECV_KINDS, SEND_KINDS
+from pipetrain.schedules.messages import CHANNELS
 from pipetrain.simulation import Costs
 from pipetrain.timeline import BUSY_KINDS, Timeline
 
 _STAGE_FIELDS = ("forward_s", "backward_s", "weight_s", "step_s")
-_MESSAGE_FIELDS = ("send_s", "receive_s")  # a message's packing and copying in
+# a message's packing and copying in
+_MESSAGE_FIELDS = ("send_s", "receive_s", "send_byte_s", "receive_byte_s")
 _SENDS = frozenset(kind.value for kind in SEND_KINDS)
-_RECEIVES = frozenset(kind.value for kind in RECV_KINDS)
+# a receive's kind -> (the offset of its boundary from its stage, whether it is whole-step)
+_RECEIVES = {kind.value: (CHANNELS[kind][1], CHANNELS[kind][2]) for kind in RECV_KINDS}
 _ROUNDS = 16
 _SETTLED = 1e-3  # factors that move less than this between rounds have converged
 
@@ -39,7 +42,7 @@ MESSAGES = -1
 def stretched(costs: Costs, factors: Mapping[int, float], stages: int) -> Costs:
     """``costs`` with each stage's compute times (forward, backward, weight, optimizer step)
     times its factor in ``factors`` (1 where absent) and a message's packing and copying
-    times ``factors[MESSAGES]``; links and latencies unchanged."""
+    (per message and per byte) times ``factors[MESSAGES]``; links and latencies unchanged."""
     scaled: dict[str, object] = {
         name: [
             value * factors.get(stage, 1.0)
@@ -52,18 +55,23 @@ def stretched(costs: Costs, factors: Mapping[int, float], stages: int) -> Costs:
     return replace(costs, **scaled)  # type: ignore[arg-type]
 
 
-def _work_intervals(timeline: Timeline, receive_s: float) -> list[tuple[float, float, int]]:
+def _work_intervals(
+    timeline: Timeline, costs: Costs, stages: int
+) -> list[tuple[float, float, int]]:
     """``(start, end, key)`` of every stretch of core work in ``timeline``: compute keyed by
-    its stage, a send (the packing the simulator charges there) and the last ``receive_s``
-    of a receive (its copy; the rest is waiting) keyed :data:`MESSAGES`."""
+    its stage, a send (the packing the simulator charges there) and the end of a receive
+    that copies its message in (the rest is waiting) keyed :data:`MESSAGES`."""
+    sizes = costs.per_stage("activation_bytes", max(stages - 1, 1))
     intervals = []
     for event in timeline.events:
         if event.kind in BUSY_KINDS and event.stage is not None:
             intervals.append((event.start, event.end, event.stage))
         elif event.kind in _SENDS:
             intervals.append((event.start, event.end, MESSAGES))
-        elif event.kind in _RECEIVES:
-            intervals.append((max(event.start, event.end - receive_s), event.end, MESSAGES))
+        elif event.kind in _RECEIVES and event.stage is not None:
+            offset, whole_step = _RECEIVES[event.kind]
+            copy_s = costs.receive_busy_s(0.0 if whole_step else sizes[event.stage + offset])
+            intervals.append((max(event.start, event.end - copy_s), event.end, MESSAGES))
     return [interval for interval in intervals if interval[1] > interval[0]]
 
 
@@ -104,7 +112,7 @@ def shared_cores_stretch(
     factors: dict[int, float] = {}
     current = costs
     for _ in range(_ROUNDS):
-        implied = _implied_factors(_work_intervals(timeline, current.receive_s), cores)
+        implied = _implied_factors(_work_intervals(timeline, current, stages), cores)
         moved = {
             key: (factors.get(key, 1.0) + max(value, 1.0)) / 2 for key, value in implied.items()
         }

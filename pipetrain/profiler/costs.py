@@ -126,9 +126,11 @@ class Profile(JsonFile):
 
     ``microbatch_size`` is the micro-batch size the costs were measured at and
     ``input_bytes`` the size of one such micro-batch of model input. ``message_s`` is the
-    time one activation message between two workers keeps each side busy (packing,
-    copying), where it was measured: the planner charges it to every send and receive
-    (``Costs.send_s``, ``Costs.receive_s``).
+    time a message between two workers keeps each side busy (packing, copying), whatever
+    it carries, and ``send_byte_s`` and ``receive_byte_s`` what each byte it carries adds
+    on the sending and the receiving side, where they were measured: the planner charges
+    them to every send and receive (``Costs.send_s``, ``Costs.receive_s`` and their
+    ``_byte_s``).
     ``spread`` (optional) holds the measured runs behind the medians; with it the planner
     predicts the median step of a pipeline whose actions vary from run to run as measured,
     rather than the step of one whose every action takes exactly its median.
@@ -143,6 +145,8 @@ class Profile(JsonFile):
     message_s: float = 0.0
     spread: Spread | None = None
     other_sizes: tuple[Profile, ...] = ()
+    send_byte_s: float = 0.0
+    receive_byte_s: float = 0.0
 
     def __post_init__(self) -> None:
         """Reject empty profiles and negative or non-finite costs, naming the layer and field."""
@@ -152,7 +156,8 @@ class Profile(JsonFile):
             _check_layer(index, layer)
         positive_int("microbatch_size", self.microbatch_size)
         non_negative_number("Profile.input_bytes", self.input_bytes)
-        non_negative_number("Profile.message_s", self.message_s)
+        for name in ("message_s", "send_byte_s", "receive_byte_s"):
+            non_negative_number(f"Profile.{name}", getattr(self, name))
         if self.spread is not None:
             if not isinstance(self.spread, Spread):
                 raise TypeError(
@@ -194,6 +199,8 @@ class Profile(JsonFile):
             message_s=self.message_s,
             spread=None if start.spread is None else start.spread.scaled(factor),
             other_sizes=tuple(p for p in measured if p.microbatch_size != microbatch_size),
+            send_byte_s=self.send_byte_s,
+            receive_byte_s=self.receive_byte_s,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -204,6 +211,8 @@ class Profile(JsonFile):
                 "microbatch_size": self.microbatch_size,
                 "input_bytes": self.input_bytes,
                 "message_s": self.message_s,
+                "send_byte_s": self.send_byte_s,
+                "receive_byte_s": self.receive_byte_s,
                 "layers": [asdict(layer) for layer in self.layers],
                 "spread": None if self.spread is None else asdict(self.spread),
                 "other_sizes": [other.to_dict() for other in self.other_sizes],
@@ -240,6 +249,8 @@ class Profile(JsonFile):
             data.get("message_s", 0.0),
             spread,
             tuple(cls.from_dict(other) for other in data.get("other_sizes", [])),
+            data.get("send_byte_s", 0.0),
+            data.get("receive_byte_s", 0.0),
         )
 
 
@@ -248,7 +259,7 @@ def pooled(profiles: Sequence[Profile]) -> Profile:
 
     Each layer's times are the mean of the workers' medians; the spread, where every
     profile has one, holds every worker's runs, so the planner sees how all of them varied.
-    Sizes, the micro-batch size and ``message_s`` come from the first profile; each of
+    Sizes, the micro-batch size and the message costs come from the first profile; each of
     ``other_sizes`` is pooled the same way.
     """
     if not profiles:

@@ -26,6 +26,9 @@ class Costs:
     busy (packing the message and handing it to the transport) before it travels, and
     ``receive_s`` the time a receive keeps the receiving rank busy once the data is there
     (copying it in), as on CPU backends; both are per message, whatever it carries.
+    ``send_byte_s`` and ``receive_byte_s`` add that much to each for every byte an
+    activation or gradient message carries (on shared cores, moving the bytes takes the
+    kernel's and the transport's time on both sides).
     ``overlap`` is the share of the shorter pass of an overlapped forward-and-backward pair
     (``OVERLAP``) that the longer one hides: 0 runs them back to back, 1 hides it entirely.
     """
@@ -40,6 +43,8 @@ class Costs:
     allreduce_s: PerStage = 0.0
     send_s: float = 0.0
     receive_s: float = 0.0
+    send_byte_s: float = 0.0
+    receive_byte_s: float = 0.0
     loss_s: float = 0.0
     overlap: float = 0.0
 
@@ -56,6 +61,15 @@ class Costs:
         if any(v < 0 or math.isnan(v) for v in values):
             raise ValueError(f"Costs.{field} must be non-negative, got {values}")
         return values
+
+    def send_busy_s(self, message_bytes: float) -> float:
+        """How long a send of ``message_bytes`` keeps the sending rank busy."""
+        return self.send_s + message_bytes * self.send_byte_s
+
+    def receive_busy_s(self, message_bytes: float) -> float:
+        """How long a receive of ``message_bytes`` keeps the receiving rank busy once its
+        message has landed."""
+        return self.receive_s + message_bytes * self.receive_byte_s
 
 
 @dataclass(frozen=True)

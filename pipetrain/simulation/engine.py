@@ -2,17 +2,19 @@
 
 Every rank runs its actions in order, and each becomes an event of the kind the runtime's
 recorder gives it, on the same rank. Compute takes the stage's cost. A send keeps its rank
-busy for ``Costs.send_s`` (packing the message; its ``SEND_*`` event), then the message
+busy for ``Costs.send_s`` and ``Costs.send_byte_s`` a byte it carries (packing the message
+and handing its bytes to the transport; its ``SEND_*`` event), then the message
 crosses the network without the sender: its bytes hold the sender's outgoing link, and
 share the peer's incoming one with the messages crossing it at once
 (:class:`~pipetrain.simulation.ports.Ports`: one link each way per rank; a rank's own
 messages leave one after another, in the order it issues them) and it lands
 ``Costs.latency_s`` after its last byte, so back-to-back messages overlap their latencies;
 a receive's event runs from when the rank reaches it until its message has landed and been
-copied in (``Costs.receive_s``); an all-reduce starts when every replica of the stage has
-reached it. An overlapped pair's forward and backward together take the longer of the two
-plus the part of the shorter that ``Costs.overlap`` does not hide, shared between them in
-proportion; its ``OVERLAP`` marker is an event of no length, as recorded.
+copied in (``Costs.receive_s`` and ``Costs.receive_byte_s`` a byte); an all-reduce starts
+when every replica of the stage has reached it. An overlapped pair's forward and backward
+together take the longer of the two plus the part of the shorter that ``Costs.overlap``
+does not hide, shared between them in proportion; its ``OVERLAP`` marker is an event of
+no length, as recorded.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
     bandwidth = costs.per_stage("bandwidth", boundaries)
     if any(b == 0 for b in bandwidth):
         raise ValueError("Costs.bandwidth must be positive")
-    for name in ("latency_s", "send_s", "receive_s", "loss_s"):
+    for name in ("latency_s", "send_s", "receive_s", "send_byte_s", "receive_byte_s", "loss_s"):
         if not getattr(costs, name) >= 0:
             raise ValueError(
                 f"Costs.{name} must be a non-negative number of seconds, "
@@ -74,8 +76,12 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
             Kind.BACKWARD: variation.backward,
             Kind.WEIGHT: variation.backward,
         }
-    latency, send_s, receive_s = costs.latency_s, costs.send_s, costs.receive_s
+    latency = costs.latency_s
     wire_s = [size / speed for size, speed in zip(activation, bandwidth)]
+    # a rank's busy time per message across each boundary; whole-step ones carry no bytes
+    send_s = [costs.send_busy_s(size) for size in activation]
+    receive_s = [costs.receive_busy_s(size) for size in activation]
+    small_send_s, small_receive_s = costs.send_s, costs.receive_s
     collective_s = {
         Kind.ALLREDUCE: costs.per_stage("allreduce_s", stages),
         Kind.LOSS: [costs.loss_s],
@@ -121,8 +127,9 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
                 boundary = 0 if whole_step else stage + offset
                 key = (peer, family, boundary, mb)
                 # the sender packs the message, then the link carries it without the sender
-                events.append(make((rank, names[kind], stage, mb, now, now + send_s)))
-                now += send_s
+                busy = small_send_s if whole_step else send_s[boundary]
+                events.append(make((rank, names[kind], stage, mb, now, now + busy)))
+                now += busy
                 # the bytes cross both ranks' links; the latency follows them off, so
                 # messages sent back to back overlap their latencies
                 wire = 0.0 if whole_step else wire_s[boundary]
@@ -135,7 +142,8 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
                     runnable.append(waiter)
             elif kind in receives:
                 family, offset, whole_step = channels[kind]
-                key = (rank, family, 0 if whole_step else stage + offset, mb)
+                boundary = 0 if whole_step else stage + offset
+                key = (rank, family, boundary, mb)
                 landed = arrival.pop(key, None)
                 if landed is None:
                     last_byte = ports.take(key)
@@ -143,7 +151,7 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
                         waiting_on[key] = rank
                         break
                     landed = last_byte + latency
-                end = max(now, landed) + receive_s
+                end = max(now, landed) + (small_receive_s if whole_step else receive_s[boundary])
                 events.append(make((rank, names[kind], stage, mb, now, end)))
                 now = end
             elif kind is Kind.OVERLAP:  # a marker: its pair's passes follow, scaled
