@@ -580,3 +580,21 @@ def test_a_plan_says_which_replicas_get_no_micro_batch() -> None:
     )
     every_one = dataclasses.replace(two_of_four, microbatches=4, microbatch_size=16)
     assert "replicas get a micro-batch" not in every_one.describe()
+
+
+@pytest.mark.parametrize(
+    ("schedule", "charged"), [("pipedream", True), ("2bw", True), ("1f1b", False)]
+)
+def test_an_asynchronous_update_also_pays_for_its_next_weight_version(
+    schedule: str, charged: bool
+) -> None:
+    from pipetrain.planning.candidates import Candidate, Layout
+
+    layers = [LayerCost(1.0, 2.0, parameter_bytes=1e6, optimizer_s=0.01) for _ in range(4)]
+    profile = Profile(layers, weight_version_byte_s=1e-8)
+    layout = Layout(((0, 3, 1), (3, 4, 1)))
+    costs = Candidate(layout, schedule, 2, "never", profile).costs(Topology.flat(2, 1e9, 0.0))
+    # stage 0 holds 3 MB of weights: 0.03 s of optimizer steps, and 0.03 s more to copy
+    # the next version where the schedule keeps versions
+    extra = 3e6 * 1e-8 if charged else 0.0
+    assert costs.per_stage("step_s", 2) == pytest.approx([0.03 + extra, 0.01 + extra / 3])

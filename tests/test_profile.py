@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from pipetrain.profiler import LayerCost, Profile, Spread, pooled, profile
+from pipetrain.profiler.timing import Timer, time_weight_version
 
 # ---- the Profile type ---------------------------------------------------------------------
 
@@ -72,10 +73,17 @@ def test_json_round_trip(tmp_path) -> None:
 
 def test_message_costs_round_trip_and_older_profiles_load_without_them(tmp_path) -> None:
     path = tmp_path / "profile.json"
-    measured = replace(sample_profile(), message_s=2e-4, send_byte_s=5e-10, receive_byte_s=2e-10)
+    measured = replace(
+        sample_profile(),
+        message_s=2e-4,
+        send_byte_s=5e-10,
+        receive_byte_s=2e-10,
+        weight_version_byte_s=1e-10,
+    )
     measured.save(path)
     loaded = Profile.load(path)
     assert (loaded.message_s, loaded.send_byte_s, loaded.receive_byte_s) == (2e-4, 5e-10, 2e-10)
+    assert loaded.weight_version_byte_s == 1e-10 == loaded.scaled(8).weight_version_byte_s
     # a message's costs are per message and per byte: the micro-batch size leaves them
     doubled = loaded.scaled(8)
     assert (doubled.message_s, doubled.send_byte_s, doubled.receive_byte_s) == (
@@ -83,9 +91,10 @@ def test_message_costs_round_trip_and_older_profiles_load_without_them(tmp_path)
     )  # fmt: skip
     # a profile saved before the per-byte costs were measured loads without them
     data = measured.to_dict()
-    del data["send_byte_s"], data["receive_byte_s"]
+    del data["send_byte_s"], data["receive_byte_s"], data["weight_version_byte_s"]
     older = Profile.from_dict(data)
     assert (older.message_s, older.send_byte_s, older.receive_byte_s) == (2e-4, 0.0, 0.0)
+    assert older.weight_version_byte_s == 0.0
     with pytest.raises(ValueError, match=r"Profile\.send_byte_s"):
         replace(measured, send_byte_s=-1.0)
 
@@ -326,6 +335,8 @@ def test_profile_measures_a_small_sequential() -> None:
         assert 0 <= layer.weight_backward_s <= layer.backward_s
         assert layer.peak_memory_bytes == layer.activation_bytes + layer.parameter_bytes
     assert result.layers[2].weight_backward_s == 0.0  # ReLU has no weights
+    # copying a weight version and taking its norm: under a microsecond a byte
+    assert 0 < result.weight_version_byte_s < 1e-6
     # every timed run is kept, on the scale of the medians
     assert len(result.spread.forward_s) == len(result.spread.backward_s) == 3
     for index, layer in enumerate(result.layers):
@@ -453,3 +464,12 @@ def test_saved_bytes_count_what_autograd_keeps_beyond_inputs_and_weights() -> No
     assert result.layers[0].activation_bytes == 3 * 8 * 4
     # the last layer: its output and the targets, both of which mse_loss keeps
     assert result.layers[1].saved_bytes == 2 * 3 * 2 * 4
+
+
+def test_a_model_without_trainable_weights_has_no_weight_version_to_copy() -> None:
+    assert time_weight_version([], Timer(torch.device("cpu")), repeats=2, warmup=1) == 0.0
+    frozen = nn.Sequential(nn.Linear(6, 4), nn.ReLU(), nn.Linear(4, 3)).requires_grad_(False)
+    measured = profile(
+        frozen, torch.randn(8, 6), torch.randint(0, 3, (8,)), nn.CrossEntropyLoss(), repeats=2
+    )
+    assert measured.weight_version_byte_s == 0.0

@@ -255,9 +255,13 @@ class Candidate:
         links = [self._link(topology, b) for b in boundaries] or [math.inf]
         latency = max((self._latency(topology, b) for b in boundaries), default=0.0)
         everyone = 2 * (layout.workers - 1) * topology.span_latency(0, layout.workers - 1)
+        # an asynchronous update also copies its stage's next weight version
+        version_byte_s = (
+            self.profile.weight_version_byte_s if spec(self.schedule).asynchronous else 0.0
+        )
         steps = [
-            sum(layer.optimizer_s for layer in layers[start:stop])
-            for start, stop, _ in layout.stages
+            sum(layer.optimizer_s + layer.parameter_bytes * version_byte_s for layer in part)
+            for part in (layers[start:stop] for start, stop, _ in layout.stages)
         ]
         # each message keeps its sender busy while packing it and handing its bytes over,
         # and its receiver while copying it in

@@ -130,7 +130,10 @@ class Profile(JsonFile):
     it carries, and ``send_byte_s`` and ``receive_byte_s`` what each byte it carries adds
     on the sending and the receiving side, where they were measured: the planner charges
     them to every send and receive (``Costs.send_s``, ``Costs.receive_s`` and their
-    ``_byte_s``).
+    ``_byte_s``). ``weight_version_byte_s`` is what an asynchronous schedule's update
+    spends on each byte of its stage's weights besides the optimizer's step (the next
+    weight version's copy, the gradients' norm): the planner adds it to those schedules'
+    optimizer steps.
     ``spread`` (optional) holds the measured runs behind the medians; with it the planner
     predicts the median step of a pipeline whose actions vary from run to run as measured,
     rather than the step of one whose every action takes exactly its median.
@@ -147,6 +150,7 @@ class Profile(JsonFile):
     other_sizes: tuple[Profile, ...] = ()
     send_byte_s: float = 0.0
     receive_byte_s: float = 0.0
+    weight_version_byte_s: float = 0.0
 
     def __post_init__(self) -> None:
         """Reject empty profiles and negative or non-finite costs, naming the layer and field."""
@@ -156,7 +160,7 @@ class Profile(JsonFile):
             _check_layer(index, layer)
         positive_int("microbatch_size", self.microbatch_size)
         non_negative_number("Profile.input_bytes", self.input_bytes)
-        for name in ("message_s", "send_byte_s", "receive_byte_s"):
+        for name in ("message_s", "send_byte_s", "receive_byte_s", "weight_version_byte_s"):
             non_negative_number(f"Profile.{name}", getattr(self, name))
         if self.spread is not None:
             if not isinstance(self.spread, Spread):
@@ -201,6 +205,7 @@ class Profile(JsonFile):
             other_sizes=tuple(p for p in measured if p.microbatch_size != microbatch_size),
             send_byte_s=self.send_byte_s,
             receive_byte_s=self.receive_byte_s,
+            weight_version_byte_s=self.weight_version_byte_s,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -213,6 +218,7 @@ class Profile(JsonFile):
                 "message_s": self.message_s,
                 "send_byte_s": self.send_byte_s,
                 "receive_byte_s": self.receive_byte_s,
+                "weight_version_byte_s": self.weight_version_byte_s,
                 "layers": [asdict(layer) for layer in self.layers],
                 "spread": None if self.spread is None else asdict(self.spread),
                 "other_sizes": [other.to_dict() for other in self.other_sizes],
@@ -251,6 +257,7 @@ class Profile(JsonFile):
             tuple(cls.from_dict(other) for other in data.get("other_sizes", [])),
             data.get("send_byte_s", 0.0),
             data.get("receive_byte_s", 0.0),
+            data.get("weight_version_byte_s", 0.0),
         )
 
 
@@ -259,7 +266,8 @@ def pooled(profiles: Sequence[Profile]) -> Profile:
 
     Each layer's times are the mean of the workers' medians; the spread, where every
     profile has one, holds every worker's runs, so the planner sees how all of them varied.
-    Sizes, the micro-batch size and the message costs come from the first profile; each of
+    Sizes, the micro-batch size, the message costs and ``weight_version_byte_s`` come from
+    the first profile; each of
     ``other_sizes`` is pooled the same way.
     """
     if not profiles:

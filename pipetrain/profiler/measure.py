@@ -24,7 +24,13 @@ from pipetrain.checks import is_int, non_negative_int, non_negative_number, posi
 from pipetrain.model.frontend import front_end
 from pipetrain.model.graph import GraphModel
 from pipetrain.profiler.costs import LayerCost, Profile
-from pipetrain.profiler.timing import LossFn, OptimizerFactory, Timer, time_in_sequence
+from pipetrain.profiler.timing import (
+    LossFn,
+    OptimizerFactory,
+    Timer,
+    time_in_sequence,
+    time_weight_version,
+)
 from pipetrain.profiler.values import (
     Values,
     as_values,
@@ -78,6 +84,10 @@ def profile(
     - ``optimizer_s`` is one step of ``optimizer`` (a function from parameters to an
       optimizer; default Adam): timed per layer on copies of the layer's trainable
       parameters, and for the whole model on the parameters themselves (put back after).
+    - The profile's ``weight_version_byte_s`` is what an asynchronous update spends a
+      byte of weights besides the optimizer's step (copying the next weight version, the
+      gradients' norm): :func:`~pipetrain.profiler.timing.time_weight_version` over the
+      whole model's trainable parameters, over their bytes.
     - ``peak_memory_bytes`` on CUDA is the rise of ``torch.cuda.max_memory_allocated``
       over one forward and backward; on other devices it is an estimate, the output
       activation plus the weight gradients.
@@ -126,7 +136,18 @@ def profile(
             cost.forward_s, cost.backward_s, cost.optimizer_s = forward_s, backward_s, optimizer_s
             if cost.weight_backward_s is not None:
                 cost.weight_backward_s = share * backward_s
-    return Profile(costs, microbatch_size=size, input_bytes=nbytes(inputs, size), spread=spread)
+        trainable = list(
+            {id(p): p for _, m in layers for p in m.parameters() if p.requires_grad}.values()
+        )
+        version_s = time_weight_version(trainable, timer, repeats, warmup)
+    weight_bytes = sum(p.numel() * p.element_size() for p in trainable)
+    return Profile(
+        costs,
+        microbatch_size=size,
+        input_bytes=nbytes(inputs, size),
+        spread=spread,
+        weight_version_byte_s=version_s / weight_bytes if weight_bytes else 0.0,
+    )
 
 
 def _on_model_outputs(loss_fn: LossFn, front: GraphModel) -> LossFn:

@@ -159,3 +159,24 @@ def _whole_model(
     start = timer.now()
     stepper.step()
     return forward_s, backward_s, timer.now() - start
+
+
+def time_weight_version(
+    parameters: Sequence[Tensor], timer: Timer, repeats: int, warmup: int
+) -> float:
+    """Median seconds for what an asynchronous update does to ``parameters`` besides the
+    optimizer's step: a detached copy of every one (the next weight version, as
+    :class:`pipetrain.runtime.weights.WeightStash` keeps it) and the 2-norm of them all
+    (the update's finiteness check reads its gradients' norm; the weights stand in for
+    gradients of the same size). 0 for no parameters."""
+    if not parameters:
+        return 0.0
+    times = []
+    with torch.no_grad():
+        for _ in range(warmup + repeats):
+            start = timer.now()
+            copies = [p.detach().clone() for p in parameters]
+            torch._foreach_norm(copies)
+            times.append(timer.now() - start)
+            del copies
+    return statistics.median(times[warmup:])
