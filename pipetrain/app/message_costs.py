@@ -20,10 +20,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from pipetrain.profiler.links import busy_until, past
+from pipetrain.profiler.links import SMALL_BYTES, busy_until, past
 from pipetrain.runtime.torch_transport import TorchTransport
-
-SMALL_BYTES = 4
 
 
 class MessageCosts(NamedTuple):

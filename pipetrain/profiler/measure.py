@@ -30,6 +30,7 @@ from pipetrain.profiler.timing import (
     Timer,
     time_in_sequence,
     time_weight_version,
+    trainable_parameters,
 )
 from pipetrain.profiler.values import (
     Values,
@@ -136,9 +137,7 @@ def profile(
             cost.forward_s, cost.backward_s, cost.optimizer_s = forward_s, backward_s, optimizer_s
             if cost.weight_backward_s is not None:
                 cost.weight_backward_s = share * backward_s
-        trainable = list(
-            {id(p): p for _, m in layers for p in m.parameters() if p.requires_grad}.values()
-        )
+        trainable = trainable_parameters(layers)
         version_s = time_weight_version(trainable, timer, repeats, warmup)
     weight_bytes = sum(p.numel() * p.element_size() for p in trainable)
     return Profile(

@@ -67,10 +67,7 @@ def time_in_sequence(
     count = len(layers)
     times: list[list[list[float]]] = [[[], [], []] for _ in range(count)]
     whole: list[list[float]] = [[], [], []]
-    # a parameter two layers share (tied weights) is stepped once
-    trainable: list[Tensor] = list(
-        {id(p): p for _, module in layers for p in module.parameters() if p.requires_grad}.values()
-    )
+    trainable = trainable_parameters(layers)
     whole_stepper = optimizer(trainable) if trainable else None
     steppers: list[torch.optim.Optimizer | None] = []
     for _, module in layers:
@@ -159,6 +156,14 @@ def _whole_model(
     start = timer.now()
     stepper.step()
     return forward_s, backward_s, timer.now() - start
+
+
+def trainable_parameters(layers: Sequence[tuple[str, nn.Module]]) -> list[Tensor]:
+    """The layers' trainable parameters, each once: a parameter two layers share (tied
+    weights) is stepped and copied once."""
+    return list(
+        {id(p): p for _, module in layers for p in module.parameters() if p.requires_grad}.values()
+    )
 
 
 def time_weight_version(

@@ -7,7 +7,7 @@ step frees most of what it allocates (activations, gradients, the optimizer's te
 and allocates the same again in the next step, so each step faults its memory back in,
 page by page, and the kernel zeroes every page. On an emulated cluster's VGG, the stage
 holding the fully connected layers took 60,000 page faults a second, 8 ms of kernel time
-in a 72 ms step; kept, they fell to none and the step to 67 ms
+in a 74 ms step; kept, they fell to none and the step to 67 ms
 (``benchmarks/README.md``, "Freed memory kept").
 """
 
