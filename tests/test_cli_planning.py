@@ -227,6 +227,8 @@ def test_workers_profile_together_and_share_one_plan() -> None:
         len(pooled_profile.spread.forward_s) == len(pooled_profile.spread.backward_s) == 2 * 6
     )  # both workers' runs
     assert pooled_profile.message_s > 0 and alone.message_s == 0
+    if len(os.sched_getaffinity(0)) >= 2:  # a core each: no slowdown to measure
+        assert pooled_profile.shared_cores_factor == 1.0
     # also measured at 4 micro-batches of 8, both workers' runs pooled
     [at_8] = pooled_profile.other_sizes
     assert at_8.microbatch_size == 8 and len(at_8.spread.forward_s) == 2 * 6

@@ -79,11 +79,13 @@ def test_message_costs_round_trip_and_older_profiles_load_without_them(tmp_path)
         send_byte_s=5e-10,
         receive_byte_s=2e-10,
         weight_version_byte_s=1e-10,
+        shared_cores_factor=1.1,
     )
     measured.save(path)
     loaded = Profile.load(path)
     assert (loaded.message_s, loaded.send_byte_s, loaded.receive_byte_s) == (2e-4, 5e-10, 2e-10)
     assert loaded.weight_version_byte_s == 1e-10 == loaded.scaled(8).weight_version_byte_s
+    assert loaded.shared_cores_factor == 1.1 == loaded.scaled(8).shared_cores_factor
     # a message's costs are per message and per byte: the micro-batch size leaves them
     doubled = loaded.scaled(8)
     assert (doubled.message_s, doubled.send_byte_s, doubled.receive_byte_s) == (
@@ -92,11 +94,14 @@ def test_message_costs_round_trip_and_older_profiles_load_without_them(tmp_path)
     # a profile saved before the per-byte costs were measured loads without them
     data = measured.to_dict()
     del data["send_byte_s"], data["receive_byte_s"], data["weight_version_byte_s"]
+    del data["shared_cores_factor"]
     older = Profile.from_dict(data)
     assert (older.message_s, older.send_byte_s, older.receive_byte_s) == (2e-4, 0.0, 0.0)
-    assert older.weight_version_byte_s == 0.0
+    assert (older.weight_version_byte_s, older.shared_cores_factor) == (0.0, 1.0)
     with pytest.raises(ValueError, match=r"Profile\.send_byte_s"):
         replace(measured, send_byte_s=-1.0)
+    with pytest.raises(ValueError, match=r"shared_cores_factor = 0\.9 is below 1"):
+        replace(measured, shared_cores_factor=0.9)
 
 
 def test_unknown_format_versions_are_rejected(tmp_path) -> None:

@@ -130,6 +130,27 @@ def test_enough_cores_never_stretch() -> None:
     assert shared_cores_stretch(_side_by_side, costs, stages=1, workers=2, cores=2)[0] is costs
 
 
+def test_shared_cores_slow_every_stages_compute_but_not_the_messages() -> None:
+    costs = Costs(0.01, 0.0, send_s=0.002)
+    # never two at once, yet each stage's work takes the factor's more core time
+    slowed, timeline = shared_cores_stretch(
+        _one_after_another, costs, stages=2, workers=2, cores=1, slowdown=1.5
+    )
+    assert slowed.per_stage("forward_s", 2) == [pytest.approx(0.015)] * 2
+    assert slowed.send_s == 0.002  # a message's costs were measured on the shared cores
+    assert timeline.makespan == pytest.approx(0.03)
+    # side by side on one core: slowed, then shared
+    slowed, timeline = shared_cores_stretch(
+        _side_by_side, costs, stages=1, workers=2, cores=1, slowdown=1.5
+    )
+    assert timeline.makespan == pytest.approx(0.03, rel=1e-3)
+    # a core each: nothing is shared, nothing slows
+    assert (
+        shared_cores_stretch(_side_by_side, costs, stages=1, workers=2, cores=2, slowdown=1.5)[0]
+        is costs
+    )
+
+
 def test_stretched_scales_what_a_core_does_and_leaves_the_links() -> None:
     costs = Costs(
         [1.0, 2.0], 3.0, weight_s=0.5, step_s=[0.1, 0.2], send_s=0.7, receive_s=0.1,
@@ -153,5 +174,11 @@ def test_a_plan_for_workers_sharing_cores_predicts_a_longer_step() -> None:
     # one core does all the compute: the step is at least the whole model's work, m times
     work = sum(layer.compute_s for layer in profile.layers) * 8
     assert shared.predicted_step_s >= work * (1 - 1e-3) > alone.predicted_step_s
+    # work that takes more core time on shared cores lengthens the shared step alone
+    slower = replace(profile, shared_cores_factor=1.25)
+    options = {"workers": 4, "schedules": ("gpipe",), "microbatches": (8,)}
+    assert plan(slower, **options).predicted_step_s == pytest.approx(alone.predicted_step_s)
+    slower_shared = plan(slower, **options, shared_cores=1).predicted_step_s
+    assert slower_shared >= 1.25 * work * (1 - 1e-3)
     with pytest.raises(ValueError, match="shared_cores must be a positive integer"):
         plan(profile, workers=4, shared_cores=0)

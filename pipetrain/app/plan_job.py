@@ -4,11 +4,9 @@
 from __future__ import annotations
 
 import math
-import os
 import re
-import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -17,6 +15,7 @@ import torch.distributed as dist
 from pipetrain.app.data import BatchStream
 from pipetrain.app.message_costs import MessageCosts, measure_message_costs
 from pipetrain.app.models import build_model, loss_function
+from pipetrain.app.shared_cores import measure_shared_cores_factor, shared_cores
 from pipetrain.planning import Plan, Topology, plan
 from pipetrain.profiler import Profile, pooled
 from pipetrain.profiler.links import combined, measure_links
@@ -86,7 +85,10 @@ def profile_together(
     and per byte, between ranks 0 and 1 while the others compute (``message_s``,
     ``send_byte_s``, ``receive_byte_s``:
     :func:`~pipetrain.app.message_costs.measure_message_costs`, each round long enough
-    for its message to cross a link of ``bandwidth`` bytes/s), other ranks ``None``.
+    for its message to cross a link of ``bandwidth`` bytes/s) and, where the ranks share
+    cores, how much more core time a forward and backward of the model takes with every
+    rank running than in turns (``shared_cores_factor``:
+    :func:`~pipetrain.app.shared_cores.measure_shared_cores_factor`); other ranks ``None``.
 
     In a running pipeline every worker computes at once, and workers that share a machine
     slow each other down (memory bandwidth, caches), so costs measured on an idle machine
@@ -108,6 +110,13 @@ def profile_together(
                 ),
             )
     assert measured is not None  # every rank had a turn
+    slowdown = (
+        measure_shared_cores_factor(
+            _training_pass(model, batch_size // microbatches, seed), at_once
+        )
+        if at_once < dist.get_world_size()
+        else 1.0
+    )
     gathered: list[Profile] | None = (
         [measured] * dist.get_world_size() if dist.get_rank() == 0 else None
     )
@@ -126,21 +135,21 @@ def profile_together(
         message_s=message.fixed_s,
         send_byte_s=message.send_byte_s,
         receive_byte_s=message.receive_byte_s,
+        shared_cores_factor=slowdown,
     )
 
 
-def shared_cores(threads: int) -> int | None:
-    """Call on every rank of the default process group: the workers (of ``threads`` threads)
-    that this machine's cores can run at once, when every rank runs on this one machine and
-    they are more than that (local workers, or an emulated cluster's hosts); else ``None``."""
-    with open("/proc/sys/kernel/random/boot_id") as boot:
-        machine = boot.read().strip() or socket.gethostname()
-    machines: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(machines, machine)
-    cores = max(1, len(os.sched_getaffinity(0)) // threads)
-    if len(set(machines)) > 1 or cores >= dist.get_world_size():
-        return None
-    return cores
+def _training_pass(model: str, size: int, seed: int) -> Callable[[], None]:
+    """A forward and backward of a built-in model on a micro-batch of ``size`` samples."""
+    network = build_model(model, seed=seed)
+    inputs, targets = next(BatchStream(model, size, seed=seed))
+    loss_fn = loss_function(model)
+
+    def run() -> None:
+        network.zero_grad(set_to_none=True)
+        loss_fn(network(inputs), targets).backward()
+
+    return run
 
 
 def plan_together(
@@ -181,7 +190,12 @@ def plan_together(
     cores = shared_cores(threads)
     outcome: list[Plan | Exception | None] = [None]
     if measured is not None:
-        sharing = "" if cores is None else f"; the workers share {counted(cores, 'core')}"
+        sharing = (
+            ""
+            if cores is None
+            else f"; the workers share {counted(cores, 'core')}, on which their work takes"
+            f" {measured.shared_cores_factor:.2f}x the core time it takes alone"
+        )
         print(
             f"links measured: {format_bandwidth(link.bandwidth)}, {format_seconds(link.latency_s)}"
             f" a message; a message keeps each side busy {format_seconds(measured.message_s)}"

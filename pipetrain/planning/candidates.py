@@ -355,8 +355,9 @@ class Candidate:
         self, costs: Costs, cores: int | None = None
     ) -> tuple[Timeline, int, Costs]:
         """Simulate the candidate; return the timeline, the micro-batches it processed, and
-        the costs it ran on: ``costs``, with its work stretched where its workers share
-        ``cores`` cores (None: a core each; see :mod:`pipetrain.planning.sharing`)."""
+        the costs it ran on: ``costs``, with its work slowed by the profile's
+        ``shared_cores_factor`` and stretched where its workers share ``cores`` cores
+        (None: a core each; see :mod:`pipetrain.planning.sharing`)."""
         schedule = self.build()
         shared, timeline = shared_cores_stretch(
             lambda trial: simulate(schedule, trial),
@@ -364,6 +365,7 @@ class Candidate:
             schedule.stages,
             self.layout.workers,
             self.layout.workers if cores is None else cores,
+            self.profile.shared_cores_factor,
         )
         return timeline, schedule.microbatches, shared
 

@@ -11,7 +11,11 @@ message's packing and copying, which take a core too. While ``n`` workers work a
 each gets ``min(1, C / n)`` of a core, so an action that needs ``w`` core-seconds lasts
 until it has received them. A stage's actions, and the messages, are stretched by a factor
 of their own: the time they last over the core time they receive in the step simulated
-with the factors so far, iterated to a fixed point (each round moves halfway).
+with the factors so far, iterated to a fixed point (each round moves halfway). Compute
+also takes more core time on shared cores than alone (the profile's
+``shared_cores_factor``: caches refilled after other workers ran, threads switched), by
+which every stage's compute is multiplied first; a message's costs were measured on the
+shared cores already.
 """
 
 from __future__ import annotations
@@ -100,15 +104,21 @@ def _implied_factors(intervals: list[tuple[float, float, int]], cores: int) -> d
 
 
 def shared_cores_stretch(
-    simulate: Callable[[Costs], Timeline], costs: Costs, stages: int, workers: int, cores: int
+    simulate: Callable[[Costs], Timeline],
+    costs: Costs,
+    stages: int,
+    workers: int,
+    cores: int,
+    slowdown: float = 1.0,
 ) -> tuple[Costs, Timeline]:
-    """The costs of ``workers`` sharing ``cores`` cores (``costs`` stretched per stage and for
-    messages) and the step simulated on them. ``simulate`` runs the candidate's schedule,
-    of ``stages`` stages, on given costs; with at least as many cores as workers nothing
-    stretches (one simulation)."""
-    timeline = simulate(costs)
+    """The costs of ``workers`` sharing ``cores`` cores (``costs`` with every stage's compute
+    times ``slowdown``, then stretched per stage and for messages) and the step simulated
+    on them. ``simulate`` runs the candidate's schedule, of ``stages`` stages, on given
+    costs; with at least as many cores as workers nothing changes (one simulation)."""
     if cores >= workers:
-        return costs, timeline
+        return costs, simulate(costs)
+    costs = stretched(costs, dict.fromkeys(range(stages), slowdown), stages)
+    timeline = simulate(costs)
     factors: dict[int, float] = {}
     current = costs
     for _ in range(_ROUNDS):

@@ -133,7 +133,10 @@ class Profile(JsonFile):
     ``_byte_s``). ``weight_version_byte_s`` is what an asynchronous schedule's update
     spends on each byte of its stage's weights besides the optimizer's step (the next
     weight version's copy, the gradients' norm): the planner adds it to those schedules'
-    optimizer steps.
+    optimizer steps. ``shared_cores_factor`` is how many times longer the model's work
+    takes where the workers outnumber the cores they share than with a core to itself
+    (caches refilled and threads switched: 1.06-1.08 for the VGG model, four workers on two
+    cores); the planner multiplies the stages' compute by it where it models shared cores.
     ``spread`` (optional) holds the measured runs behind the medians; with it the planner
     predicts the median step of a pipeline whose actions vary from run to run as measured,
     rather than the step of one whose every action takes exactly its median.
@@ -151,6 +154,7 @@ class Profile(JsonFile):
     send_byte_s: float = 0.0
     receive_byte_s: float = 0.0
     weight_version_byte_s: float = 0.0
+    shared_cores_factor: float = 1.0
 
     def __post_init__(self) -> None:
         """Reject empty profiles and negative or non-finite costs, naming the layer and field."""
@@ -162,6 +166,12 @@ class Profile(JsonFile):
         non_negative_number("Profile.input_bytes", self.input_bytes)
         for name in ("message_s", "send_byte_s", "receive_byte_s", "weight_version_byte_s"):
             non_negative_number(f"Profile.{name}", getattr(self, name))
+        non_negative_number("Profile.shared_cores_factor", self.shared_cores_factor)
+        if self.shared_cores_factor < 1:
+            raise ValueError(
+                f"Profile.shared_cores_factor = {self.shared_cores_factor} is below 1: sharing "
+                "cores cannot make work faster; use 1 for no slowdown"
+            )
         if self.spread is not None:
             if not isinstance(self.spread, Spread):
                 raise TypeError(
@@ -196,16 +206,13 @@ class Profile(JsonFile):
         measured = [replace(self, other_sizes=()), *self.other_sizes]
         start = min(measured, key=lambda p: abs(math.log(microbatch_size / p.microbatch_size)))
         factor = microbatch_size / start.microbatch_size
-        return Profile(
+        return replace(
+            self,
             layers=[_scaled_layer(layer, factor) for layer in start.layers],
             microbatch_size=microbatch_size,
             input_bytes=start.input_bytes * factor,
-            message_s=self.message_s,
             spread=None if start.spread is None else start.spread.scaled(factor),
             other_sizes=tuple(p for p in measured if p.microbatch_size != microbatch_size),
-            send_byte_s=self.send_byte_s,
-            receive_byte_s=self.receive_byte_s,
-            weight_version_byte_s=self.weight_version_byte_s,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -219,6 +226,7 @@ class Profile(JsonFile):
                 "send_byte_s": self.send_byte_s,
                 "receive_byte_s": self.receive_byte_s,
                 "weight_version_byte_s": self.weight_version_byte_s,
+                "shared_cores_factor": self.shared_cores_factor,
                 "layers": [asdict(layer) for layer in self.layers],
                 "spread": None if self.spread is None else asdict(self.spread),
                 "other_sizes": [other.to_dict() for other in self.other_sizes],
@@ -258,6 +266,7 @@ class Profile(JsonFile):
             data.get("send_byte_s", 0.0),
             data.get("receive_byte_s", 0.0),
             data.get("weight_version_byte_s", 0.0),
+            data.get("shared_cores_factor", 1.0),
         )
 
 
@@ -266,8 +275,8 @@ def pooled(profiles: Sequence[Profile]) -> Profile:
 
     Each layer's times are the mean of the workers' medians; the spread, where every
     profile has one, holds every worker's runs, so the planner sees how all of them varied.
-    Sizes, the micro-batch size, the message costs and ``weight_version_byte_s`` come from
-    the first profile; each of
+    Sizes, the micro-batch size, the message costs, ``weight_version_byte_s`` and
+    ``shared_cores_factor`` come from the first profile; each of
     ``other_sizes`` is pooled the same way.
     """
     if not profiles:
