@@ -48,7 +48,8 @@ CONFIGURATIONS = {
 
 
 def pipetrain(*args: str, timeout_s: float = 1800) -> str:
-    """Run ``python -m pipetrain ARGS``; its stdout, or RuntimeError with its stderr's end."""
+    """Run ``python -m pipetrain ARGS``; its stdout, or RuntimeError with its stderr's end.
+    The plan job's line on what it measured (links, messages, shared cores) is passed on."""
     env = {key: value for key, value in os.environ.items() if key != "WORLD_SIZE"}
     done = subprocess.run(
         [sys.executable, "-m", "pipetrain", *args],
@@ -60,6 +61,9 @@ def pipetrain(*args: str, timeout_s: float = 1800) -> str:
     )
     if done.returncode != 0:
         raise RuntimeError(f"pipetrain {' '.join(args)} failed:\n{done.stderr[-4000:]}")
+    for line in done.stderr.splitlines():
+        if "links measured" in line:  # what the plan was made for, beside its rows
+            print(line, file=sys.stderr, flush=True)
     return done.stdout
 
 
