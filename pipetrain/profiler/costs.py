@@ -135,8 +135,9 @@ class Profile(JsonFile):
     weight version's copy, the gradients' norm): the planner adds it to those schedules'
     optimizer steps. ``shared_cores_factor`` is how many times longer the model's work
     takes where the workers outnumber the cores they share than with a core to itself
-    (caches refilled and threads switched: 1.06-1.08 for the VGG model, four workers on two
-    cores); the planner multiplies the stages' compute by it where it models shared cores.
+    (caches refilled and threads switched: 1.07-1.18 in an emulated cluster's plan jobs, four
+    workers on two cores); the planner multiplies the stages' compute by it where it models
+    shared cores.
     ``spread`` (optional) holds the measured runs behind the medians; with it the planner
     predicts the median step of a pipeline whose actions vary from run to run as measured,
     rather than the step of one whose every action takes exactly its median.
