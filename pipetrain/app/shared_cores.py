@@ -6,7 +6,7 @@ models their sharing (:mod:`pipetrain.planning.sharing`) from a profile taken wi
 to each worker, and that profile misses a cost of sharing itself: a process that gets a
 core back after another ran there finds its caches refilled with the other's data, and
 switching between them takes the kernel's time. Four VGG workers on two cores spent
-1.06-1.08 times the CPU time on the profiler's timings of its layers as two did, and in
+1.06-1.11 times the CPU time on the profiler's timings of its layers as two did, and in
 training on an emulated cluster the workers' actions took 8% more CPU time than the
 profile's. Measured as :func:`measure_shared_cores_factor` does it, in an emulated
 cluster's plan jobs: 1.07-1.18.
