@@ -35,18 +35,24 @@ def load_full(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    *,
+    trust: bool = False,
 ) -> Checkpoint:
     """Load a pipeline's checkpoint (``path``, or the newest complete one under it) into the
     unpipelined ``model`` in this process alone, and its optimizer state into ``optimizer``
     (whose parameters are ``model``'s) and its scheduler's into ``lr_scheduler``, if given.
+    ``trust=True`` loads a checkpoint without a manifest, or one whose objects would run
+    code to load: only for checkpoints from a trusted source.
 
     Raises:
         FileNotFoundError: no complete checkpoint is there.
+        CheckpointIntegrityError: the checkpoint is incomplete or damaged, or has no manifest.
+        UnsafeCheckpoint: an object in the checkpoint would run code to load; it names it.
         CheckpointMismatch: naming each parameter or buffer that differs between the
             checkpoint and ``model``, or optimizer state that is missing.
     """
-    found = resolve(path)
-    saved = contents(found)
+    found = resolve(path, trust=trust)
+    saved = contents(found, trust=trust)
     everywhere = set(model.state_dict())
     names = _saved_names(model, saved)
     # a tied parameter is saved under one of its names; it fills the others
@@ -64,7 +70,7 @@ def load_full(
         else:
             problems.append("the checkpoint has no learning-rate scheduler state")
     refuse(problems, found)
-    read(wanted, found, distributed=False)
+    read(wanted, found, distributed=False, trust=trust)
     if optimizer is not None:
         named_optimizer.restore(optimizer, names, wanted)
     if lr_scheduler is not None:
@@ -94,17 +100,18 @@ def _other_names(model: nn.Module, chosen: dict[int, str]) -> set[str]:
     }
 
 
-def export(path: str | os.PathLike, out: str | os.PathLike) -> Path:
+def export(path: str | os.PathLike, out: str | os.PathLike, *, trust: bool = False) -> Path:
     """Write a pipeline's checkpoint (``path``, or the newest complete one under it) as one
     :func:`torch.save` file at ``out`` and return the checkpoint's directory.
 
     The file holds a dict: ``model`` (the full model's ``state_dict``), ``optimizer``
     (``{"state": {name: {key: value}}, "groups": {name: hyperparameters}}``, by parameter
     name), ``lr_scheduler`` and ``precision`` (``state_dict()``s or ``None``), ``progress``
-    (``step``, ``updates``, ``skipped_updates``), ``extra`` and ``layout``.
+    (``step``, ``updates``, ``skipped_updates``), ``extra`` and ``layout``. The checkpoint is
+    checked, and ``trust`` allowed, as by :func:`load_full`.
     """
-    found = resolve(path)
-    entries = read_everything(found)
+    found = resolve(path, trust=trust)
+    entries = read_everything(found, trust=trust)
     state: dict[str, dict[str, Any]] = {}
     groups: dict[str, Any] = {}
     for key, value in entries.items():
