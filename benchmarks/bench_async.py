@@ -39,12 +39,11 @@ def train(schedule: str, per_call: int, microbatch_size: int, steps: int) -> dic
     }[schedule]
     pipe = pipetrain.Pipeline(
         build_model(MODEL),
-        schedule=schedule,
         loss_fn=loss_function(MODEL),
         optimizer=lambda params: torch.optim.Adam(params, lr=1e-3),
-        **options,
+        config=pipetrain.PipelineConfig(schedule=schedule, **options),
     )
-    samples = pipe.microbatches * microbatch_size
+    samples = pipe.window * microbatch_size
     stream = BatchStream(MODEL, samples, seed=0)
     times, timelines = [], []
     for index in range(steps):

@@ -174,10 +174,9 @@ def run_pipelined(setup: Setup, schedule: str) -> list[Metrics] | None:
     model = build_model(setup.model, seed=0)
     pipe = pipetrain.Pipeline(
         model,
-        schedule=schedule,
         loss_fn=loss_function(setup.model),
         optimizer=adam(setup.lr),
-        **options,
+        config=pipetrain.PipelineConfig(schedule=schedule, **options),
     )
     updates_per_call = 1 if schedule == "1f1b" else setup.window
     return train(setup, updates_per_call, pipe.train_step, pipe.eval_step, pipe.optimizer)

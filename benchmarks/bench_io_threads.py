@@ -7,7 +7,7 @@ Every round runs both ways in turn in the same processes, so both see the same m
 
 - ``normal``: gloo's ``gloo_tcp_loop`` threads under the default policy (the baseline);
 - ``deferred``: the same threads marked ``SCHED_BATCH``, as pipetrain marks them
-  (:func:`pipetrain.runtime.io_threads.defer_gloo_io_threads`).
+  (:func:`pipetrain.distributed.io_threads.defer_gloo_io_threads`).
 
 It prints, for each, the median, mean and 90th percentile of a round trip and the share
 that took over 2 ms, over both pairs and every round, and the means' ratio.
@@ -24,8 +24,8 @@ import statistics
 import torch.distributed as dist
 
 import pipetrain
+from pipetrain.distributed.io_threads import defer_gloo_io_threads, loop_threads
 from pipetrain.profiler.links import SMALL_BYTES, time_round_trips
-from pipetrain.runtime.io_threads import defer_gloo_io_threads, loop_threads
 
 WARMUP = 20
 ARMS = ("normal", "deferred")

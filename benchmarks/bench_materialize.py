@@ -91,7 +91,7 @@ def worker(mode: str, path: str, steps: int, batch: int, length: int) -> dict[st
         microbatches=MICROBATCHES,
         loss_fn=gpt_loss,
         optimizer=lambda params: torch.optim.Adam(params, lr=1e-4),
-        weights=path if mode == "meta + file" else None,
+        source=pipetrain.ModelSource(weights=path if mode == "meta + file" else None),
     )
     built_s = time.perf_counter() - began
     generator = torch.Generator().manual_seed(1)

@@ -38,13 +38,12 @@ def run_pair(bucket_bytes: float, batch_size: int, steps: int) -> dict[str, list
     pipes = {
         label: pipetrain.Pipeline(
             build_model(MODEL),
-            balance=[len(build_model(MODEL))],
-            replicas=[2],
-            microbatches=2,
             loss_fn=loss_function(MODEL),
             optimizer=lambda params: torch.optim.Adam(params, lr=1e-3),
-            bucket_bytes=size,
-            record=True,
+            config=pipetrain.PipelineConfig(
+                balance=[len(build_model(MODEL))], replicas=[2], microbatches=2
+            ),
+            runtime=pipetrain.RuntimeConfig(bucket_bytes=size, record=True),
         )
         for label, size in (("one bucket", ONE_BUCKET), ("buckets", bucket_bytes))
     }

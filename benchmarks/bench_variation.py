@@ -46,8 +46,8 @@ def train(steps: int) -> tuple[list[float], list[Timeline]]:
             microbatches=MICROBATCHES,
             schedule="1f1b",
             loss_fn=loss_function(MODEL),
-            record=record,
             optimizer=lambda params: torch.optim.Adam(params, lr=1e-3),
+            runtime=pipetrain.RuntimeConfig(record=record),
         )
         for _ in range(steps):
             x, y = next(stream)

@@ -20,13 +20,17 @@ __all__ = [
     "LaunchError",
     "LayerCost",
     "Level",
+    "ModelSource",
     "Pipeline",
+    "PipelineConfig",
     "PipelineError",
     "Plan",
     "PlanStage",
     "Profile",
+    "RuntimeConfig",
     "Timeline",
     "Topology",
+    "UpdateConfig",
     "causal_lm_loss",
     "launch",
     "plan",
@@ -36,7 +40,17 @@ __all__ = [
     "simulate",
 ]
 
-_RUNTIME = ("Pipeline", "PipelineError", "LaunchError", "causal_lm_loss", "launch")
+_RUNTIME = (
+    "ModelSource",
+    "Pipeline",
+    "PipelineConfig",
+    "PipelineError",
+    "LaunchError",
+    "RuntimeConfig",
+    "UpdateConfig",
+    "causal_lm_loss",
+    "launch",
+)
 
 
 def __getattr__(name: str) -> Any:

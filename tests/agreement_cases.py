@@ -7,9 +7,8 @@ from collections.abc import Callable
 import torch.distributed as dist
 from checkpoint_cases import wide
 from pipeline_cases import mlp
+from settings import make_pipeline
 from torch import nn
-
-import pipetrain
 
 
 def _message(build: Callable[[], object]) -> str:
@@ -26,11 +25,9 @@ def disagreements() -> dict[str, str]:
     loss = nn.functional.cross_entropy
     return {
         "balance": _message(
-            lambda: pipetrain.Pipeline(mlp(), balance=[[2, 3], [3, 2]][rank], loss_fn=loss)
+            lambda: make_pipeline(mlp(), balance=[[2, 3], [3, 2]][rank], loss_fn=loss)
         ),
-        "microbatches": _message(
-            lambda: pipetrain.Pipeline(mlp(), microbatches=2 + rank, loss_fn=loss)
-        ),
-        "model": _message(lambda: pipetrain.Pipeline([mlp(), wide()][rank], loss_fn=loss)),
-        "agreed": _message(lambda: pipetrain.Pipeline(mlp(), balance=[2, 3], loss_fn=loss)),
+        "microbatches": _message(lambda: make_pipeline(mlp(), microbatches=2 + rank, loss_fn=loss)),
+        "model": _message(lambda: make_pipeline([mlp(), wide()][rank], loss_fn=loss)),
+        "agreed": _message(lambda: make_pipeline(mlp(), balance=[2, 3], loss_fn=loss)),
     }

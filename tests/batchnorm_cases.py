@@ -7,10 +7,10 @@ import copy
 from typing import Any
 
 import torch
+from settings import make_pipeline
 from torch import nn
 
-import pipetrain
-from pipetrain.runtime.batchnorm import convert_deferred_batch_norm
+from pipetrain.runtime.rank.batchnorm import convert_deferred_batch_norm
 
 CHANNELS, CLASSES, BATCH, STEPS, LR = 4, 3, 12, 2, 0.05
 MODES = ("never", "except_last", "always")
@@ -87,9 +87,7 @@ def reference(microbatches: int, deferred: bool = False) -> dict[str, Any]:
 
 
 def train(config: dict[str, Any]) -> dict[str, Any]:
-    pipe = pipetrain.Pipeline(
-        resnet(), loss_fn=nn.functional.cross_entropy, optimizer=adamw, **config
-    )
+    pipe = make_pipeline(resnet(), loss_fn=nn.functional.cross_entropy, optimizer=adamw, **config)
     losses = [pipe.train_step(*images(step)) for step in range(STEPS)]
     return {"losses": losses, "state": {k: v.clone() for k, v in pipe.state_dict().items()}}
 

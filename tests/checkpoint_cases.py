@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from pipeline_cases import batch, mlp
+from settings import make_pipeline
 from torch import nn
 from training_cases import adamw, scheduler
 
@@ -54,7 +55,7 @@ def reference_loop(model: nn.Module, start: int = 0, **loaded: Any) -> dict[str,
 
 
 def make_pipe(model: nn.Module, **config: Any) -> pipetrain.Pipeline:
-    return pipetrain.Pipeline(
+    return make_pipeline(
         model,
         loss_fn=nn.functional.cross_entropy,
         optimizer=adamw,
@@ -85,9 +86,7 @@ def load_and_train(pipe: pipetrain.Pipeline, root: str, start: int) -> dict[str,
     loaded["scheduler"] = None if pipe.lr_scheduler is None else pipe.lr_scheduler.state_dict()
     loaded["updates"] = pipe.updates
     loaded["precision"] = pipe.precision.state_dict()
-    loaded["versions"] = {
-        s: (st.newest, list(st.versions)) for s, st in pipe.weights.stashes.items()
-    }
+    loaded["versions"] = pipe.weight_versions
     loaded["losses"] = train_steps(pipe, start, UPDATES)
     loaded["final"] = _state(pipe)
     return loaded

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from checkpoint_cases import SAVED_AT, load_and_train, make_pipe, train_steps
 from pipeline_cases import CLASSES, FEATURES, batch
+from settings import make_pipeline
 from torch import nn
 
 import pipetrain
@@ -35,7 +36,7 @@ def window(index: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _pipedream(balance: list[int], group: dist.ProcessGroup | None) -> pipetrain.Pipeline:
-    return pipetrain.Pipeline(
+    return make_pipeline(
         four(seed=5 if balance == THREE else 0),
         balance=balance,
         microbatches=WINDOW,
@@ -70,11 +71,10 @@ def square(root: str) -> dict[str, Any]:
     )
     pipedream = _pipedream(THREE, None)
     found = checkpoint.load(pipedream, versions)
-    stashes = pipedream.weights.stashes
     result["pipedream"] = {
         "found": found.updates,
         "updates": pipedream.updates,
-        "versions": {s: (stash.newest, list(stash.versions)) for s, stash in stashes.items()},
+        "versions": pipedream.weight_versions,
         "state": {k: v.clone() for k, v in pipedream.state_dict().items()},
     }
     pipedream.train_step(*window(1))

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from settings import make_pipeline
 
 import pipetrain
 from pipetrain.model.graph import GraphModel
@@ -87,7 +88,7 @@ def train(name: str, configs: list[dict[str, Any]], padded: bool = False) -> lis
     results = []
     for config in configs:
         model.load_state_dict(initial)
-        pipe = pipetrain.Pipeline(
+        pipe = make_pipeline(
             graph,
             microbatches=2 * torch.distributed.get_world_size(),
             optimizer=lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9),
@@ -159,7 +160,7 @@ def train_captured(name: str, configs: list[dict[str, Any]]) -> list[dict[str, A
     results = []
     for config in configs:
         model.load_state_dict(initial)
-        pipe = pipetrain.Pipeline(
+        pipe = make_pipeline(
             graph,
             loss_fn=loss_fn,
             microbatches=2 * torch.distributed.get_world_size(),
@@ -179,7 +180,7 @@ def train_pipedream(name: str) -> dict[str, Any]:
     """The tied model on pipedream (one update per mini-batch, stashed weights): this rank's
     copy of each shared parameter before and after, and the losses."""
     model = hf_model(name)
-    pipe = pipetrain.Pipeline(
+    pipe = make_pipeline(
         model,
         example_inputs={k: v[:2] for k, v in batch(0).items()},
         schedule="pipedream",
@@ -256,7 +257,7 @@ def resnet_reference(microbatches: int) -> dict[str, Any]:
 def save_tied(directory: str) -> dict[str, torch.Tensor]:
     """GPT-2 trained 2 steps with AdamW on 2 stages and saved; this rank's state."""
     model = hf_model("gpt2")
-    pipe = pipetrain.Pipeline(
+    pipe = make_pipeline(
         model,
         example_inputs={k: v[:2] for k, v in batch(0).items()},
         microbatches=2,
@@ -274,7 +275,7 @@ def train_meta(name: str, path: str) -> dict[str, Any]:
     ``path`` on its own rank, trained as :func:`reference`; this rank's losses and state."""
     with torch.device("meta"):
         model = hf_model(name)
-    pipe = pipetrain.Pipeline(
+    pipe = make_pipeline(
         model,
         example_inputs={k: v[:2] for k, v in batch(0).items()},
         microbatches=2 * torch.distributed.get_world_size(),
@@ -322,7 +323,7 @@ def train_sequential(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The tied sequential model pipelined per config."""
     results = []
     for config in configs:
-        pipe = pipetrain.Pipeline(
+        pipe = make_pipeline(
             tied_sequential(),
             loss_fn=lm_loss,
             microbatches=2 * torch.distributed.get_world_size(),

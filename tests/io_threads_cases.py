@@ -7,10 +7,10 @@ from contextlib import suppress
 
 from graph_cases import lm_loss, tied_sequential
 from pipeline_cases import mlp
+from settings import make_pipeline
 from torch import nn
 
-import pipetrain
-from pipetrain.runtime.io_threads import LOOP_THREAD
+from pipetrain.distributed.io_threads import LOOP_THREAD
 
 
 def _policies() -> dict[str, list[int]]:
@@ -34,7 +34,7 @@ def policies_after_replicated_pipeline() -> tuple[int, list[int]]:
     """How many gloo event-loop threads there were before a pipeline with a replicated stage
     made its replicas' group, and the policies of those there are after."""
     before = len(_policies().get(LOOP_THREAD, []))
-    pipetrain.Pipeline(
+    make_pipeline(
         mlp(),
         balance=[5],
         replicas=[2],
@@ -48,5 +48,5 @@ def policies_after_tied_pipeline() -> tuple[int, list[int]]:
     """As :func:`policies_after_replicated_pipeline`, for a pipeline whose first and last
     stages share a weight (its holders' group)."""
     before = len(_policies().get(LOOP_THREAD, []))
-    pipetrain.Pipeline(tied_sequential(), balance=[2, 3], microbatches=2, loss_fn=lm_loss)
+    make_pipeline(tied_sequential(), balance=[2, 3], microbatches=2, loss_fn=lm_loss)
     return before, _policies().get(LOOP_THREAD, [])

@@ -12,10 +12,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from pipeline_cases import batch, mlp
+from settings import make_pipeline
 from torch import nn
 
 import pipetrain
-from pipetrain.runtime.torch_transport import TorchTransport
+from pipetrain.distributed.torch_transport import TorchTransport
 
 
 def idle(directory: str) -> None:
@@ -59,7 +60,7 @@ def train_until_stopped(directory: str, timeout_s: float) -> None:
     """Train a two-stage pipeline, writing this worker's PID to ``directory/RANK.pid`` after
     its first step, for up to a minute (until a peer is stopped and the run fails)."""
     rank = int(os.environ["RANK"])
-    pipe = pipetrain.Pipeline(
+    pipe = make_pipeline(
         mlp(),
         microbatches=2,
         loss_fn=nn.functional.cross_entropy,

@@ -7,9 +7,8 @@ from typing import Any
 import torch
 import training_cases as cases
 from pipeline_cases import mlp
+from settings import make_pipeline
 from torch import nn
-
-import pipetrain
 
 
 def meta_loop(weights: str) -> dict[str, Any]:
@@ -18,7 +17,7 @@ def meta_loop(weights: str) -> dict[str, Any]:
     made real."""
     with torch.device("meta"):
         model = mlp()
-    pipe = pipetrain.Pipeline(
+    pipe = make_pipeline(
         model,
         balance=[2, 3],
         microbatches=2,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from settings import make_pipeline
 from torch import nn
 
 import pipetrain
@@ -79,7 +80,7 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
     """The loop of :func:`reference` on a pipeline (``accumulate`` in ``config``)."""
     settings = dict(config)
     accumulate = settings.pop("accumulate", 1)
-    pipe = pipetrain.Pipeline(
+    pipe = make_pipeline(
         language_model(), loss_fn=pipetrain.causal_lm_loss, optimizer=adamw, **settings
     )
     losses = []
@@ -92,7 +93,7 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
 
 def refusal() -> str:
     """The message of a pair-returning loss on an asynchronous schedule."""
-    pipe = pipetrain.Pipeline(
+    pipe = make_pipeline(
         language_model(),
         balance=[3, 3],
         microbatches=2,

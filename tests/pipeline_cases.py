@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from settings import make_pipeline
 from torch import nn
 
 import pipetrain
@@ -153,7 +154,7 @@ def run_configs(configs: list[dict]) -> list[tuple[float, dict[str, torch.Tensor
         config = {key: value for key, value in config.items() if key not in ("tuple", "deep")}
         size = config.pop("batch", BATCH)
         x, y = data(size=size)
-        pipe = pipetrain.Pipeline(make(), loss_fn=nn.functional.cross_entropy, **config)
+        pipe = make_pipeline(make(), loss_fn=nn.functional.cross_entropy, **config)
         results.append((pipe.train_step(x, y), grads(pipe)))
     return results
 
@@ -162,7 +163,7 @@ def dropout_runs(modes: list[str]) -> list[dict[str, torch.Tensor]]:
     """Gradients of a dropout model under each recompute mode, from the same seed."""
     results = []
     for recompute in modes:
-        pipe = pipetrain.Pipeline(
+        pipe = make_pipeline(
             mlp(dropout=0.5),
             balance=[2, 3],
             microbatches=3,
@@ -179,7 +180,7 @@ def dropout_runs(modes: list[str]) -> list[dict[str, torch.Tensor]]:
 
 def optimizer_and_shapes() -> dict:
     """Two SGD steps with batch sizes 10 then 7 (a change of shape), then eval and a timeline."""
-    pipe = pipetrain.Pipeline(
+    pipe = make_pipeline(
         mlp(),
         balance=[3, 2],
         microbatches=3,
@@ -203,13 +204,13 @@ def argument_errors() -> list[str]:
     """Messages of the errors a user can cause when building or stepping a pipeline."""
     messages = []
     attempts = [
-        lambda: pipetrain.Pipeline(mlp(), balance=[2, 2], loss_fn=nn.functional.cross_entropy),
-        lambda: pipetrain.Pipeline(mlp(), balance=[2, 1, 2], loss_fn=nn.functional.cross_entropy),
-        lambda: pipetrain.Pipeline(
+        lambda: make_pipeline(mlp(), balance=[2, 2], loss_fn=nn.functional.cross_entropy),
+        lambda: make_pipeline(mlp(), balance=[2, 1, 2], loss_fn=nn.functional.cross_entropy),
+        lambda: make_pipeline(
             mlp(), balance=[2, 3], loss_fn=nn.functional.cross_entropy, recompute="sometimes"
         ),
-        lambda: pipetrain.Pipeline(mlp(), balance=[2, 3], loss_fn=None),
-        lambda: pipetrain.Pipeline(
+        lambda: make_pipeline(mlp(), balance=[2, 3], loss_fn=None),
+        lambda: make_pipeline(
             mlp(), balance=[2, 3], microbatches=12, loss_fn=nn.functional.cross_entropy
         ).train_step(*batch()),
     ]
@@ -241,7 +242,7 @@ def failing_step(layer: str, ranks: int) -> None:
     torch.manual_seed(0)
     broken = Explode() if layer == "explode" else NotATensor()
     layers = [nn.Linear(FEATURES, FEATURES) for _ in range(ranks - 1)] + [broken]
-    pipe = pipetrain.Pipeline(
+    pipe = make_pipeline(
         nn.Sequential(*layers),
         balance=[1] * ranks,
         microbatches=2,
@@ -267,7 +268,7 @@ def replicated_runs(
     """One SGD step per config: (loss, gradients, weights after the step) on this rank."""
     results = []
     for config in configs:
-        pipe = pipetrain.Pipeline(
+        pipe = make_pipeline(
             mlp(),
             loss_fn=nn.functional.cross_entropy,
             optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
@@ -287,7 +288,7 @@ def asynchronous_runs(
     settings: dict | None = None,
 ) -> dict[str, torch.Tensor]:
     """Train ``windows`` calls of an asynchronous schedule with SGD; return this rank's weights."""
-    pipe = pipetrain.Pipeline(
+    pipe = make_pipeline(
         mlp(),
         balance=balance,
         microbatches=microbatches,
@@ -298,7 +299,7 @@ def asynchronous_runs(
         **(settings or {}),
     )
     for window in range(windows):
-        pipe.train_step(*batch(seed=10 + window, size=pipe.microbatches * 2))
+        pipe.train_step(*batch(seed=10 + window, size=pipe.window * 2))
     return {k: v.clone() for k, v in pipe.state_dict().items()}
 
 
@@ -306,7 +307,7 @@ def targets_from_first_stage() -> list[float]:
     """Only rank 0 is given data; the last stage's rank gets its targets from it, then (a
     configuration given as one value) each of the last stage's two replicas does."""
     pipes = [
-        pipetrain.Pipeline(
+        make_pipeline(
             mlp(),
             balance=[1, 2, 2],
             microbatches=3,
@@ -314,7 +315,7 @@ def targets_from_first_stage() -> list[float]:
             loss_fn=nn.functional.cross_entropy,
             targets_on_first_stage=True,
         ),
-        pipetrain.Pipeline(
+        make_pipeline(
             mlp(),
             loss_fn=nn.functional.cross_entropy,
             config=PipelineConfig(
@@ -329,7 +330,7 @@ def targets_from_first_stage() -> list[float]:
 def replicated_eval() -> torch.Tensor | None:
     """eval_step with the last stage on two replicas: the first gathers every micro-batch
     and sends them to every rank."""
-    pipe = pipetrain.Pipeline(
+    pipe = make_pipeline(
         mlp(),
         balance=[2, 3],
         replicas=[1, 2],
@@ -346,7 +347,7 @@ def reducer_progress(bucket_bytes: float) -> list[int]:
     Parameters ``a`` (first) and ``b`` (last) each get a bucket of their own with
     ``bucket_bytes=1``; buckets go last parameter first, so ``b``'s must start before ``a``'s.
     """
-    from pipetrain.runtime.reduce import GradientReducer
+    from pipetrain.runtime.rank.reduce import GradientReducer
 
     a, b = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
     reducer = GradientReducer([a, b], dist.group.WORLD, 2, average=False, bucket_bytes=bucket_bytes)
@@ -363,7 +364,7 @@ def reducer_progress(bucket_bytes: float) -> list[int]:
 
 def one_stage_on_the_default_device() -> tuple[float, str, dict[str, torch.Tensor]]:
     """One train step of the whole model as one stage, on the device the backend implies."""
-    pipe = pipetrain.Pipeline(
+    pipe = make_pipeline(
         mlp(), balance=[5], microbatches=2, schedule="1f1b", loss_fn=nn.functional.cross_entropy
     )
     loss = pipe.train_step(*batch())

@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 from pipeline_cases import batch, mlp
+from settings import make_pipeline
 from torch import nn
 from training_cases import MAX_NORM, adamw, loop_pipeline, scheduler
 
-import pipetrain
-from pipetrain.runtime.precision import LossScale
+from pipetrain.runtime.rank.precision import LossScale
 
 UPDATES, BATCH = 8, 8
 # starts far too high and grows fast, so that updates overflow, back off, grow and
@@ -99,7 +99,7 @@ def refusals() -> list[str]:
         {"precision": "fp16", "optimizer": adamw, "schedule": "pipedream"},
     ):
         try:
-            pipetrain.Pipeline(mlp(), loss_fn=nn.functional.cross_entropy, **settings)
+            make_pipeline(mlp(), loss_fn=nn.functional.cross_entropy, **settings)
         except ValueError as error:
             messages.append(str(error))
     return messages

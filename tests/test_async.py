@@ -11,7 +11,7 @@ from torch import nn
 
 import pipetrain
 from pipetrain.model.layers import StageModule, stage_bounds, to_layers
-from pipetrain.runtime.reduce import DEFAULT_BUCKET_BYTES
+from pipetrain.runtime.rank.reduce import DEFAULT_BUCKET_BYTES
 
 LR = 0.2
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import pipetrain
-from pipetrain.runtime.batchnorm import deferred_layers
+from pipetrain.runtime.rank.batchnorm import deferred_layers
 from pipetrain.schedules import build
 
 reference = functools.cache(cases.reference)  # shared by the layouts of one micro-batching

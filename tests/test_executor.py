@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import pytest
@@ -13,15 +14,15 @@ import torch
 from pipeline_cases import gradients
 from torch import nn
 
-from pipetrain.model.layers import StageModule, stage_bounds, to_layers
-from pipetrain.runtime.batch import StepData
-from pipetrain.runtime.executor import ActionFailed, Executor
-from pipetrain.runtime.loopback import LoopbackGroup, LoopbackTransport
-from pipetrain.runtime.recorder import Recorder
-from pipetrain.runtime.stage import Stage
-from pipetrain.runtime.transport import PeerError
-from pipetrain.runtime.update import Updater
-from pipetrain.runtime.weights import Weights
+from pipetrain.distributed.loopback import LoopbackGroup, LoopbackTransport
+from pipetrain.distributed.transport import PeerError
+from pipetrain.model.frontend import front_end
+from pipetrain.runtime.assembly import assemble
+from pipetrain.runtime.config import RuntimeConfig
+from pipetrain.runtime.rank.batch import StepData
+from pipetrain.runtime.rank.cycle import UpdateCycle
+from pipetrain.runtime.rank.executor import ActionFailed
+from pipetrain.runtime.rank.update_config import UpdateConfig
 from pipetrain.schedules import Action, Schedule, forward_only, with_targets_shipped
 from pipetrain.timeline import Event
 
@@ -47,6 +48,7 @@ class RankResult:
     weights: dict[str, torch.Tensor]
     outputs: dict[int, tuple[torch.Tensor, ...]]
     events: list[Event]
+    cycle: UpdateCycle
 
 
 def play(
@@ -61,41 +63,42 @@ def play(
     data: tuple[torch.Tensor, torch.Tensor] | None = None,
     broken_stage: int | None = None,
     group: LoopbackGroup | None = None,
-    updater: Callable[[torch.optim.Optimizer | None, LoopbackTransport], Updater] | None = None,
+    update: UpdateConfig | None = None,
+    counted: dict[int, list[int]] | None = None,
     loss_fn: Callable[..., Any] = nn.functional.cross_entropy,
 ) -> list[RankResult]:
-    """Run ``schedule`` once with every rank a thread, each holding its own copy of the model;
-    ``updater`` makes a rank's updater from its optimizer and transport."""
+    """Run ``schedule`` once with every rank a thread, each holding its own copy of the model,
+    built by the library's own assembly on the loopback transport; ``counted[rank]``, if
+    given, records the size of every all-reduce a rank makes."""
     x, y = data if data is not None else batch()
     last = schedule.stages - 1
     base = model()  # seeded here: the threads share the random generator
 
     def rank(transport: LoopbackTransport) -> RankResult:
-        layers = to_layers(copy.deepcopy(base))
-        bounds = stage_bounds(balance)
-        modules = {
-            s: StageModule(layers[slice(*bounds[s])]) for s in schedule.stages_of(transport.rank)
-        }
+        if counted is not None:
+            plain = transport.all_reduce
+
+            def all_reduce(tensor: torch.Tensor) -> None:
+                counted[transport.rank].append(tensor.numel())
+                plain(tensor)
+
+            transport.all_reduce = all_reduce  # type: ignore[method-assign]
+        parts = assemble(
+            schedule,
+            transport.rank,
+            front_end(copy.deepcopy(base)),
+            balance,
+            loss_fn,
+            partial(torch.optim.SGD, lr=LR) if optimizer else None,
+            recompute=recompute,
+            update=update,
+            runtime=RuntimeConfig(record=True),
+            per_update=per_update,
+            transport=transport,
+        )
+        modules = parts.stages
         if broken_stage in modules:
             modules[broken_stage].register_forward_hook(_explode)
-        parameters = [p for m in modules.values() for p in m.parameters()]
-        step = torch.optim.SGD(parameters, lr=LR) if optimizer else None
-        made = updater(step, transport) if updater is not None else None
-        weights = Weights(modules, step, schedule.asynchronous, made)
-        stages = {
-            s: Stage(
-                s,
-                weights,
-                loss_fn,
-                last=s == last,
-                recompute=recompute,
-                microbatches=schedule.microbatches,
-                split_backward=schedule.split_backward,
-            )
-            for s in modules
-        }
-        recorder = Recorder(transport.rank, torch.device("cpu"))
-        executor = Executor(transport.rank, stages, transport, weights, recorder)
         step_data = StepData(schedule.microbatches, per_update or schedule.microbatches, x.device)
         if 0 in modules:
             step_data.set_inputs(x)
@@ -103,7 +106,8 @@ def play(
                 step_data.set_shipped(y)
         if last in modules and targets and not ship_targets:
             step_data.set_targets(y)
-        outcome = executor.run(schedule, step_data)
+        parts.cycle.start_call(update=True)
+        outcome = parts.executor.run(schedule, step_data)
         transport.flush()
         named = [(n, p) for m in modules.values() for n, p in m.named_parameters()]
         return RankResult(
@@ -111,7 +115,8 @@ def play(
             gradients(named),
             {n: p.detach().clone() for n, p in named},
             outcome.outputs,
-            recorder.events,
+            parts.recorder.events,
+            parts.cycle,
         )
 
     return (group or LoopbackGroup(schedule.num_ranks, timeout_s=10)).run(rank)
@@ -191,34 +196,13 @@ rank 1: F1.0 B1.0 F1.1 B1.1 STEP1
 """
 
 
-def counting_updater(
-    reduced: dict[int, list[int]],
-) -> Callable[[torch.optim.Optimizer | None, LoopbackTransport], Updater]:
-    """An updater factory that records the size of every all-reduce a rank makes, the
-    executor's own (normalization, LOSS) included, in ``reduced[rank]``."""
-
-    def updater(optimizer: torch.optim.Optimizer | None, transport: LoopbackTransport) -> Updater:
-        plain = transport.all_reduce
-
-        def all_reduce(tensor: torch.Tensor) -> None:
-            reduced[transport.rank].append(tensor.numel())
-            plain(tensor)
-
-        transport.all_reduce = all_reduce  # type: ignore[method-assign]  # the executor's too
-        return Updater(optimizer, all_reduce=all_reduce)
-
-    return updater
-
-
 def test_an_update_sums_the_loss_so_the_step_needs_no_loss_all_reduce() -> None:
     schedule = Schedule.from_text(ONE_UPDATE)
     reduced: dict[int, list[int]] = {0: [], 1: []}
-    counted = play(schedule, [2, 3], optimizer=True, updater=counting_updater(reduced))
+    counted = play(schedule, [2, 3], optimizer=True, counted=reduced)
     expected_loss, _ = reference()
     assert [r.loss for r in counted] == pytest.approx([expected_loss] * 2, rel=1e-6)
     assert reduced == {0: [5], 1: [5]}  # norm, overflow, then loss, count, pairs
-    uncounted = play(schedule, [2, 3], optimizer=True)  # no all-reduce in the updater
-    assert [r.loss for r in uncounted] == pytest.approx([expected_loss] * 2, rel=1e-6)
 
 
 def test_a_pair_loss_is_divided_by_its_count_within_the_updates_all_reduce() -> None:
@@ -230,8 +214,7 @@ def test_a_pair_loss_is_divided_by_its_count_within_the_updates_all_reduce() -> 
             targets.numel()
         )
 
-    updater = counting_updater(reduced)
-    pairs = play(schedule, [2, 3], optimizer=True, updater=updater, loss_fn=summed)
+    pairs = play(schedule, [2, 3], optimizer=True, counted=reduced, loss_fn=summed)
     means = play(schedule, [2, 3], optimizer=True)
     # the update's one all-reduce carries the count: norm, overflow, loss, count, pairs
     assert reduced == {0: [5], 1: [5]}

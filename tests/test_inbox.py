@@ -6,7 +6,7 @@ from collections.abc import Hashable
 
 import torch
 
-from pipetrain.runtime.inbox import Inbox
+from pipetrain.distributed.inbox import Inbox
 from pipetrain.schedules import Action, Kind
 
 

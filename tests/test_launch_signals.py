@@ -18,7 +18,7 @@ import launch_cases
 import pytest
 
 import pipetrain
-from pipetrain.runtime import heartbeat
+from pipetrain.distributed import heartbeat
 
 TESTS = Path(__file__).parent
 WORKERS, LIMIT_S = 2, 10.0
@@ -146,7 +146,7 @@ def test_a_slow_peer_is_waited_for_not_taken_for_frozen() -> None:
 
 EXIT_WHILE_BEATING = """
 import torch.distributed as dist
-from pipetrain.runtime import heartbeat
+from pipetrain.distributed import heartbeat
 heartbeat.BEAT_S = 0.0  # a store call at every moment, so that exit always meets one
 store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
 dist.init_process_group("gloo", store=store, rank=0, world_size=1)

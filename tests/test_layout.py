@@ -19,11 +19,16 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def executed_imports(tree: ast.Module, module: str, is_package: bool) -> set[str]:
-    """Modules a file imports when it runs (imports under ``if TYPE_CHECKING`` excluded)."""
+def executed_imports(
+    tree: ast.Module, module: str, is_package: bool, typing: bool = False
+) -> set[str]:
+    """Modules a file imports when it runs (with ``typing``, those under ``if
+    TYPE_CHECKING`` too)."""
     found: set[str] = set()
     skipped: set[int] = set()
     for node in ast.walk(tree):
+        if typing:
+            break
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             skipped.update(id(child) for child in ast.walk(node))
     base = module if is_package else module.rpartition(".")[0]
@@ -42,14 +47,97 @@ def executed_imports(tree: ast.Module, module: str, is_package: bool) -> set[str
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(typing: bool = False) -> dict[str, set[str]]:
     files = {module_name(path): path for path in PACKAGE.rglob("*.py")}
     graph = {}
     for module, path in files.items():
         tree = ast.parse(path.read_text())
-        imported = executed_imports(tree, module, path.name == "__init__.py")
+        imported = executed_imports(tree, module, path.name == "__init__.py", typing)
         graph[module] = {name for name in imported if name in files and name != module}
     return graph
+
+
+# the documented order of the packages (docs/architecture.md): each may import those
+# before it, never one after it; the root helpers come first
+ORDER = [
+    ("units", "checks", "jsonfile", "allocation"),
+    ("schedules",),
+    ("timeline",),
+    ("simulation",),
+    ("model",),
+    ("profiler",),
+    ("planning",),
+    ("distributed",),
+    ("checkpoint",),
+    ("runtime.rank",),
+    ("runtime",),
+    ("app",),
+]
+LEVEL = {name: level for level, names in enumerate(ORDER) for name in names}
+
+
+def package_of(module: str) -> str | None:
+    """The package (of :data:`ORDER`) ``module`` belongs to; ``None`` for the root itself."""
+    parts = module.split(".")[1:]
+    if parts[:2] == ["runtime", "rank"]:
+        return "runtime.rank"
+    return parts[0] if parts and parts[0] not in ("__main__",) else None
+
+
+def test_every_import_follows_the_documented_package_order() -> None:
+    """Lazy and type-only imports included: an arrow against the order is a loop waiting."""
+    against = []
+    for module, targets in sorted(import_graph(typing=True).items()):
+        source = package_of(module)
+        if source is None:
+            continue
+        assert source in LEVEL, f"{module} is in no package of the documented order"
+        for target in sorted(targets):
+            destination = package_of(target)
+            if destination is not None and LEVEL[destination] > LEVEL[source]:
+                against.append(f"{module} -> {target}")
+    assert against == []
+
+
+def test_the_distributed_package_knows_nothing_of_training() -> None:
+    training = {"model", "profiler", "planning", "checkpoint", "runtime", "runtime.rank", "app"}
+    reached = {
+        f"{module} -> {target}"
+        for module, targets in import_graph(typing=True).items()
+        if package_of(module) == "distributed"
+        for target in targets
+        if package_of(target) in training
+    }
+    assert reached == set()
+
+
+def test_the_checkpoint_package_does_not_import_the_pipeline() -> None:
+    checkpoint = [
+        (module, targets)
+        for module, targets in import_graph(typing=True).items()
+        if package_of(module) == "checkpoint"
+    ]
+    assert checkpoint and all(
+        not any(target.startswith("pipetrain.runtime") for target in targets)
+        for _, targets in checkpoint
+    )
+
+
+def test_the_update_cycle_is_reached_only_inside_the_rank_package() -> None:
+    reach = re.compile(r"\.updater\.|\.normalizer\.|\b_accumulated|\._updater\b|\._normalizer\b")
+    outside = [
+        f"{path.relative_to(PACKAGE.parent)}:{number}"
+        for path in PACKAGE.rglob("*.py")
+        if "rank" not in path.relative_to(PACKAGE).parts
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if reach.search(line)
+    ]
+    assert outside == []
+
+
+def test_the_runtime_stays_small_at_its_top_level() -> None:
+    top = sorted(p.name for p in (PACKAGE / "runtime").glob("*.py"))
+    assert len(top) <= 12, top
 
 
 def test_no_module_imports_itself_through_others() -> None:

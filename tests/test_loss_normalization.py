@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import pipetrain
-from pipetrain.runtime.losses import split_loss
-from pipetrain.runtime.normalize import check_kinds
+from pipetrain.runtime.rank.losses import split_loss
+from pipetrain.runtime.rank.normalize import check_kinds
 
 
 @pytest.fixture(scope="module")

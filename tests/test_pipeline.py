@@ -14,7 +14,7 @@ from torch import nn
 
 import pipetrain
 from pipetrain.model.layers import stage_bounds
-from pipetrain.runtime.reduce import DEFAULT_BUCKET_BYTES
+from pipetrain.runtime.rank.reduce import DEFAULT_BUCKET_BYTES
 
 
 def assert_transparent(configs: list[dict], results: list[list], ranks: int) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import pipetrain
-from pipetrain.runtime.precision import LossScale, Precision
+from pipetrain.runtime.rank.precision import LossScale, Precision
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import pipetrain
-from pipetrain.runtime.reduce import DEFAULT_BUCKET_BYTES, GradientReducer, buckets_of
+from pipetrain.runtime.rank.reduce import DEFAULT_BUCKET_BYTES, GradientReducer, buckets_of
 
 
 def test_buckets_run_from_the_last_parameter_and_respect_the_size() -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipetrain.runtime.weights import Weights, WeightStash
+from pipetrain.runtime.rank.weights import Weights, WeightStash
 from pipetrain.schedules import Action, Kind
 
 

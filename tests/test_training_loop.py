@@ -14,10 +14,11 @@ from test_executor import V_SHAPE, play
 from torch import nn
 
 import pipetrain
-from pipetrain.runtime.executor import ActionFailed
-from pipetrain.runtime.loopback import LoopbackGroup, LoopbackTransport
-from pipetrain.runtime.transport import PeerError
-from pipetrain.runtime.update import NonFiniteError, Updater
+from pipetrain.distributed.loopback import LoopbackGroup
+from pipetrain.distributed.transport import PeerError
+from pipetrain.runtime.rank.executor import ActionFailed
+from pipetrain.runtime.rank.update import NonFiniteError
+from pipetrain.runtime.rank.update_config import UpdateConfig
 from pipetrain.schedules import Schedule
 
 
@@ -204,16 +205,14 @@ def poisoned(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_an_asynchronous_schedule_steps_the_scheduler_once_per_update() -> None:
-    made: list[Updater] = []
-
-    def updater(optimizer: torch.optim.Optimizer | None, _: LoopbackTransport) -> Updater:
-        made.append(Updater(optimizer, lr_scheduler=cases.scheduler))
-        return made[-1]
-
-    play(Schedule.from_text(PIPEDREAM), [2, 2], per_update=1, optimizer=True, updater=updater)
-    assert [u.updates for u in made] == [4, 4]
-    for u in made:
-        assert u.lr_scheduler is not None and u.lr_scheduler.last_epoch == 4
+    update = UpdateConfig(lr_scheduler=cases.scheduler)
+    results = play(
+        Schedule.from_text(PIPEDREAM), [2, 2], per_update=1, optimizer=True, update=update
+    )
+    assert [r.cycle.updates for r in results] == [4, 4]
+    for result in results:
+        scheduler = result.cycle.lr_scheduler
+        assert scheduler is not None and scheduler.last_epoch == 4
 
 
 def test_an_asynchronous_stage_refuses_a_non_finite_update() -> None:
@@ -232,9 +231,6 @@ def test_an_asynchronous_stage_refuses_a_non_finite_update() -> None:
 def test_every_rank_refuses_a_non_finite_update_with_two_stages_each() -> None:
     group = LoopbackGroup(2, timeout_s=10)
 
-    def updater(optimizer: torch.optim.Optimizer | None, transport: LoopbackTransport) -> Updater:
-        return Updater(optimizer, all_reduce=transport.all_reduce)
-
     with pytest.raises(NonFiniteError, match="loss nan"):
         play(
             Schedule.from_text(V_SHAPE),
@@ -242,7 +238,6 @@ def test_every_rank_refuses_a_non_finite_update_with_two_stages_each() -> None:
             optimizer=True,
             data=poisoned(),
             group=group,
-            updater=updater,
         )
     errors = group.errors()
     assert sorted(errors) == [0, 1]

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from pipetrain.runtime.framing import (
+from pipetrain.distributed.framing import (
     HEADER_SLOTS,
     TRAILER,
     TensorMeta,
@@ -17,8 +17,8 @@ from pipetrain.runtime.framing import (
     encode_header,
     message_bytes,
 )
-from pipetrain.runtime.loopback import LoopbackGroup, LoopbackTransport
-from pipetrain.runtime.transport import PeerError
+from pipetrain.distributed.loopback import LoopbackGroup, LoopbackTransport
+from pipetrain.distributed.transport import PeerError
 
 
 def exchange(messages: list[tuple[tuple, tuple[torch.Tensor, ...]]]) -> list[tuple]:

@@ -124,13 +124,6 @@ def _settings(**given: object) -> dict[str, object]:
         "microbatches": 1,
         "schedule": "1f1b",
         "recompute": "never",
-        "replicas": None,
-        "schedule_options": None,
-        "targets_on_first_stage": False,
-        "device": None,
-        "timeout_s": 300.0,
-        "record": False,
-        "bucket_bytes": None,
     }
     return {**defaults, **given}
 
@@ -148,12 +141,11 @@ def test_a_plan_sets_the_split_and_the_schedule_options() -> None:
         microbatch_size=2,
         virtual=2,
     )
-    config = PipelineConfig.from_plan(plan, record=True)
-    assert config.schedule_options == {"virtual": 2} and config.record
+    config = PipelineConfig.from_plan(plan, targets_on_first_stage=True)
+    assert config.schedule_options == {"virtual": 2} and config.targets_on_first_stage
     assert tuple(config.balance or ()) == (1, 2, 1, 1) and config.replicas is None
     assert config.build(2, layers=5).stages == 4
     with pytest.raises(ValueError, match="the plan sets microbatches; give either plan"):
         PipelineConfig.from_arguments(None, plan, **_settings(microbatches=8))
-    assert PipelineConfig.from_arguments(None, plan, **_settings(timeout_s=5.0)).timeout_s == 5.0
     with pytest.raises(ValueError, match="give either config or plan, not both"):
         PipelineConfig.from_arguments(config, plan, **_settings())

@@ -9,10 +9,11 @@ from typing import Any
 
 import torch
 from pipeline_cases import batch, grads, mlp
+from settings import make_pipeline
 from torch import nn
 
 import pipetrain
-from pipetrain.runtime.update import NonFiniteError
+from pipetrain.runtime.rank.update import NonFiniteError
 
 LR, MAX_NORM, UPDATES, ACCUMULATE = 0.05, 0.1, 3, 2
 
@@ -58,7 +59,7 @@ def reference_loop(updates: int = UPDATES) -> dict[str, Any]:
 
 def loop_pipeline(**settings: Any) -> pipetrain.Pipeline:
     """The test MLP on a pipeline with the loop's AdamW, schedule and clipping."""
-    return pipetrain.Pipeline(
+    return make_pipeline(
         mlp(),
         loss_fn=nn.functional.cross_entropy,
         optimizer=adamw,
@@ -90,7 +91,7 @@ def training_loop(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def update_method() -> dict[str, torch.Tensor]:
     """Accumulate over every call without updating, then pipe.update(); two updates."""
-    pipe = pipetrain.Pipeline(
+    pipe = make_pipeline(
         mlp(),
         balance=[2, 3],
         replicas=[2, 1],
@@ -113,7 +114,7 @@ def manual_clip(configs: list[dict[str, Any]]) -> list[tuple[float, dict[str, to
     """One step without an optimizer, then clip_grad_norm_: (norm, clipped gradients)."""
     results = []
     for config in configs:
-        pipe = pipetrain.Pipeline(mlp(), loss_fn=nn.functional.cross_entropy, **config)
+        pipe = make_pipeline(mlp(), loss_fn=nn.functional.cross_entropy, **config)
         pipe.train_step(*batch())
         norm = pipe.clip_grad_norm_(MAX_NORM)
         results.append((norm, grads(pipe)))
@@ -130,7 +131,7 @@ def _unchanged(before: dict[str, torch.Tensor], pipe: pipetrain.Pipeline) -> boo
 
 def nonfinite(policy: str) -> dict[str, Any]:
     """A good step, a step with a NaN input, another good step, under ``policy``."""
-    pipe = pipetrain.Pipeline(
+    pipe = make_pipeline(
         mlp(),
         balance=[2, 3],
         microbatches=2,
@@ -164,7 +165,7 @@ def per_sample_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def non_scalar_loss() -> None:
     """A loss without reduction: the step fails before any weight changes."""
-    pipe = pipetrain.Pipeline(
+    pipe = make_pipeline(
         mlp(),
         balance=[2, 3],
         microbatches=2,
@@ -185,7 +186,7 @@ def refusals() -> list[str]:
     """Messages of settings that cannot run."""
     messages = []
     attempts = [
-        lambda: pipetrain.Pipeline(
+        lambda: make_pipeline(
             mlp(),
             schedule="pipedream",
             balance=[2, 3],
@@ -194,7 +195,7 @@ def refusals() -> list[str]:
             optimizer=adamw,
             max_grad_norm=1.0,
         ),
-        lambda: pipetrain.Pipeline(
+        lambda: make_pipeline(
             mlp(),
             schedule="pipedream",
             balance=[2, 3],
@@ -202,13 +203,13 @@ def refusals() -> list[str]:
             optimizer=adamw,
             on_nonfinite="skip",
         ),
-        lambda: pipetrain.Pipeline(
+        lambda: make_pipeline(
             mlp(), balance=[2, 3], loss_fn=nn.functional.cross_entropy, max_grad_norm=1.0
         ),
-        lambda: pipetrain.Pipeline(
+        lambda: make_pipeline(
             mlp(), balance=[2, 3], loss_fn=nn.functional.cross_entropy, on_nonfinite="ignore"
         ),
-        lambda: pipetrain.Pipeline(
+        lambda: make_pipeline(
             mlp(),
             schedule="pipedream",
             balance=[2, 3],
@@ -233,7 +234,7 @@ def modes(pipe: pipetrain.Pipeline) -> list[bool]:
 def evaluation() -> dict[str, Any]:
     """eval_step on a model with dropout whose layers are in mixed modes: to every rank,
     to each rank, and the modes after."""
-    pipe = pipetrain.Pipeline(
+    pipe = make_pipeline(
         mlp(dropout=0.5), balance=[3, 2], microbatches=3, loss_fn=nn.functional.cross_entropy
     )
     for module in pipe.stages.values():
@@ -253,7 +254,7 @@ def evaluation() -> dict[str, Any]:
 def train_outputs(config: dict[str, Any]) -> tuple[float, Any]:
     """One updating step that returns the outputs, on a batch the micro-batches split
     unevenly."""
-    pipe = pipetrain.Pipeline(
+    pipe = make_pipeline(
         mlp(),
         loss_fn=nn.functional.cross_entropy,
         optimizer=lambda params: torch.optim.SGD(params, lr=0.1),

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import pipeline_cases as cases
 import torch
+from settings import make_pipeline
 from torch import nn
 
 import pipetrain
@@ -48,7 +49,7 @@ def train(schedule: str | None, microbatches: int) -> tuple[float, dict[str, tor
     chosen: str | pipetrain.schedules.Schedule = (
         pipetrain.schedules.Schedule.from_text(WRITTEN) if schedule is None else schedule
     )
-    pipe = pipetrain.Pipeline(
+    pipe = make_pipeline(
         cases.mlp(),
         balance=[2, 3],
         microbatches=microbatches,

@@ -18,7 +18,7 @@ from pipetrain.app.export_command import add_export, run_export
 from pipetrain.app.plan_commands import add_plan, add_profile, run_plan, run_profile
 from pipetrain.app.simulate_command import add_simulate, run_simulate
 from pipetrain.app.train_command import add_train, run_train
-from pipetrain.runtime.heap import keep_freed_memory
+from pipetrain.distributed.heap import keep_freed_memory
 from pipetrain.schedules import ScheduleError
 
 RUN_FAILED = 1

@@ -20,8 +20,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from pipetrain.distributed.torch_transport import TorchTransport
 from pipetrain.profiler.links import SMALL_BYTES, busy_until, past
-from pipetrain.runtime.torch_transport import TorchTransport
 
 
 class MessageCosts(NamedTuple):

@@ -12,7 +12,7 @@ from pipetrain.app.data import BatchStream
 from pipetrain.app.models import model_layers
 from pipetrain.planning import Plan
 from pipetrain.runtime import PipelineConfig
-from pipetrain.runtime.update import check_training
+from pipetrain.runtime.rank.update_config import UpdateConfig
 from pipetrain.schedules import Schedule, spec, with_targets_shipped
 
 DEFAULT_LR = {
@@ -185,7 +185,7 @@ class TrainConfig:
                 "a synchronous schedule"
             )
         # the Pipeline's own checks, before any worker starts
-        check_training(schedule, True, self.max_grad_norm, None, "raise", self.precision)
+        UpdateConfig(self.max_grad_norm, precision=self.precision).check(schedule, True)
 
     def _check_saving(self) -> None:
         """Raise a ValueError for save settings that cannot work."""
@@ -212,7 +212,6 @@ class TrainConfig:
             balance=self.balance,
             recompute=self.recompute,
             targets_on_first_stage=True,
-            timeout_s=self.timeout_s,
         )
 
     def updates(self) -> int:

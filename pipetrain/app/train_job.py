@@ -30,9 +30,9 @@ from pipetrain.app.traffic import interface_bytes_sent, sent_since
 from pipetrain.app.train_config import TrainConfig
 from pipetrain.app.train_report import TrainReport
 from pipetrain.app.train_resume import check_resumable, resume, save_if_due
-from pipetrain.runtime import Pipeline, launch
-from pipetrain.runtime.heartbeat import stop_beating
-from pipetrain.runtime.io_threads import defer_gloo_io_threads
+from pipetrain.distributed.heartbeat import stop_beating
+from pipetrain.distributed.io_threads import defer_gloo_io_threads
+from pipetrain.runtime import ModelSource, Pipeline, RuntimeConfig, UpdateConfig, launch
 
 
 class Progress:
@@ -110,8 +110,11 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
         config=config.pipeline_config(),
         max_grad_norm=config.max_grad_norm,
         precision=config.precision,
-        lr_scheduler=None if factor is None else partial(LambdaLR, lr_lambda=factor),
-        example_inputs=example_inputs(config.model),
+        update=UpdateConfig(
+            lr_scheduler=None if factor is None else partial(LambdaLR, lr_lambda=factor)
+        ),
+        runtime=RuntimeConfig(timeout_s=config.timeout_s),
+        source=ModelSource(example_inputs=example_inputs(config.model)),
     )
     # only the input stage's ranks load data; the targets travel to the last stage
     batches = (

@@ -12,10 +12,12 @@ from pipetrain.checkpoint.directory import checkpoints, latest
 from pipetrain.checkpoint.entries import CheckpointMismatch
 from pipetrain.checkpoint.full import export, load_full
 from pipetrain.checkpoint.pipeline_state import Checkpoint, load, save
+from pipetrain.checkpoint.state import TrainingState
 
 __all__ = [
     "Checkpoint",
     "CheckpointMismatch",
+    "TrainingState",
     "checkpoints",
     "export",
     "latest",

@@ -4,9 +4,9 @@ A model given as layers (an ``nn.Sequential``, a list of modules, or a module wi
 ``pipeline_layers()``) keeps its layers; any other ``nn.Module`` is captured as a graph
 (:class:`~pipetrain.model.graph.GraphModel`). Both offer the same calls: ``layers``
 (named, runnable in order), ``stage(start, stop)`` (a stage module under the full model's
-names), ``balance(stages)`` (a default cut, or ``None`` for an even one), ``inputs`` (a
-step's inputs as the first stage's tensors) and ``outputs`` (the last stage's tensors as
-the model returns them). :func:`shared_parameters` finds parameters that several stages
+names), ``parameter_sizes()`` (what a default cut balances, or ``None`` for an even one),
+``inputs`` (a step's inputs as the first stage's tensors) and ``outputs`` (the last stage's
+tensors as the model returns them). :func:`shared_parameters` finds parameters that several stages
 use, whichever the front-end.
 """
 
@@ -38,7 +38,7 @@ class SequentialModel:
         layers make their tensors where their inputs are)."""
         return StageModule(self.layers[start:stop])
 
-    def balance(self, stages: int) -> list[int] | None:
+    def parameter_sizes(self) -> list[float] | None:
         """``None``: layers are shared out evenly unless a balance is given."""
         return None
 

@@ -24,7 +24,6 @@ import torch
 from torch import fx, nn
 
 from pipetrain.model.capture import Captured, Inputs, capture, flatten_inputs
-from pipetrain.planning.partition import partition
 
 _aten = torch.ops.aten
 # export's region of a `with torch.autocast(device_type, ...)`; its first argument is the type
@@ -305,15 +304,13 @@ class GraphModel:
         """The names of the values crossing the cut before ``segment``."""
         return [value.name for value in self._crossing(segment)]
 
-    def balance(self, stages: int) -> list[int]:
-        """Segments per stage: the split points' one each, else balanced by parameters
-        (the largest stage's parameters as few as possible)."""
+    def parameter_sizes(self) -> list[float] | None:
+        """Each segment's parameter count (plus one, so that an empty segment weighs
+        something), for a default cut balanced by parameters; ``None`` at split points,
+        which give one segment per stage."""
         if self.split:
-            return [1] * len(self.names)
-        sizes = [
-            float(sum(p.numel() for p in module.parameters()) + 1) for _, module in self.layers
-        ]
-        return partition(sizes, stages)
+            return None
+        return [float(sum(p.numel() for p in module.parameters()) + 1) for _, module in self.layers]
 
     def inputs(self, inputs: Inputs) -> tuple[torch.Tensor, ...]:
         """A step's inputs as the tensors the first stage takes."""

@@ -87,7 +87,7 @@ def combined(measurements: Sequence[Link]) -> Link:
     """Several measurements of the same links as one: the slowest bandwidth and the mean
     latency. Round trips on shared cores can keep to one regime for seconds at a time (a
     4 ms scheduler tick, before gloo's loop threads were deferred:
-    :mod:`pipetrain.runtime.io_threads`), so measurements taken apart (before and after a
+    :mod:`pipetrain.distributed.io_threads`), so measurements taken apart (before and after a
     profile) sample more of them than one measurement of many round trips."""
     if not measurements:
         raise ValueError("combined() needs at least one measurement")

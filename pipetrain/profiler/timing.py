@@ -171,7 +171,7 @@ def time_weight_version(
 ) -> float:
     """Median seconds for what an asynchronous update does to ``parameters`` besides the
     optimizer's step: a detached copy of every one (the next weight version, as
-    :class:`pipetrain.runtime.weights.WeightStash` keeps it) and the 2-norm of them all
+    :class:`pipetrain.runtime.rank.weights.WeightStash` keeps it) and the 2-norm of them all
     (the update's finiteness check reads its gradients' norm; the weights stand in for
     gradients of the same size). 0 for no parameters."""
     if not parameters:

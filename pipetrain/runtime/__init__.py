@@ -1,46 +1,40 @@
-"""Run schedules on real processes.
+"""Run schedules on real processes: the :class:`Pipeline` facade and its settings.
 
-- :mod:`~pipetrain.runtime.config`: :class:`PipelineConfig`, what a run is;
 - :mod:`~pipetrain.runtime.pipeline`: :class:`Pipeline`, the facade;
-- :mod:`~pipetrain.runtime.assembly`: builds and wires a rank;
+- :mod:`~pipetrain.runtime.config`: the settings objects: :class:`PipelineConfig` (the
+  schedule and its placement), :class:`RuntimeConfig` (device, group, timeout, recording),
+  :class:`ModelSource` (example inputs, initialization, initial weights);
+  :class:`UpdateConfig` (what an update does) lives beside the update it configures;
+- :mod:`~pipetrain.runtime.agreement`: every rank checks that it was given the same;
 - :mod:`~pipetrain.runtime.steps`: the schedules a pipeline plays, and playing one;
-- :mod:`~pipetrain.runtime.precision`: autocast and the fp16 loss scale;
-- :mod:`~pipetrain.runtime.executor`: plays a rank's actions, dispatching each one;
-- :mod:`~pipetrain.runtime.stage`: one stage's passes and the tensors between them;
-- :mod:`~pipetrain.runtime.weights`: weight versions and optimizer updates;
-- :mod:`~pipetrain.runtime.update`: what an update does: global norm, clipping, the
-  finiteness check, the learning-rate scheduler;
-- :mod:`~pipetrain.runtime.batch`: a step's data split into micro-batches;
-- :mod:`~pipetrain.runtime.losses`: what a loss function may return, and
-  :func:`causal_lm_loss`; :mod:`~pipetrain.runtime.normalize` divides the gradients of a
-  ``(loss_sum, count)`` loss by the step's count;
-- :mod:`~pipetrain.runtime.outputs`: a step's last-stage outputs, delivered where asked;
-- :mod:`~pipetrain.runtime.reduce`: replicated stages' gradient all-reduce;
-- :mod:`~pipetrain.runtime.recompute`: re-materialization;
-- :mod:`~pipetrain.runtime.transport`: the transport interface; :mod:`~pipetrain.runtime.framing`
-  its message protocol, :mod:`~pipetrain.runtime.torch_transport` over torch.distributed,
-  :mod:`~pipetrain.runtime.loopback` between threads; :mod:`~pipetrain.runtime.inbox`
-  receives ahead of need;
-- :mod:`~pipetrain.runtime.recorder`, :mod:`~pipetrain.runtime.failure`,
-  :mod:`~pipetrain.runtime.launch`: measured timelines, failures, local workers;
-  :mod:`~pipetrain.runtime.io_threads` and :mod:`~pipetrain.runtime.heap`: gloo's threads
-  and the allocator, tuned for a worker process (:func:`keep_freed_memory`).
+- :mod:`~pipetrain.runtime.assembly`: builds and wires a rank, on a given transport;
+- :mod:`~pipetrain.runtime.model_io` and :mod:`~pipetrain.runtime.outputs`: a step's data
+  as the model takes and returns it, and the outputs delivered where asked;
+- :mod:`~pipetrain.runtime.rank`: one rank's machinery (executor, stages, weights, the
+  update cycle).
+
+Processes and bytes are :mod:`pipetrain.distributed`'s; :func:`launch`,
+:class:`PipelineError` and :func:`keep_freed_memory` are re-exported here.
 """
 
-from pipetrain.runtime.config import PipelineConfig
-from pipetrain.runtime.failure import PipelineError
-from pipetrain.runtime.heap import keep_freed_memory
-from pipetrain.runtime.launch import LaunchError, launch
-from pipetrain.runtime.losses import causal_lm_loss
+from pipetrain.distributed.failure import PipelineError
+from pipetrain.distributed.heap import keep_freed_memory
+from pipetrain.distributed.launch import LaunchError, launch
+from pipetrain.runtime.config import ModelSource, PipelineConfig, RuntimeConfig
 from pipetrain.runtime.pipeline import Pipeline
-from pipetrain.runtime.update import NonFiniteError
+from pipetrain.runtime.rank.losses import causal_lm_loss
+from pipetrain.runtime.rank.update import NonFiniteError
+from pipetrain.runtime.rank.update_config import UpdateConfig
 
 __all__ = [
     "LaunchError",
+    "ModelSource",
     "NonFiniteError",
     "Pipeline",
     "PipelineConfig",
     "PipelineError",
+    "RuntimeConfig",
+    "UpdateConfig",
     "causal_lm_loss",
     "keep_freed_memory",
     "launch",

@@ -10,39 +10,52 @@ ranks that hold each value.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import fields
+from dataclasses import fields, is_dataclass
 from typing import Any
 
 import torch.distributed as dist
 
 from pipetrain.model.layers import Layer
-from pipetrain.runtime.config import PipelineConfig
 from pipetrain.schedules import Schedule
 
-_LOCAL = ("device", "timeout_s")  # may differ between ranks without harm
+_LOCAL = ("device", "group", "timeout_s")  # may differ between ranks without harm
 _SHOWN = 120  # characters of a value shown in a message
+_PLAIN = (bool, int, float, str, type(None))
 
 
-def settings_of(config: PipelineConfig, layers: Sequence[Layer], **more: Any) -> dict[str, Any]:
-    """What every rank must agree on: ``config``'s settings (a schedule value as its text),
-    the model's structure (each layer's name and its parameters' and buffers' names,
-    shapes and dtypes) and ``more`` (such as the update settings)."""
+def _comparable(value: Any) -> Any:
+    """A setting as ranks can compare it: plain values as they are, a schedule as its text,
+    a mapping sorted, a frozen dataclass (such as a loss scale) by its fields; anything
+    else (a function, a tensor, a state dict) only by whether it was given."""
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, Schedule):
+        return value.describe()
+    if isinstance(value, Mapping) and all(isinstance(v, _PLAIN) for v in value.values()):
+        return dict(sorted(value.items()))
+    if isinstance(value, (list, tuple)) and all(isinstance(v, _PLAIN) for v in value):
+        return value
+    if is_dataclass(value) and not isinstance(value, type):
+        return {item.name: _comparable(getattr(value, item.name)) for item in fields(value)}
+    return f"a {type(value).__name__}"
+
+
+def settings_of(layers: Sequence[Layer], *groups: Any, **more: Any) -> dict[str, Any]:
+    """What every rank must agree on: every field of the settings objects ``groups``
+    (such as the :class:`PipelineConfig`) but those that may differ between ranks, the
+    model's structure (each layer's name and its parameters' and buffers' names, shapes
+    and dtypes) and ``more``."""
     settings: dict[str, Any] = {}
-    for item in fields(config):
-        if item.name in _LOCAL:
-            continue
-        value = getattr(config, item.name)
-        if isinstance(value, Schedule):
-            value = value.describe()
-        elif isinstance(value, Mapping):
-            value = dict(sorted(value.items()))
-        settings[item.name] = value
+    for group in groups:
+        for item in fields(group):
+            if item.name not in _LOCAL:
+                settings[item.name] = _comparable(getattr(group, item.name))
     settings["model"] = [
         f"{name}.{key} {list(tensor.shape)} {tensor.dtype}"
         for name, module in layers
         for key, tensor in module.state_dict().items()
     ] + [f"layer {name}: {type(module).__name__}" for name, module in layers]
-    settings.update(more)
+    settings.update({name: _comparable(value) for name, value in more.items()})
     return settings
 
 

@@ -1,35 +1,41 @@
 """What one rank of a pipeline is made of, built and wired: :func:`assemble`.
 
-A rank holds the modules of its stages, their :class:`~pipetrain.runtime.stage.Stage`
-state, the :class:`~pipetrain.runtime.weights.Weights` (versions and the optimizer) with the
-:class:`~pipetrain.runtime.update.Updater` deciding each update, the mixed-precision
-settings, gradient reducers for replicated stages, the transport, the recorder and the
-:class:`~pipetrain.runtime.executor.Executor` that plays the schedule against them.
+A rank holds the modules of its stages, their :class:`~pipetrain.runtime.rank.stage.Stage`
+state, the :class:`~pipetrain.runtime.rank.weights.Weights` (versions and the optimizer),
+the :class:`~pipetrain.runtime.rank.cycle.UpdateCycle` that owns its updates, gradient
+reducers for replicated stages, the transport, the recorder and the
+:class:`~pipetrain.runtime.rank.executor.Executor` that plays the schedule against them.
+The transport is given (the loopback one between threads, say) or made over
+torch.distributed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from pipetrain.distributed.io_threads import defer_gloo_io_threads
+from pipetrain.distributed.torch_transport import TorchTransport, default_device, indexed
+from pipetrain.distributed.transport import Transport
 from pipetrain.model.frontend import FrontEnd, shared_parameters
+from pipetrain.model.graph import GraphModel
 from pipetrain.model.layers import stage_bounds
-from pipetrain.model.materialize import InitFn, materialize
-from pipetrain.model.weights_source import WeightsArg
-from pipetrain.runtime.executor import Executor
-from pipetrain.runtime.io_threads import defer_gloo_io_threads
-from pipetrain.runtime.precision import LossScale, Precision
-from pipetrain.runtime.recorder import Recorder
-from pipetrain.runtime.reduce import GradientReducer, replica_reducers
-from pipetrain.runtime.shared import SharedGradients, counted_once
-from pipetrain.runtime.stage import LossFn, Stage
-from pipetrain.runtime.torch_transport import TorchTransport
-from pipetrain.runtime.update import LRSchedulerFactory, Updater
-from pipetrain.runtime.weights import Weights
+from pipetrain.model.materialize import materialize
+from pipetrain.runtime.config import ModelSource, RuntimeConfig
+from pipetrain.runtime.rank.batchnorm import deferred_layers
+from pipetrain.runtime.rank.cycle import UpdateCycle
+from pipetrain.runtime.rank.executor import Executor
+from pipetrain.runtime.rank.precision import LossScale, Precision
+from pipetrain.runtime.rank.recorder import Recorder
+from pipetrain.runtime.rank.reduce import replica_reducers
+from pipetrain.runtime.rank.shared import SharedGradients, counted_once
+from pipetrain.runtime.rank.stage import LossFn, Stage
+from pipetrain.runtime.rank.update import Updater
+from pipetrain.runtime.rank.update_config import UpdateConfig
+from pipetrain.runtime.rank.weights import Weights
 from pipetrain.schedules import Schedule
 
 OptimizerArg = (
@@ -37,30 +43,44 @@ OptimizerArg = (
 )
 
 
-@dataclass(frozen=True)
-class UpdateSettings:
-    """What every update does beyond the optimizer's step (see :class:`Updater`)."""
-
-    max_grad_norm: float | None = None
-    lr_scheduler: LRSchedulerFactory | None = None
-    on_nonfinite: str = "raise"
-    precision: str = "fp32"
-    loss_scale: LossScale = field(default_factory=LossScale)
-
-
 @dataclass
 class Rank:
     """One rank's built parts."""
 
     stages: dict[int, nn.Module]
-    optimizer: torch.optim.Optimizer | None
-    transport: TorchTransport
+    transport: Transport
     recorder: Recorder
-    updater: Updater
-    weights: Weights
-    reducers: dict[int, GradientReducer]
+    cycle: UpdateCycle
     executor: Executor
-    shared: SharedGradients
+    shared_names: list[str]
+
+
+def _stage_modules(
+    schedule: Schedule,
+    rank: int,
+    front: FrontEnd,
+    balance: Sequence[int],
+    device: torch.device,
+    source: ModelSource,
+) -> dict[int, nn.Module]:
+    """This rank's stage modules, materialized on ``device`` (see :func:`materialize`)."""
+    if source.deferred_batch_norm:
+        if isinstance(front, GraphModel):
+            raise ValueError(
+                "deferred_batch_norm converts nn.BatchNorm layers, so it needs the model "
+                "given as layers (nn.Sequential or pipeline_layers()), not captured"
+            )
+        front.layers = deferred_layers(front.layers, schedule)
+    bounds = stage_bounds(balance)
+    return {
+        stage: materialize(
+            front.stage(*bounds[stage], device),
+            device,
+            init_fn=source.init_fn,
+            weights=source.weights,
+        )
+        for stage in schedule.stages_of(rank)
+    }
 
 
 def assemble(
@@ -71,26 +91,24 @@ def assemble(
     loss_fn: LossFn,
     optimizer: OptimizerArg,
     *,
-    device: torch.device,
-    group: dist.ProcessGroup | None,
-    timeout_s: float,
-    recompute: str,
-    record: bool,
-    bucket_bytes: float | None,
-    settings: UpdateSettings,
-    init_fn: InitFn | None = None,
-    initial_weights: WeightsArg | None = None,
+    recompute: str = "never",
+    update: UpdateConfig | None = None,
+    runtime: RuntimeConfig | None = None,
+    source: ModelSource | None = None,
+    per_update: int | None = None,
+    transport: Transport | None = None,
 ) -> Rank:
     """Build rank ``rank``'s stages of the model (``front``'s layers cut by ``balance``)
-    and wire them; each stage module is materialized on ``device`` from ``init_fn`` and
-    ``initial_weights`` (see :func:`materialize`)."""
-    bounds = stage_bounds(balance)
-    stages = {
-        stage: materialize(
-            front.stage(*bounds[stage], device), device, init_fn=init_fn, weights=initial_weights
-        )
-        for stage in schedule.stages_of(rank)
-    }
+    and wire them to ``transport`` (by default over torch.distributed, from ``runtime``'s
+    device, group and timeout); ``per_update`` counts the micro-batches of one update (by
+    default all of a run's)."""
+    update, runtime = update or UpdateConfig(), runtime or RuntimeConfig()
+    if transport is None:
+        device = indexed(runtime.device) if runtime.device is not None else None
+        device = device or default_device(runtime.group)
+        transport = TorchTransport(device, runtime.group, runtime.timeout_s)
+    device = transport.device
+    stages = _stage_modules(schedule, rank, front, balance, device, source or ModelSource())
     shared = shared_parameters(front, balance)
     if shared and schedule.asynchronous and any(len(r) > 1 for r in schedule.stage_ranks):
         raise ValueError(
@@ -104,10 +122,9 @@ def assemble(
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         # a stage of parameter-free layers (activations, pooling) has nothing to optimize
         optimizer = optimizer(iter(parameters)) if parameters else None
-    transport = TorchTransport(device, group, timeout_s)
     sharing = SharedGradients(shared, schedule, stages, transport.global_rank)
     sharing.synchronize()
-    precision = Precision(settings.precision, device, settings.loss_scale)
+    precision = Precision(update.precision, device, update.loss_scale or LossScale())
     updater = Updater(
         optimizer,
         active=updates,
@@ -117,9 +134,9 @@ def assemble(
         all_reduce=transport.all_reduce,
         all_reduce_start=transport.all_reduce_start,
         device=device,
-        max_grad_norm=settings.max_grad_norm,
-        on_nonfinite=settings.on_nonfinite,
-        lr_scheduler=settings.lr_scheduler,
+        max_grad_norm=update.max_grad_norm,
+        on_nonfinite=update.on_nonfinite,
+        lr_scheduler=update.lr_scheduler,
         precision=precision,
     )
     weights = Weights(stages, optimizer, schedule.asynchronous, updater, sharing.reduce)
@@ -137,10 +154,11 @@ def assemble(
         )
         for index in stages
     }
-    recorder = Recorder(rank, device, enabled=record)
-    reducers = replica_reducers(stages, schedule, transport.global_rank, device, bucket_bytes)
-    defer_gloo_io_threads()  # the shared weights' and the replicas' groups started theirs
-    executor = Executor(rank, runners, transport, weights, recorder, reducers)
-    return Rank(
-        stages, optimizer, transport, recorder, updater, weights, reducers, executor, sharing
+    recorder = Recorder(rank, device, enabled=runtime.record)
+    reducers = replica_reducers(
+        stages, schedule, transport.global_rank, device, runtime.bucket_bytes
     )
+    defer_gloo_io_threads()  # the shared weights' and the replicas' groups started theirs
+    cycle = UpdateCycle(weights, reducers, transport.all_reduce, device, per_update)
+    executor = Executor(rank, runners, transport, cycle, recorder)
+    return Rank(stages, transport, recorder, cycle, executor, sharing.names)

@@ -14,10 +14,14 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from pipetrain.checks import positive_int
+from pipetrain.model.capture import Inputs
 from pipetrain.model.layers import check_balance
-from pipetrain.runtime.recompute import check_mode
+from pipetrain.model.materialize import InitFn
+from pipetrain.model.weights_source import WeightsArg
+from pipetrain.runtime.rank.recompute import check_mode
 from pipetrain.schedules import Kind, Schedule, ScheduleSpec, build, spec, validate
 
 if TYPE_CHECKING:
@@ -49,10 +53,6 @@ class PipelineConfig:
     balance: Sequence[int] | None = None
     recompute: str = "never"
     targets_on_first_stage: bool = False
-    timeout_s: float = 300.0
-    record: bool = False
-    bucket_bytes: float | None = None
-    device: torch.device | str | None = None
 
     def __post_init__(self) -> None:
         """Keep copies of the mutable settings, so the value stays as it was built."""
@@ -84,7 +84,6 @@ class PipelineConfig:
         else ``plan``'s with the other ``settings``, else ``settings``; a setting given
         beside a ``config`` or a plan that sets it raises ValueError."""
         defaults = {f.name: f.default for f in fields(cls)}
-        defaults["schedule_options"] = None
         given = sorted(name for name, value in settings.items() if value != defaults[name])
         if config is not None:
             if plan is not None:
@@ -97,7 +96,6 @@ class PipelineConfig:
                     f"config= holds every setting; give {', '.join(given)} inside it instead"
                 )
             return config
-        settings["schedule_options"] = settings["schedule_options"] or {}
         if plan is None:
             return cls(**settings)
         planned = [name for name in given if name in _PLANNED]
@@ -210,3 +208,59 @@ class PipelineConfig:
             elif action.stage == last and action.kind is Kind.STEP:
                 break
         return count
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Where and how a rank runs (see :class:`~pipetrain.runtime.pipeline.Pipeline`).
+
+    ``device``: where this rank computes (by default its GPU under NCCL, else the CPU).
+    ``group``: the process group (the default one if ``None``). ``timeout_s``: how long any
+    transfer, and the loss and gradient-norm all-reduces, may wait; a peer that froze is
+    named within seconds instead (gloo; see :mod:`pipetrain.distributed.heartbeat`); the
+    other collectives wait as long as the process group's timeout. ``record``: record a
+    measured timeline of every step. ``bucket_bytes``: a replicated stage all-reduces its
+    gradients in buckets of up to this size, each started as soon as the update's last
+    backward produced it (by default 4 MiB on GPUs and the whole stage on CPUs).
+    """
+
+    device: torch.device | str | None = None
+    group: Any = None
+    timeout_s: float = 300.0
+    record: bool = False
+    bucket_bytes: float | None = None
+
+    def check(self) -> None:
+        """Raise RuntimeError without a process group to run in, ValueError for a timeout or
+        bucket size that cannot be used."""
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "Pipeline needs an initialized torch.distributed process group: run under "
+                "torchrun, or start workers with pipetrain.launch(fn, nprocs=N)"
+            )
+        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+            raise ValueError(f"timeout_s must be a positive number, got {self.timeout_s!r}")
+        if self.bucket_bytes is not None and not self.bucket_bytes > 0:
+            raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes!r}")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a pipeline's stage modules come from, beyond the model itself.
+
+    ``example_inputs``: a sample of a captured model's inputs with at least 2 rows (a
+    tensor, tuple, or dict of keyword inputs); the steps' inputs are then given the same
+    way. ``init_fn``: initializes a stage module's tensors in place, for a model built on
+    the meta device (by default each module's ``reset_parameters()``; see
+    :func:`~pipetrain.model.materialize.materialize`). ``weights``: the initial weights, a
+    state dict keyed by the full model's names or the path of a ``.safetensors`` file or a
+    ``torch.save``d state dict; each rank reads only its stages' entries. With
+    ``deferred_batch_norm``, batch-normalization layers update their running statistics
+    once per step from the whole mini-batch (models given as layers, synchronous families,
+    no replicas; see :mod:`pipetrain.runtime.rank.batchnorm`).
+    """
+
+    example_inputs: Inputs | None = None
+    init_fn: InitFn | None = None
+    weights: WeightsArg | None = None
+    deferred_batch_norm: bool = False

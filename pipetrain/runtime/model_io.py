@@ -9,13 +9,18 @@ of the batch's size weighs each micro-batch's loss by its share of the samples.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 from pipetrain.model.capture import Inputs
 from pipetrain.model.frontend import FrontEnd
-from pipetrain.runtime.batch import Data
+from pipetrain.model.graph import GraphModel
+from pipetrain.runtime.rank.batch import Data
+from pipetrain.runtime.rank.stage import LossFn
 from pipetrain.runtime.steps import Outputs
 
 
@@ -28,6 +33,15 @@ def model_loss(output: Any, target: Any) -> torch.Tensor:
             "among the inputs (labels=...), or pass loss_fn=(output, target) -> loss"
         )
     return loss
+
+
+def loss_function(loss_fn: LossFn | None, front: FrontEnd) -> tuple[LossFn, bool]:
+    """The loss function to train with, and whether it is a captured model's own loss."""
+    if loss_fn is None and isinstance(front, GraphModel):
+        return model_loss, True
+    if loss_fn is None or not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a callable (output, target) -> loss, got {loss_fn!r}")
+    return loss_fn, False
 
 
 class ModelIO:
@@ -63,3 +77,18 @@ class ModelIO:
                 )
             return None, None
         return flat, torch.zeros(len(flat[0]))
+
+
+@contextlib.contextmanager
+def evaluating(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Every module of ``modules`` (and every submodule) in eval mode for the block, each
+    put back in its own mode afterwards, also when the block raises."""
+    modules = list(modules)
+    modes = [(m, m.training) for module in modules for m in module.modules()]
+    try:
+        for module in modules:
+            module.eval()
+        yield
+    finally:
+        for layer, training in modes:
+            layer.training = training

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from pipetrain.runtime.transport import Tensors, Transport
+from pipetrain.distributed.transport import Tensors, Transport
 from pipetrain.schedules.messages import rank_of
 
 RESULTS = ("R", 0)

@@ -4,7 +4,7 @@
 schedule (with the targets' transfer when the input stage ships them) and the forward-only
 schedule that evaluation runs. A :class:`StepPlayer` splits a step's data for its rank, has
 the executor play a schedule on it, delivers the last stage's outputs where asked, and
-turns any failure into a :class:`~pipetrain.runtime.failure.PipelineError` naming the rank
+turns any failure into a :class:`~pipetrain.distributed.failure.PipelineError` naming the rank
 and stage where it began.
 """
 
@@ -15,15 +15,16 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from pipetrain.distributed.failure import explain_peer_failure, report_origin
+from pipetrain.distributed.transport import PeerError, Tensors
 from pipetrain.model.frontend import FrontEnd
+from pipetrain.planning.partition import partition
 from pipetrain.runtime.assembly import Rank
-from pipetrain.runtime.batch import Data, StepData
 from pipetrain.runtime.config import PipelineConfig
-from pipetrain.runtime.executor import ActionFailed, Outcome
-from pipetrain.runtime.failure import explain_peer_failure, report_origin
 from pipetrain.runtime.outputs import Destination, deliver
-from pipetrain.runtime.transport import PeerError, Tensors
-from pipetrain.runtime.update import NonFiniteError
+from pipetrain.runtime.rank.batch import Data, StepData
+from pipetrain.runtime.rank.executor import ActionFailed, Outcome
+from pipetrain.runtime.rank.update import NonFiniteError
 from pipetrain.schedules import Schedule, forward_only, with_targets_shipped
 
 Outputs = torch.Tensor | tuple[torch.Tensor, ...]
@@ -51,8 +52,9 @@ def prepare(config: PipelineConfig, world: int, front: FrontEnd, has_optimizer: 
                 f"ranks runs {stages}; give {stages - 1} split points"
             )
     built = config.build(world, layers, has_optimizer)
-    default = front.balance(built.stages) if config.balance is None else None
-    balance = default or config.balance_for(layers, built)
+    # a captured model's default cut balances its segments' parameters
+    sizes = front.parameter_sizes() if config.balance is None else None
+    balance = partition(sizes, built.stages) if sizes else config.balance_for(layers, built)
     per_update = config.per_update(built)
     if config.targets_on_first_stage:
         built = replace(built, ranks=with_targets_shipped(built.ranks, built.stage_ranks))
@@ -73,12 +75,12 @@ class StepPlayer:
         group: dist.ProcessGroup | None,
         prepared: Prepared,
         ships_targets: bool,
-        device: torch.device,
     ) -> None:
         """Play ``prepared``'s schedules; ``ships_targets`` when the input stage's ranks
         are given the targets."""
         self.parts, self.rank, self.group = parts, rank, group
-        self.prepared, self.ships_targets, self.device = prepared, ships_targets, device
+        self.prepared, self.ships_targets = prepared, ships_targets
+        self.device = parts.transport.device
 
     def data(self, inputs: Data | None, targets: Data | None, training: bool) -> StepData:
         """The step's data this rank reads, split into micro-batches."""

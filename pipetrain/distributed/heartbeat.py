@@ -1,13 +1,13 @@
 """Signs of life: a waiting rank tells a frozen peer from a slow one, well before the timeout.
 
-Every process that builds a :class:`~pipetrain.runtime.torch_transport.TorchTransport`
+Every process that builds a :class:`~pipetrain.distributed.torch_transport.TorchTransport`
 runs a daemon thread that adds one to ``pipetrain/heartbeat/<rank>`` in the default
 process group's store every :data:`BEAT_S`. A :class:`Watch` runs the transport's waits on
 a waiter thread while the caller looks on: once a wait has lasted :data:`BEAT_S`, the
 caller reads the counters of the peers it waits for at every beat. A counter that has not
 moved for :data:`STALE_S` means that peer's process no longer runs (stopped by a signal or
 a debugger, or its machine hung), since its threads stop with it: the wait records that
-rank as where the failure began (:mod:`pipetrain.runtime.failure`), so that every rank
+rank as where the failure began (:mod:`pipetrain.distributed.failure`), so that every rank
 names it, and raises :class:`PeerFrozen`. A peer that died breaks its connections, which fails the
 wait by itself; a peer that is alive but slow keeps beating and is waited for up to the
 timeout.
@@ -26,9 +26,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pipetrain.runtime.failure import report_origin
-from pipetrain.runtime.framing import Work
-from pipetrain.runtime.transport import PeerError
+from pipetrain.distributed.failure import report_origin
+from pipetrain.distributed.framing import Work
+from pipetrain.distributed.transport import PeerError
 
 BEAT_S = 0.5
 STALE_S = 3.0  # six beats missed

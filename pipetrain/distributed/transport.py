@@ -3,14 +3,14 @@
 A transport moves tuples of tensors between the ranks of a group. ``channel`` names a
 stream of messages between two ranks (:func:`pipetrain.schedules.messages.channel` of a
 send or receive); both ends use the same names in the same order. Sends never block;
-receives wait. Implementations: :class:`~pipetrain.runtime.torch_transport.TorchTransport`
-over torch.distributed, :class:`~pipetrain.runtime.loopback.LoopbackTransport` between
-threads of one process. Both speak the protocol of :mod:`pipetrain.runtime.framing`.
+receives wait. Implementations: :class:`~pipetrain.distributed.torch_transport.TorchTransport`
+over torch.distributed, :class:`~pipetrain.distributed.loopback.LoopbackTransport` between
+threads of one process. Both speak the protocol of :mod:`pipetrain.distributed.framing`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Protocol
 
 import torch
@@ -56,6 +56,10 @@ class Transport(Protocol):
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Replace ``tensor`` by its sum over every rank of the group (blocking)."""
+        ...
+
+    def all_reduce_start(self, tensor: torch.Tensor) -> Callable[[], None]:
+        """Start :meth:`all_reduce`; return the wait for its sum."""
         ...
 
 

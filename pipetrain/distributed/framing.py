@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from pipetrain.runtime.transport import PeerError, Tensors
+from pipetrain.distributed.transport import PeerError, Tensors
 
 _DTYPES = [
     torch.float32,
@@ -156,7 +156,7 @@ class FramedReceive:
 class FramedTransport(ABC):
     """The message protocol over a link that subclasses provide.
 
-    Implements :class:`~pipetrain.runtime.transport.Transport` but for ``global_rank`` and
+    Implements :class:`~pipetrain.distributed.transport.Transport` but for ``global_rank`` and
     ``all_reduce``, which belong to the group behind the link.
     """
 

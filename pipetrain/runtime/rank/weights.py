@@ -2,7 +2,7 @@
 
 Synchronous schedules run every stage on its live parameters and update once all of the
 rank's stages have stepped (unless the run only accumulates gradients); the
-:class:`~pipetrain.runtime.update.Updater` decides what an update does around the
+:class:`~pipetrain.runtime.rank.update.Updater` decides what an update does around the
 optimizer. Asynchronous ones (PipeDream, PipeDream-2BW) stash weight versions: each
 version a stage still needs is a detached snapshot of its parameters; a forward runs the
 stage module through :func:`torch.func.functional_call` on the snapshot its action names,
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from pipetrain.runtime.update import PendingUpdate, Updater
+from pipetrain.runtime.rank.update import PendingUpdate, Updater
 from pipetrain.schedules import COMPUTE_KINDS, Action, Kind
 
 

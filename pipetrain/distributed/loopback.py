@@ -1,7 +1,7 @@
 """In-process ranks: threads that exchange messages through shared queues.
 
 Each ordered pair of ranks has a first-in first-out queue of byte buffers, so the framing
-protocol of :mod:`pipetrain.runtime.framing` runs unchanged and buffers are matched in the
+protocol of :mod:`pipetrain.distributed.framing` runs unchanged and buffers are matched in the
 order they were sent, as torch.distributed matches them. A receive whose buffer has another
 size than the message that arrives fails, as it does under torch.distributed, so a protocol
 error shows here too. Used to test the protocol and the executor without processes.
@@ -18,8 +18,8 @@ from typing import TypeVar
 
 import torch
 
-from pipetrain.runtime.framing import FramedTransport
-from pipetrain.runtime.transport import PeerError
+from pipetrain.distributed.framing import FramedTransport
+from pipetrain.distributed.transport import PeerError
 
 T = TypeVar("T")
 _POLL_S = 0.02  # how often a waiting receive looks for a failed rank
@@ -201,3 +201,8 @@ class LoopbackTransport(FramedTransport):
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the group, in place."""
         self.group.all_reduce(self.rank, tensor)
+
+    def all_reduce_start(self, tensor: torch.Tensor) -> Callable[[], None]:
+        """Sum ``tensor`` over the group now; the returned wait has nothing left to do."""
+        self.all_reduce(tensor)
+        return lambda: None

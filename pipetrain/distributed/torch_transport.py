@@ -4,7 +4,7 @@ Sends are asynchronous (``isend``); receives can be posted early and waited on l
 Gloo cannot send from GPU memory, so under gloo a GPU stage's messages travel through
 pinned host buffers. Every wait, for a transfer or the transport's all-reduces, ends within
 the timeout, and well before it when the peer waited for has frozen
-(:mod:`pipetrain.runtime.heartbeat`).
+(:mod:`pipetrain.distributed.heartbeat`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from pipetrain.runtime.framing import FramedTransport, Work
-from pipetrain.runtime.heartbeat import Watch, beat
-from pipetrain.runtime.transport import PeerError
+from pipetrain.distributed.framing import FramedTransport, Work
+from pipetrain.distributed.heartbeat import Watch, beat
+from pipetrain.distributed.transport import PeerError
 
 
 def _wire_device(device: torch.device, group: dist.ProcessGroup | None) -> torch.device:

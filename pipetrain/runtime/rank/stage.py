@@ -15,15 +15,15 @@ from typing import Any
 
 import torch
 
-from pipetrain.runtime.batch import LossTarget, Tensors, as_tuple
-from pipetrain.runtime.losses import split_loss
-from pipetrain.runtime.precision import Precision
-from pipetrain.runtime.recompute import RandomState, recompute, recomputes
-from pipetrain.runtime.weights import Weights
+from pipetrain.runtime.rank.batch import LossTarget, Tensors, as_tuple
+from pipetrain.runtime.rank.losses import split_loss
+from pipetrain.runtime.rank.precision import Precision
+from pipetrain.runtime.rank.recompute import RandomState, recompute, recomputes
+from pipetrain.runtime.rank.weights import Weights
 
 LossFn = Callable[[Any, Any], Any]
 """``loss_fn(output, target) -> mean loss`` or ``-> (loss_sum, count)``; output and target
-are tensors or tuples of them (see :mod:`pipetrain.runtime.losses`)."""
+are tensors or tuples of them (see :mod:`pipetrain.runtime.rank.losses`)."""
 
 Loss = tuple[torch.Tensor, torch.Tensor | None]
 """A last-stage forward's loss (detached) and, for a pair-returning loss, its count."""

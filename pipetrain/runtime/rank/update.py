@@ -17,7 +17,7 @@ waits for the input stage's backward only where the schedule's versions already 
 (every stage running each micro-batch on the same version). Under fp16 the
 gradients are unscaled first and the all-reduce also carries whether any rank's
 gradients overflowed: then every rank skips the update and backs its loss scale off, as
-:class:`torch.amp.GradScaler` does (see :mod:`pipetrain.runtime.precision`).
+:class:`torch.amp.GradScaler` does (see :mod:`pipetrain.runtime.rank.precision`).
 """
 
 from __future__ import annotations
@@ -30,13 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils import clip_grads_with_norm_
 
-from pipetrain.runtime.precision import Precision, check_precision
-from pipetrain.schedules import Kind, Schedule
-
-NONFINITE_POLICIES = ("raise", "skip", "warn")
-
-LRSchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
-"""``lr_scheduler(optimizer) -> scheduler``, stepped once per applied update."""
+from pipetrain.runtime.rank.precision import Precision
+from pipetrain.runtime.rank.update_config import LRSchedulerFactory, check_policy
 
 
 class NonFiniteError(RuntimeError):
@@ -50,18 +45,6 @@ class PendingUpdate:
     grads: list[torch.Tensor | None]  # in the order of the stage's parameters
     square: torch.Tensor  # this rank's squared norm, summed over every rank once waited
     wait: Callable[[], None]
-
-
-def check_policy(max_grad_norm: float | None, on_nonfinite: str) -> None:
-    """Raise ValueError for a clipping norm or a non-finite policy that cannot be used."""
-    if on_nonfinite not in NONFINITE_POLICIES:
-        raise ValueError(
-            f"on_nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {on_nonfinite!r}"
-        )
-    if max_grad_norm is not None and not (
-        isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0
-    ):
-        raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
 
 
 def _square_norm(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -278,64 +261,3 @@ class Updater:
         for parameter in self.parameters:
             parameter.grad = None
         self.skipped_updates += 1
-
-
-def check_training(
-    schedule: Schedule,
-    has_optimizer: bool,
-    max_grad_norm: float | None,
-    lr_scheduler: LRSchedulerFactory | None,
-    on_nonfinite: str,
-    precision: str = "fp32",
-) -> None:
-    """Raise a ValueError for update settings that ``schedule`` cannot honour."""
-    check_policy(max_grad_norm, on_nonfinite)
-    check_precision(precision)
-    if not has_optimizer:
-        settings = (
-            ("max_grad_norm", max_grad_norm),
-            ("lr_scheduler", lr_scheduler),
-            ("precision='fp16'", True if precision == "fp16" else None),
-        )
-        given = [name for name, value in settings if value is not None]
-        if given:
-            raise ValueError(
-                f"{given[0]} acts at the pipeline's updates, which need an optimizer; pass "
-                "optimizer=... (or clip with pipe.clip_grad_norm_ before your own step)"
-            )
-    if schedule.asynchronous and max_grad_norm is not None:
-        _check_deferrable(schedule)
-    if schedule.asynchronous and on_nonfinite != "raise":
-        raise ValueError(
-            f"{schedule.name} updates each stage at its own time, so the ranks cannot "
-            f"skip an update together; on_nonfinite={on_nonfinite!r} needs a synchronous "
-            "schedule (asynchronous ones raise)"
-        )
-    if schedule.asynchronous and precision == "fp16":
-        raise ValueError(
-            f"{schedule.name} updates each stage at its own time, so the ranks cannot skip "
-            "an overflowing update together as fp16 loss scaling needs; use precision='bf16' "
-            "(no loss scale) or a synchronous schedule"
-        )
-
-
-def _check_deferrable(schedule: Schedule) -> None:
-    """Raise ValueError unless an asynchronous schedule's updates can wait for their global
-    norm: one rank per stage, and every stage running each micro-batch on the same weight
-    version, so that no forward needs an update before the input stage's backward of it."""
-    if max(len(ranks) for ranks in schedule.stage_ranks) > 1:
-        raise ValueError(
-            f"max_grad_norm on {schedule.name} needs one rank per stage: replicas update "
-            "on their own all-reduce, so no global norm exists at an update"
-        )
-    versions: dict[int | None, set[int | None]] = {}
-    for lane in schedule.ranks:
-        for action in lane:
-            if action.kind is Kind.FORWARD:
-                versions.setdefault(action.microbatch, set()).add(action.version)
-    if any(len(used) > 1 for used in versions.values()):
-        raise ValueError(
-            f"max_grad_norm on {schedule.name} needs every stage to run a micro-batch on the "
-            "same weight version (for pipedream: schedule_options={'vertical_sync': True}); "
-            "otherwise a later stage needs each update before the global norm exists"
-        )

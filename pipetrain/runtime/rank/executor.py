@@ -1,9 +1,10 @@
-"""Play one rank's actions: each is dispatched to a stage, the transport, the weights or a
-gradient reducer.
+"""Play one rank's actions: each is dispatched to a stage, the transport or the update
+cycle.
 
 The executor knows nothing about how the schedule was chosen and keeps no tensors of its
-own beyond the step's summed loss and gathered outputs: stages hold what passes between
-their forwards and backwards, the weights object holds versions and the optimizer.
+own beyond the gathered outputs: stages hold what passes between their forwards and
+backwards, the update cycle (:mod:`~pipetrain.runtime.rank.cycle`) the step's loss and
+everything about updates.
 """
 
 from __future__ import annotations
@@ -13,15 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipetrain.runtime.batch import StepData
-from pipetrain.runtime.inbox import Inbox
-from pipetrain.runtime.normalize import Normalizer, check_kinds
-from pipetrain.runtime.recorder import Recorder
-from pipetrain.runtime.reduce import GradientReducer, completing_passes
-from pipetrain.runtime.stage import Stage
-from pipetrain.runtime.transport import PeerError, Tensors, Transport
-from pipetrain.runtime.update import NonFiniteError
-from pipetrain.runtime.weights import Weights
+from pipetrain.distributed.inbox import Inbox
+from pipetrain.distributed.transport import PeerError, Tensors, Transport
+from pipetrain.runtime.rank.batch import StepData
+from pipetrain.runtime.rank.cycle import UpdateCycle
+from pipetrain.runtime.rank.recorder import Recorder
+from pipetrain.runtime.rank.stage import Stage
+from pipetrain.runtime.rank.update import NonFiniteError
 from pipetrain.schedules import Action, Kind, Schedule
 from pipetrain.schedules.messages import channel, rank_of
 
@@ -55,18 +54,13 @@ class Executor:
         rank: int,
         stages: Mapping[int, Stage],
         transport: Transport,
-        weights: Weights,
+        cycle: UpdateCycle,
         recorder: Recorder,
-        reducers: Mapping[int, GradientReducer] | None = None,
     ) -> None:
-        """Dispatch to ``stages`` (by stage index), ``transport``, ``weights`` and
-        ``reducers``, which all-reduce the gradients of this rank's replicated stages."""
+        """Dispatch to ``stages`` (by stage index), ``transport`` and ``cycle``, which owns
+        the losses and updates."""
         self.rank, self.stages, self.transport = rank, dict(stages), transport
-        self.weights, self.recorder = weights, recorder
-        self.reducers = dict(reducers or {})
-        holders = {stage: weights.holders(stage, None) for stage in self.stages}
-        # divides the gradients of (loss_sum, count) losses by the step's count
-        self.normalizer = Normalizer(holders, self.reducers, transport.all_reduce, transport.device)
+        self.cycle, self.recorder = cycle, recorder
         self._handlers: dict[Kind, Callable[[Action], None]] = {
             Kind.FORWARD: self._forward,
             Kind.BACKWARD: self._backward,
@@ -79,9 +73,9 @@ class Executor:
             Kind.RECV_B: self._receive_gradient,
             Kind.RECV_T: self._receive_targets,
             Kind.RECV_O: self._receive_output,
-            Kind.ALLREDUCE: self._allreduce,
-            Kind.STEP: self._step,
-            Kind.LOSS: self._all_reduce_loss,
+            Kind.ALLREDUCE: lambda action: cycle.on_allreduce(action.stage),
+            Kind.STEP: lambda action: cycle.on_step(action.stage),
+            Kind.LOSS: self._loss,
             # an overlapped pair's forward and backward follow as actions of their own, run
             # one after the other on this rank's one stream of work
             Kind.OVERLAP: lambda action: None,
@@ -93,17 +87,8 @@ class Executor:
         gradients accumulate: ``STEP`` applies nothing and replicas do not all-reduce (they
         will, once, at the update)."""
         lane = schedule.ranks[self.rank]
-        self._schedule, self._data = schedule, data
-        device = self.transport.device
-        self._outcome, self._loss = Outcome(), torch.zeros((), device=device)
-        self._count, self._pairs = torch.zeros((), dtype=torch.float64, device=device), 0
-        # the step's count is learnt after this rank's last backward: at its last STEP
-        self._steps_left = sum(a.kind is Kind.STEP for a in lane)
-        self._normalized = False
-        self._reduced_loss: torch.Tensor | None = None  # by the update, when it sums them
-        self.weights.begin(lane, update)
-        reduced = self.reducers if update else {}
-        self._arming = completing_passes(lane, reduced, schedule.split_backward)
+        self._schedule, self._data, self._outcome = schedule, data, Outcome()
+        self.cycle.begin(schedule, lane, update)
         self._inbox = Inbox(self.transport, lane)
         recorder = self.recorder
         try:
@@ -153,30 +138,18 @@ class Executor:
                 raise ValueError(f"rank {self.rank} runs the first stage but has no inputs")
             stage.give_inputs(mb, self._data.inputs[mb])
         target = self._data.loss_target(mb) if stage.last else None
-        version = self.weights.version(action.stage, action.version)
+        version = self.cycle.version(action.stage, action.version)
         loss = stage.forward(mb, version, target, self._data.keep_outputs)
         if loss is not None:
-            self._loss += loss[0]
-            if loss[1] is not None:
-                if self._schedule.asynchronous:
-                    raise ValueError(
-                        f"{self._schedule.name} updates before a step's count is known, so "
-                        "its loss function must return a scalar mean, not (loss_sum, count); "
-                        "use a synchronous schedule (gpipe, 1f1b, interleaved, zb-h1) for "
-                        "token-level normalization"
-                    )
-                self._count += loss[1].double()
-                self._pairs += 1
+            self.cycle.add_loss(loss)
         following = None if stage.last else self._local(action.stage + 1, mb)
         if following is not None:
             following.give_inputs(mb, stage.take_outputs(mb))
 
     def _arm(self, action: Action) -> None:
-        """Before an update's last gradient pass, let it start the all-reduce of each bucket
-        it completes."""
-        key = (action.stage, self._microbatch(action))
-        if key in self._arming:
-            self.reducers[action.stage].arm(self.stages[action.stage].gradient_holders(key[1]))
+        """Before a gradient pass: it may complete a replicated stage's update."""
+        stage, mb = self.stages[action.stage], self._microbatch(action)
+        self.cycle.before_gradient_pass(action.stage, mb, lambda: stage.gradient_holders(mb))
 
     def _backward(self, action: Action) -> None:
         stage, mb = self.stages[action.stage], self._microbatch(action)
@@ -191,73 +164,8 @@ class Executor:
         self._arm(action)
         self.stages[action.stage].weight(self._microbatch(action))
 
-    # updates --------------------------------------------------------------------------
-    def _allreduce(self, action: Action) -> None:
-        if not self.weights.updating:
-            return
-        self.reducers[action.stage].finish(self.weights.holders(action.stage, None))
-        self.weights.collect(action.stage)
-
-    def _normalize(self) -> None:
-        """Divide the step's gradients by its count, once (see :mod:`.normalize`)."""
-        if not self._normalized and not self._schedule.asynchronous:
-            self._normalized = True
-            self.normalizer.finish(
-                self._count, self._pairs, self._schedule.microbatches, self.weights.updating
-            )
-
-    def _loss_stats(self) -> torch.Tensor:
-        """This rank's share of the step's loss, its target count and its pair losses."""
-        return torch.stack([self._loss.double(), self._count, self._count.new_tensor(self._pairs)])
-
-    def _step(self, action: Action) -> None:
-        self._steps_left -= 1
-        if self._steps_left > 0:
-            self.weights.step(action.stage, self._loss)
-            return
-        # a synchronous update sums the loss statistics with its gradient norm, so LOSS
-        # takes them from there instead of all-reducing again; where it can, the update
-        # also divides by the step's count that they carry (one all-reduce, not two)
-        if self._update_normalizes():
-            self._normalized = True
-            self.weights.step(action.stage, self._loss_stats(), self._normalize_summed)
-        else:
-            self._normalize()
-            self.weights.step(action.stage, self._loss_stats())
-        if self.weights.updating and not self._schedule.asynchronous:
-            self._reduced_loss = self.weights.updater.take_reduced_loss()
-
-    def _update_normalizes(self) -> bool:
-        """Whether this rank's update, now, can divide the step's gradients by its count:
-        a synchronous update, with no gradients of earlier steps put aside (their norm is
-        known only once they are added back after the division)."""
-        return (
-            not self._normalized
-            and not self._schedule.asynchronous
-            and self.weights.updating
-            and self.weights.updater.active
-            and self.normalizer.normalizing is not False
-            and not self.normalizer.holds_aside
-        )
-
-    def _normalize_summed(self, reduced: torch.Tensor) -> float:
-        """Divide by the step's count in the update's summed loss statistics."""
-        return self.normalizer.divide(
-            reduced[1], round(float(reduced[2])), self._schedule.microbatches, True
-        )
-
-    def _all_reduce_loss(self, action: Action) -> None:
-        self._normalize()
-        stats = self._reduced_loss
-        if stats is None:
-            stats = self._loss_stats()
-            self.transport.all_reduce(stats)
-        pairs = round(float(stats[2]))
-        if pairs:
-            if not self.normalizer.normalizing:
-                check_kinds(pairs, self._schedule.microbatches, False)
-            stats[0] /= stats[1]
-        self._outcome.loss = stats[0].float()
+    def _loss(self, action: Action) -> None:
+        self._outcome.loss = self.cycle.on_loss()
 
     # transfers ------------------------------------------------------------------------
     def _send_outputs(self, action: Action) -> None:

@@ -160,15 +160,17 @@ def replica_reducers(
     bucket_bytes: float | None,
 ) -> dict[int, GradientReducer]:
     """A gradient reducer for each replicated stage among ``modules`` (this rank's, by
-    stage), over a process group of the stage's replicas (``global_rank`` maps a rank of the
-    pipeline's group to the world's). Every rank must call it: torch.distributed needs every
-    rank to create every group, in the same order. By default buckets are
+    stage) whose replicas the schedule all-reduces, over a process group of the stage's
+    replicas (``global_rank`` maps a rank of the pipeline's group to the world's). Every
+    rank must call it: torch.distributed needs every rank to create every group, in the
+    same order. By default buckets are
     :data:`DEFAULT_BUCKET_BYTES` on GPUs and the whole stage on CPUs, where the all-reduce's
     thread would take cores from the computation it overlaps."""
+    reduced = {a.stage for lane in schedule.ranks for a in lane if a.kind is Kind.ALLREDUCE}
     groups = {
         stage: dist.new_group([global_rank(r) for r in ranks])
         for stage, ranks in enumerate(schedule.stage_ranks)
-        if len(ranks) > 1
+        if len(ranks) > 1 and stage in reduced
     }
     if bucket_bytes is None:
         bucket_bytes = DEFAULT_BUCKET_BYTES if device.type == "cuda" else math.inf

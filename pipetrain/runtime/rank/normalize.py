@@ -1,9 +1,9 @@
 """Normalization of ``(loss_sum, count)`` losses: a step's gradients divided by its count.
 
-When the loss function returns ``(loss_sum, count)`` (see :mod:`pipetrain.runtime.losses`),
+When the loss function returns ``(loss_sum, count)`` (see :mod:`pipetrain.runtime.rank.losses`),
 each micro-batch's backward starts from its ``loss_sum`` (times the fp16 loss scale), sum
 and count both weighted by one weight shared by the whole update (see
-:class:`~pipetrain.runtime.batch.LossTarget`). Gradients are linear in the loss, so
+:class:`~pipetrain.runtime.rank.batch.LossTarget`). Gradients are linear in the loss, so
 dividing everything a step produced by the step's total weighted count gives exactly the
 gradients of ``Σ loss_sum / Σ count`` on the whole batch.
 The total is known only once every last-stage forward ran, on whichever rank: at each
@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from pipetrain.runtime.reduce import GradientReducer
+from pipetrain.runtime.rank.reduce import GradientReducer
 
 
 class Normalizer:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipetrain.runtime.transport import PendingReceive, Tensors, Transport
+from pipetrain.distributed.transport import PendingReceive, Tensors, Transport
 from pipetrain.schedules import RECV_KINDS, Action
 from pipetrain.schedules.messages import channel
 

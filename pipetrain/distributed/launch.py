@@ -28,9 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipetrain.runtime.heap import keep_freed_memory
-from pipetrain.runtime.heartbeat import stop_beating
-from pipetrain.runtime.io_threads import defer_gloo_io_threads
+from pipetrain.distributed.heap import keep_freed_memory
+from pipetrain.distributed.heartbeat import stop_beating
+from pipetrain.distributed.io_threads import defer_gloo_io_threads
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _PARENT_POLL_S = 0.25
