@@ -4,10 +4,10 @@
 VENV := .venv
 PYTHON := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
-# The demo GPT has 6 layers: one stage per core, at least 2 and at most 6.
+# The demo GPT has 6 layers: one worker (and stage) per core, at least 2 and at most 6.
 CORES := $(shell nproc 2>/dev/null || echo 2)
-STAGES := $(shell n=$(CORES); [ $$n -lt 2 ] && n=2; [ $$n -gt 6 ] && n=6; echo $$n)
-THREADS := $(shell n=$$(( $(CORES) / $(STAGES) )); [ $$n -lt 1 ] && n=1; echo $$n)
+RANKS := $(shell n=$(CORES); [ $$n -lt 2 ] && n=2; [ $$n -gt 6 ] && n=6; echo $$n)
+THREADS := $(shell n=$$(( $(CORES) / $(RANKS) )); [ $$n -lt 1 ] && n=1; echo $$n)
 
 .PHONY: demo test test-slow timelines
 
@@ -20,7 +20,7 @@ $(INSTALLED): pyproject.toml
 	touch $@
 
 demo: $(INSTALLED)
-	$(VENV)/bin/pipetrain train --model gpt --stages $(STAGES) --threads $(THREADS) \
+	$(VENV)/bin/pipetrain train --model gpt --ranks $(RANKS) --threads $(THREADS) \
 		--schedule 1f1b --microbatches 4 --steps 200 --batch-size 128
 
 # lint, format and type checks first: they take seconds, the suite minutes

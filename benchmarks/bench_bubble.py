@@ -7,7 +7,7 @@ schedule the run played (:meth:`~pipetrain.app.train_config.TrainConfig.schedule
 Run it with another version on ``PYTHONPATH`` to see that version's prediction of the
 same steps. Prints one line per trace, then the medians.
 
-    python benchmarks/bench_bubble.py --schedule interleaved --stages 2 --microbatches 8 \\
+    python benchmarks/bench_bubble.py --schedule interleaved --ranks 2 --microbatches 8 \\
         interleaved-1.json interleaved-2.json
 """
 
@@ -18,6 +18,7 @@ import json
 import statistics
 
 from pipetrain.app.train_config import TrainConfig
+from pipetrain.runtime import PipelineConfig
 from pipetrain.simulation import measured_costs, simulate
 from pipetrain.timeline import Event, Timeline
 
@@ -45,21 +46,17 @@ def main() -> None:
     """Print measured and predicted bubble and step for each trace, then their medians."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", required=True)
-    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--model", default="gpt")
     parser.add_argument("traces", nargs="+")
     args = parser.parse_args()
-    config = TrainConfig(
-        model=args.model,
-        stages=args.stages,
-        schedule=args.schedule,
-        microbatches=args.microbatches,
-    ).resolved(world_size=None)
+    pipeline = PipelineConfig(args.schedule, args.microbatches, targets_on_first_stage=True)
+    config = TrainConfig(args.model, pipeline, ranks=args.ranks).resolved(world_size=None)
     schedule = config.schedule_for()
     rows = []
     for path in args.traces:
-        measured = read_trace(path, args.stages)
+        measured = read_trace(path, args.ranks)
         predicted = simulate(schedule, measured_costs(measured, schedule.stages))
         rows.append(
             (

@@ -89,9 +89,7 @@ def pipelined(shape: dict[str, int], run: dict[str, Any]) -> dict[str, Any]:
         loss_fn=loss_function("gpt"),
         optimizer=lambda params: torch.optim.Adam(params, lr=LR),
         precision=run["precision"],
-        runtime=pipetrain.RuntimeConfig(
-            device=run["device"] if run["backend"] == "gloo" else None
-        ),
+        runtime=pipetrain.RuntimeConfig(device=run["device"] if run["backend"] == "gloo" else None),
     )
     device = pipe.device
     times, losses = [], []

@@ -210,7 +210,9 @@ BAD_ARGUMENTS = [
         ],
         "fast",
     ),
-    (["train", "--model", "transformer", "--stages", "2"], "transformer"),
+    (["train", "--model", "transformer", "--ranks", "2"], "transformer"),
+    # the worker count's former name, refused naming the new one
+    (["train", "--model", "mlp", "--stages", "2"], "--stages is now --ranks"),
 ]
 
 
@@ -326,7 +328,7 @@ def test_train_json_reports_every_key_and_the_unpipelined_losses(tmp_path: Path)
         "train",
         "--model",
         "mlp",
-        "--stages",
+        "--ranks",
         "2",
         "--steps",
         "3",
@@ -371,7 +373,7 @@ def test_train_accumulates_and_clips_as_the_unpipelined_loop() -> None:
         "train",
         "--model",
         "mlp",
-        "--stages",
+        "--ranks",
         "2",
         "--steps",
         "5",
@@ -398,7 +400,7 @@ def test_train_follows_warmup_cosine_and_evaluates_as_the_unpipelined_loop() -> 
     assert warmup_cosine(30)(0) == pytest.approx(1 / 3)
     result = run_cli(
         "train",
-        *("--model", "mlp", "--stages", "2", "--steps", "5", "--accumulate", "2"),
+        *("--model", "mlp", "--ranks", "2", "--steps", "5", "--accumulate", "2"),
         *("--lr-schedule", "warmup-cosine", "--eval-every", "2", "--json"),
     )
     assert result.returncode == 0, result.stderr
@@ -422,7 +424,7 @@ def test_train_follows_warmup_cosine_and_evaluates_as_the_unpipelined_loop() -> 
 
 
 def test_a_diverged_run_ends_with_status_1_naming_the_non_finite_update() -> None:
-    result = run_cli("train", "--model", "mlp", "--stages", "2", "--steps", "5", "--lr", "1e30")
+    result = run_cli("train", "--model", "mlp", "--ranks", "2", "--steps", "5", "--lr", "1e30")
     assert result.returncode == 1
     assert "NonFiniteError: non-finite values at update" in result.stderr
     assert "the update was not applied" in result.stderr
@@ -431,7 +433,7 @@ def test_a_diverged_run_ends_with_status_1_naming_the_non_finite_update() -> Non
 @pytest.mark.slow
 def test_a_finite_but_diverged_run_reports_then_ends_with_status_1() -> None:
     result = run_cli(
-        "train", *("--model", "mlp", "--stages", "2", "--steps", "8", "--lr", "1e6", "--json")
+        "train", *("--model", "mlp", "--ranks", "2", "--steps", "8", "--lr", "1e6", "--json")
     )
     assert result.returncode == 1
     report = json.loads(result.stdout)  # the losses are kept
@@ -445,7 +447,7 @@ def test_a_finite_but_diverged_run_reports_then_ends_with_status_1() -> None:
 def test_train_in_bf16_stays_near_the_unpipelined_float32_losses() -> None:
     result = run_cli(
         "train",
-        *("--model", "mlp", "--stages", "2", "--steps", "3", "--precision", "bf16", "--json"),
+        *("--model", "mlp", "--ranks", "2", "--steps", "3", "--precision", "bf16", "--json"),
     )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
@@ -476,7 +478,7 @@ def test_train_rejects_a_schedule_that_cannot_split_the_batch_before_starting_wo
         "train",
         "--model",
         "mlp",
-        "--stages",
+        "--ranks",
         "2",
         "--schedule",
         "interleaved",
@@ -548,8 +550,10 @@ def test_progress_prints_about_every_tenth_step_when_not_on_a_terminal() -> None
 def test_train_report_writes_measured_chrome_trace(tmp_path: Path) -> None:
     from pipetrain.app.train_config import TrainConfig
     from pipetrain.app.train_report import TrainReport
+    from pipetrain.runtime import PipelineConfig
 
-    config = TrainConfig(model="mlp", stages=2, microbatches=2, steps=4, batch_size=8, lr=1e-3)
+    pipeline = PipelineConfig(microbatches=2, targets_on_first_stage=True)
+    config = TrainConfig("mlp", pipeline, ranks=2, steps=4, batch_size=8, lr=1e-3).resolved()
     measured = simulate(build("1f1b", 2, 2), Costs(forward_s=[1.0, 1.5], backward_s=2.0))
     result = {
         "losses": [4.0, 3.0, 2.0, 1.0],
@@ -584,7 +588,7 @@ def test_train_report_compares_a_plan_with_the_measured_step() -> None:
         microbatch_size=4,
     )
     config = TrainConfig(model="mlp", steps=4, plan=plan).resolved()
-    assert (config.balance, config.batch_size, config.planned_step_s) == ((3, 2), 8, 6.0)
+    assert (config.pipeline.balance, config.batch_size, config.planned_step_s) == ((3, 2), 8, 6.0)
     measured = simulate(build("1f1b", 2, 2), Costs(forward_s=[1.0, 1.5], backward_s=2.0))
     result = {
         "losses": [4.0, 3.0, 2.0, 1.0],
@@ -632,7 +636,7 @@ def test_zero_bubble_fills_unspecified_costs_with_ones(capsys: pytest.CaptureFix
 def test_train_runs_a_stock_hugging_face_model_as_the_unpipelined_one() -> None:
     pytest.importorskip("transformers")
     result = run_cli(
-        "train", "--model", "hf-llama", "--stages", "2", "--steps", "3", "--microbatches", "2",
+        "train", "--model", "hf-llama", "--ranks", "2", "--steps", "3", "--microbatches", "2",
         "--eval-every", "3", "--json",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr

@@ -120,7 +120,7 @@ def test_without_root_it_says_so_in_one_line(
     "job, named",
     [
         (["plan"], "runs `pipetrain train`, not 'plan'"),
-        (["train", "--model", "mlp", "--stages", "3"], "--stages 3 but the cluster has --hosts 2"),
+        (["train", "--model", "mlp", "--ranks", "3"], "--ranks 3 but the cluster has --hosts 2"),
         ([], "give the command to run after --"),
     ],
 )

@@ -12,7 +12,7 @@ from pipetrain.app.train_config import warmup_cosine
 
 
 def test_ddp_losses_equal_the_unpipelined_loop() -> None:
-    done = run_cli("train", "--model", "mlp", "--ddp", "--stages", "2", "--steps", "3", "--json")
+    done = run_cli("train", "--model", "mlp", "--ddp", "--ranks", "2", "--steps", "3", "--json")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["schedule"] == "ddp" and report["workers"] == 2
@@ -26,7 +26,7 @@ def test_ddp_losses_equal_the_unpipelined_loop() -> None:
 def test_ddp_accumulates_clips_schedules_and_evaluates_as_the_unpipelined_loop() -> None:
     # 4 workers of 8 samples: accumulation across steps without a gradient all-reduce
     done = run_cli(
-        "train", "--model", "mlp", "--ddp", "--stages", "4", "--batch-size", "32",
+        "train", "--model", "mlp", "--ddp", "--ranks", "4", "--batch-size", "32",
         "--steps", "5", "--accumulate", "2", "--max-grad-norm", "0.05",
         "--lr-schedule", "warmup-cosine", "--eval-every", "2", "--json",
     )  # fmt: skip

@@ -26,7 +26,7 @@ STEPS, SAVE_EVERY = 120, 10
 TRAIN = [
     "train",
     "--model", "mlp",
-    "--stages", "2",
+    "--ranks", "2",
     "--schedule", "1f1b",
     "--microbatches", "2",
     "--batch-size", "32",

@@ -8,15 +8,12 @@ import json
 import math
 from typing import Any, NoReturn
 
+from pipetrain.app.model_registry import MODEL_NAMES
 from pipetrain.schedules import Option, names, spec
 from pipetrain.timeline import Timeline
 
 USAGE_ERROR = 2
 """Exit status of a bad argument."""
-
-# a copy of pipetrain.app.models.MODEL_NAMES (a test keeps them equal): importing the models
-# loads torch, which `pipetrain simulate` does not need
-MODEL_NAMES = ("mlp", "cnn", "gpt", "uneven-mlp", "vgg", "hf-gpt2", "hf-llama")
 
 
 class Parser(argparse.ArgumentParser):

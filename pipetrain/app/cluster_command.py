@@ -25,7 +25,7 @@ from typing import Any
 
 from pipetrain.app.arguments import Parser, non_negative_float, positive_int
 from pipetrain.app.cluster_net import INTERFACE, Cluster, remove_leftovers, require_root
-from pipetrain.app.train_command import add_train
+from pipetrain.app.train_command import add_train, refuse_stages
 from pipetrain.units import format_bandwidth, format_bytes, parse_bandwidth
 
 DEFAULT_PORT = 29400
@@ -110,10 +110,11 @@ def job_arguments(args: argparse.Namespace) -> list[str]:
     parser = Parser(prog="pipetrain")
     add_train(parser.add_subparsers(dest="command", required=True))
     parsed = parser.parse_args(job)  # a bad argument ends here, before any host
-    if parsed.stages is not None and parsed.stages != args.hosts:
+    refuse_stages(parsed)
+    if parsed.ranks is not None and parsed.ranks != args.hosts:
         raise ValueError(
-            f"the job asks for --stages {parsed.stages} but the cluster has --hosts "
-            f"{args.hosts}, one worker each; give the same number or leave out --stages"
+            f"the job asks for --ranks {parsed.ranks} but the cluster has --hosts "
+            f"{args.hosts}, one worker each; give the same number or leave out --ranks"
         )
     return job
 

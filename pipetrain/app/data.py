@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pipetrain.app.model_registry import model_spec
 from pipetrain.checks import positive_int
 
 Split = tuple[Tensor, Tensor]
@@ -28,8 +29,6 @@ EVAL_WINDOWS = 128  # gpt eval-set size (windows of seq_len + 1 bytes)
 _SKIPPED_DIRS = frozenset(
     {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 )
-_DIGIT_MODELS = {"mlp": True, "uneven-mlp": True, "cnn": False, "vgg": False}  # name -> flat inputs
-_TEXT_MODELS = frozenset({"gpt", "hf-gpt2", "hf-llama"})
 
 
 @functools.lru_cache(maxsize=1)
@@ -104,17 +103,15 @@ class BatchStream:
         self, model_name: str, batch_size: int, *, seq_len: int = 64, seed: int = 0
     ) -> None:
         """Prepare the data for ``model_name``; see the class docstring."""
-        if model_name not in _DIGIT_MODELS and model_name not in _TEXT_MODELS:
-            known = ", ".join([*_DIGIT_MODELS, *_TEXT_MODELS])
-            raise ValueError(f"no data for model {model_name!r}; choose one of {known}")
         self.model_name = model_name
+        self._text = model_spec(model_name).text
         self.batch_size = positive_int("batch_size", batch_size)
         self.seq_len = positive_int("seq_len", seq_len)
         self._generator = torch.Generator().manual_seed(seed)
-        if model_name in _TEXT_MODELS:
+        if self._text:
             self._init_text()
         else:
-            self._init_digits(flat=_DIGIT_MODELS[model_name], seed=seed)
+            self._init_digits(flat=model_spec(model_name).data == "digits", seed=seed)
 
     def _init_text(self) -> None:
         """Split the corpus into a training region and a held-out tail."""
@@ -144,7 +141,7 @@ class BatchStream:
 
     def __next__(self) -> tuple[Tensor, Tensor]:
         """The next training batch."""
-        if self.model_name in _TEXT_MODELS:
+        if self._text:
             return self._next_text()
         return self._next_digits()
 
@@ -173,7 +170,7 @@ class BatchStream:
         """The stream's position: its random generator's state and, for the digits, the
         epoch's order and the place in it; :meth:`load_state_dict` goes on from there."""
         state: dict[str, Any] = {"generator": self._generator.get_state()}
-        if self.model_name not in _TEXT_MODELS:
+        if not self._text:
             state.update(order=self._order.clone(), position=self._position)
         return state
 
@@ -181,13 +178,13 @@ class BatchStream:
         """Go on from a position that :meth:`state_dict` returned (of a stream of the same
         model, batch size and seed)."""
         self._generator.set_state(state["generator"])
-        if self.model_name not in _TEXT_MODELS:
+        if not self._text:
             self._order, self._position = state["order"].clone(), int(state["position"])
 
     def eval_set(self) -> tuple[Tensor, Tensor]:
         """A fixed held-out set: the digits test split, or for gpt evenly spaced windows from
         the last 10% of the corpus (which training windows never touch)."""
-        if self.model_name not in _TEXT_MODELS:
+        if not self._text:
             return self._test
         window = self.seq_len + 1
         held_out = len(self._corpus) - self._train_end

@@ -34,11 +34,13 @@ def add_train(commands: argparse._SubParsersAction) -> None:
     )
     add_model_argument(parser)
     parser.add_argument(
-        "--stages",
+        "--ranks",
         type=positive_int,
-        metavar="P",
-        help="pipeline ranks (default 2; under torchrun, the world size)",
+        metavar="N",
+        help="worker processes (default 2; under torchrun, the world size)",
     )
+    # the former name of --ranks, refused with a message that names the new one
+    parser.add_argument("--stages", type=int, help=argparse.SUPPRESS)
     parser.add_argument(
         "--schedule",
         choices=names(),
@@ -179,7 +181,7 @@ def add_train(commands: argparse._SubParsersAction) -> None:
         "--ddp",
         action="store_true",
         help="train data-parallel instead (DistributedDataParallel): a whole replica on each "
-        "of --stages workers, each on an equal share of every batch",
+        "of --ranks workers, each on an equal share of every batch",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
@@ -199,33 +201,40 @@ def run_train(args: argparse.Namespace) -> None:
     from pipetrain.app.train_config import TrainConfig
     from pipetrain.app.train_job import run_training
     from pipetrain.app.train_resume import RunFinished
+    from pipetrain.runtime import PipelineConfig, UpdateConfig
 
-    config = TrainConfig(
-        model=args.model,
-        stages=args.stages,
+    refuse_stages(args)
+    pipeline = PipelineConfig(
         schedule=args.schedule or "1f1b",
         microbatches=args.microbatches,
-        steps=args.steps,
-        batch_size=args.batch_size,
+        schedule_options=schedule_options(args),
+        replicas=args.replicas,
         balance=args.balance,
         recompute=args.recompute,
+        targets_on_first_stage=True,
+    )
+    update = UpdateConfig(max_grad_norm=args.max_grad_norm, precision=args.precision)
+    plan_auto = args.plan == "auto"
+    config = TrainConfig(
+        args.model,
+        pipeline,
+        update,
+        ranks=args.ranks,
+        steps=args.steps,
+        batch_size=args.batch_size,
         lr=args.lr,
-        accumulate=args.accumulate,
-        max_grad_norm=args.max_grad_norm,
-        lr_schedule=args.lr_schedule,
-        precision=args.precision,
-        eval_every=args.eval_every,
-        schedule_options=schedule_options(args),
         seed=args.seed,
         threads=args.threads,
+        plan=_train_plan(args),
+        plan_auto=plan_auto,
+        plan_schedules=(args.schedule,) if args.schedule and plan_auto else None,
+        accumulate=args.accumulate,
+        lr_schedule=args.lr_schedule,
+        eval_every=args.eval_every,
         save_dir=args.save_dir,
         save_every=args.save_every,
         keep_checkpoints=args.keep_checkpoints,
         timeout_s=args.timeout,
-        replicas=args.replicas,
-        plan=_train_plan(args),
-        plan_auto=args.plan == "auto",
-        plan_schedules=(args.schedule,) if args.schedule and args.plan == "auto" else None,
     )
     if args.ddp:
         _run_ddp(args, config)
@@ -243,6 +252,16 @@ def run_train(args: argparse.Namespace) -> None:
     diverged = report.divergence()
     if diverged is not None:  # after the report, which keeps the losses
         raise RuntimeError(diverged)
+
+
+def refuse_stages(args: argparse.Namespace) -> None:
+    """Refuse ``--stages``, the former name of ``--ranks``: model stages and worker
+    processes are different counts (a rank may hold several stages)."""
+    if args.stages is not None:
+        raise ValueError(
+            f"--stages is now --ranks (worker processes): give --ranks {args.stages}; "
+            "model stages follow from --balance or the schedule"
+        )
 
 
 def _train_plan(args: argparse.Namespace) -> Plan | None:

@@ -1,5 +1,6 @@
-"""What ``pipetrain train`` runs: :class:`TrainConfig`, its defaults per built-in model, and
-the :class:`~pipetrain.runtime.PipelineConfig` it trains with."""
+"""What ``pipetrain train`` runs: :class:`TrainConfig`, holding the
+:class:`~pipetrain.runtime.PipelineConfig` and :class:`~pipetrain.runtime.UpdateConfig` it
+trains with, and the schedule it builds once."""
 
 from __future__ import annotations
 
@@ -9,115 +10,96 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from pipetrain.app.data import BatchStream
-from pipetrain.app.models import model_layers
+from pipetrain.app.model_registry import model_spec
 from pipetrain.planning import Plan
 from pipetrain.runtime import PipelineConfig
 from pipetrain.runtime.rank.update_config import UpdateConfig
-from pipetrain.schedules import Schedule, spec, with_targets_shipped
+from pipetrain.schedules import Schedule, with_targets_shipped
 
-DEFAULT_LR = {
-    "mlp": 3e-3,
-    "uneven-mlp": 3e-3,
-    "cnn": 3e-3,
-    "vgg": 1e-3,
-    "gpt": 3e-3,
-    "hf-gpt2": 3e-3,
-    "hf-llama": 3e-3,
-}
-DEFAULT_BATCH_SIZE = {
-    "mlp": 64,
-    "uneven-mlp": 64,
-    "cnn": 64,
-    "vgg": 64,
-    "gpt": 16,
-    "hf-gpt2": 16,
-    "hf-llama": 16,
-}
-DEFAULT_STAGES = 2
+DEFAULT_RANKS = 2
 WARMUP_STEPS = 2  # left out of the median step time: first steps pay for allocation and set-up
 LR_SCHEDULES = ("constant", "warmup-cosine")
 WARMUP_FRACTION = 0.1  # of the updates, for warmup-cosine
 
 
+def _default_pipeline() -> PipelineConfig:
+    # the targets travel from the input stage, so only its workers load data
+    return PipelineConfig(microbatches=4, targets_on_first_stage=True)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
-    """What to train and how. ``None`` means the default (per model for ``batch_size`` and
-    ``lr``; for ``stages``, 2 local workers or the torchrun world size). A ``plan`` sets the
-    split, schedule and micro-batches, and its prediction is kept as ``planned_step_s`` (for
-    the network ``planned_topology``);
-    ``plan_auto`` has the workers profile the model, measure their links and plan it for
-    ``stages`` workers first, choosing among ``plan_schedules`` (``None``: every schedule).
-    Every ``accumulate`` steps (and the last) make one update, whose gradients are clipped
-    to the global norm ``max_grad_norm`` if one is given. ``lr_schedule`` is ``"constant"``
-    or ``"warmup-cosine"`` (see :func:`warmup_cosine`); every ``eval_every`` steps the run
-    evaluates the model on a fixed held-out batch. ``precision`` is the Pipeline's
-    (``"fp32"``, ``"bf16"`` or ``"fp16"``). With ``save_dir``, the run saves a checkpoint
-    every ``save_every`` steps (a multiple of ``accumulate``) and at its last, keeping the
-    ``keep_checkpoints`` newest, and starts from the newest one there; every receive and
-    collective waits at most ``timeout_s``."""
+    """What to train and how. ``pipeline`` holds the schedule's settings, ``update`` the
+    clipping norm and precision. ``None`` means the default (per model for ``batch_size``
+    and ``lr``; for ``ranks``, 2 local workers or the torchrun world size). A ``plan`` sets
+    the split, schedule and micro-batches, and its prediction is kept as ``planned_step_s``
+    (for the network ``planned_topology``); ``plan_auto`` has the workers profile the model,
+    measure their links and plan it for ``ranks`` workers first, choosing among
+    ``plan_schedules`` (``None``: every schedule). Every ``accumulate`` steps (and the last)
+    make one update. ``lr_schedule`` is ``"constant"`` or ``"warmup-cosine"`` (see
+    :func:`warmup_cosine`); every ``eval_every`` steps the run evaluates the model on a
+    fixed held-out batch. With ``save_dir``, the run saves a checkpoint every ``save_every``
+    steps (a multiple of ``accumulate``) and at its last, keeping the ``keep_checkpoints``
+    newest, and starts from the newest one there; every receive and collective waits at
+    most ``timeout_s``. :meth:`resolved` fills the defaults in and builds ``schedule``, the
+    schedule the run plays, once."""
 
     model: str
-    stages: int | None = None
-    schedule: str = "1f1b"
-    microbatches: int = 4
+    pipeline: PipelineConfig = field(default_factory=_default_pipeline)
+    update: UpdateConfig = field(default_factory=UpdateConfig)
+    ranks: int | None = None
     steps: int = 20
     batch_size: int | None = None
-    balance: tuple[int, ...] | None = None
-    recompute: str = "never"
     lr: float | None = None
     seed: int = 0
     threads: int = 1
-    replicas: tuple[int, ...] | None = None
-    schedule_options: dict[str, int | bool] = field(default_factory=dict)
     plan: Plan | None = None
     plan_auto: bool = False
     plan_schedules: tuple[str, ...] | None = None
     planned_step_s: float | None = None
     planned_topology: str | None = None
     accumulate: int = 1
-    max_grad_norm: float | None = None
     lr_schedule: str = "constant"
     eval_every: int | None = None
-    precision: str = "fp32"
     save_dir: str | None = None
     save_every: int | None = None
     keep_checkpoints: int = 2
     timeout_s: float = 300.0
+    schedule: Schedule | None = None
 
     def resolved(self, world_size: int | None = None) -> TrainConfig:
-        """The configuration with defaults filled in and checked; ValueError if it cannot run."""
-        if self.model not in DEFAULT_LR:
-            raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(DEFAULT_LR)}")
+        """The configuration with defaults filled in, checked, and its schedule built;
+        ValueError if it cannot run."""
+        model = model_spec(self.model)
         if self.plan is not None and self.plan_auto:
             raise ValueError("give a plan or plan_auto=True, not both")
         if self.plan is not None:
-            return replace(
-                self.from_plan(self.plan), lr=self.lr or DEFAULT_LR[self.model]
-            ).resolved(world_size)
-        stages = (
-            self.stages
-            or (sum(self.replicas) if self.replicas and not self.plan_auto else world_size)
-            or DEFAULT_STAGES
+            return replace(self.from_plan(self.plan), lr=self.lr or model.lr).resolved(world_size)
+        replicas = self.pipeline.replicas
+        ranks = (
+            self.ranks
+            or (sum(replicas) if replicas and not self.plan_auto else world_size)
+            or DEFAULT_RANKS
         )
-        if world_size is not None and stages != world_size:
+        if world_size is not None and ranks != world_size:
             raise ValueError(
-                f"stages {stages} differs from the torchrun world size {world_size}; "
-                f"give --stages {world_size} or omit it"
+                f"--ranks {ranks} differs from the torchrun world size {world_size}; "
+                f"give --ranks {world_size} or omit it"
             )
         config = replace(
             self,
-            stages=stages,
-            batch_size=self.batch_size or DEFAULT_BATCH_SIZE[self.model],
-            lr=self.lr or DEFAULT_LR[self.model],
+            ranks=ranks,
+            batch_size=self.batch_size or model.batch_size,
+            lr=self.lr or model.lr,
         )
-        if not self.plan_auto:  # an automatic plan is checked once the workers have made it
-            config.check()
-        return config
+        if self.plan_auto:  # an automatic plan is checked once the workers have made it
+            return config
+        return replace(config, schedule=config.checked())
 
     @property
     def workers(self) -> int:
         """The worker count of a resolved configuration."""
-        return _resolved(self.stages, "stages")
+        return _resolved(self.ranks, "ranks")
 
     @property
     def samples(self) -> int:
@@ -129,19 +111,18 @@ class TrainConfig:
         """The learning rate of a resolved configuration."""
         return _resolved(self.lr, "lr")
 
+    @property
+    def built(self) -> Schedule:
+        """The schedule a resolved configuration plays (without the targets' transfer)."""
+        return _resolved(self.schedule, "schedule")
+
     def from_plan(self, plan: Plan) -> TrainConfig:
         """This configuration with the plan's split, replication, schedule and micro-batches."""
-        replicas = tuple(plan.replicas) if max(plan.replicas) > 1 else None
         return replace(
             self,
             plan=None,
-            stages=plan.workers,
-            schedule=plan.schedule,
-            microbatches=plan.microbatches,
-            balance=tuple(plan.balance),
-            replicas=replicas,
-            recompute=plan.recompute,
-            schedule_options=plan_options(plan),
+            ranks=plan.workers,
+            pipeline=PipelineConfig.from_plan(plan, targets_on_first_stage=True),
             batch_size=self.batch_size or plan.batch_size,
             planned_step_s=plan.predicted_step_s
             if self.batch_size in (None, plan.batch_size)
@@ -149,22 +130,25 @@ class TrainConfig:
             planned_topology=plan.topology or None,
         )
 
-    def check(self) -> None:
-        """Raise a ValueError naming the first setting that cannot run."""
-        pipeline = self.pipeline_config()
-        if self.replicas is not None and sum(self.replicas) != self.stages:
+    def checked(self) -> Schedule:
+        """Check every setting and return the schedule the run plays; a ValueError names
+        the first setting that cannot run."""
+        replicas = self.pipeline.replicas
+        if replicas is not None and sum(replicas) != self.ranks:
             raise ValueError(
-                f"replicas {list(self.replicas)} add up to {sum(self.replicas)} workers, "
-                f"but --stages is {self.stages}"
+                f"replicas {list(replicas)} add up to {sum(replicas)} workers, "
+                f"but --ranks is {self.ranks}"
             )
-        for name in ("microbatches", "steps", "batch_size", "threads", "accumulate"):
+        for name in ("steps", "batch_size", "threads", "accumulate"):
             value = getattr(self, name)
             if value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value}")
-        if self.samples < self.microbatches:
+                flag = name.replace("_", "-")
+                raise ValueError(f"--{flag} must be a positive integer, got {value}")
+        microbatches = self.pipeline.microbatches
+        if self.samples < microbatches:
             raise ValueError(
-                f"batch size {self.batch_size} is smaller than microbatches {self.microbatches}; "
-                f"use a batch of at least {self.microbatches}"
+                f"batch size {self.batch_size} is smaller than microbatches {microbatches}; "
+                f"use a batch of at least {microbatches}"
             )
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(
@@ -177,15 +161,15 @@ class TrainConfig:
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout_s}")
         # the data set must hold a batch (a plan may ask for more than it has)
         BatchStream(self.model, self.samples, seed=self.seed)
-        layers = model_layers(self.model, self.seed)
-        schedule = pipeline.build(self.stages or DEFAULT_STAGES, layers)
+        schedule = self.pipeline.build(self.workers, model_spec(self.model).layers)
         if schedule.asynchronous and self.accumulate > 1:
             raise ValueError(
                 f"{schedule.name} updates each stage inside every step, so --accumulate needs "
                 "a synchronous schedule"
             )
         # the Pipeline's own checks, before any worker starts
-        UpdateConfig(self.max_grad_norm, precision=self.precision).check(schedule, True)
+        self.update.check(schedule, True)
+        return schedule
 
     def _check_saving(self) -> None:
         """Raise a ValueError for save settings that cannot work."""
@@ -195,33 +179,29 @@ class TrainConfig:
             self.save_every < 1 or self.save_every % self.accumulate
         ):
             raise ValueError(
-                f"save_every {self.save_every} must be a positive multiple of accumulate "
+                f"--save-every {self.save_every} must be a positive multiple of --accumulate "
                 f"{self.accumulate}: a checkpoint is taken after an update"
             )
         if self.keep_checkpoints < 1:
-            raise ValueError(f"keep_checkpoints must be at least 1, got {self.keep_checkpoints}")
+            raise ValueError(f"--keep-checkpoints must be at least 1, got {self.keep_checkpoints}")
 
-    def pipeline_config(self) -> PipelineConfig:
-        """The pipeline this run trains with; the targets travel from the input stage, so
-        only its workers load data."""
+    def worker_pipeline(self) -> PipelineConfig:
+        """The pipeline a worker trains with: the schedule built here, handed over as a
+        value, with the split, recomputation and the targets' transfer."""
         return PipelineConfig(
-            schedule=self.schedule,
-            microbatches=self.microbatches,
-            schedule_options=dict(self.schedule_options),
-            replicas=self.replicas,
-            balance=self.balance,
-            recompute=self.recompute,
-            targets_on_first_stage=True,
+            schedule=self.built,
+            microbatches=self.built.microbatches,
+            balance=self.pipeline.balance,
+            recompute=self.pipeline.recompute,
+            targets_on_first_stage=self.pipeline.targets_on_first_stage,
         )
 
     def updates(self) -> int:
         """The updates a run makes: one per ``accumulate`` steps (and at the last), or, for
         an asynchronous schedule, every update it makes inside each step."""
-        pipeline = self.pipeline_config()
-        layers = model_layers(self.model, self.seed)
-        schedule = pipeline.build(self.stages or DEFAULT_STAGES, layers)
+        schedule = self.built
         if schedule.asynchronous:
-            return self.steps * (schedule.microbatches // pipeline.per_update(schedule))
+            return self.steps * (schedule.microbatches // self.pipeline.per_update(schedule))
         return -(-self.steps // self.accumulate)
 
     def lr_factor(self) -> Callable[[int], float] | None:
@@ -231,9 +211,8 @@ class TrainConfig:
     def schedule_for(self) -> Schedule:
         """The schedule this run executes, the targets' transfer included, as the Pipeline
         plays it (so a simulation of it has the recorded timeline's actions)."""
-        pipeline = self.pipeline_config()
-        built = pipeline.build(self.stages or DEFAULT_STAGES)
-        if not pipeline.targets_on_first_stage:
+        built = self.built
+        if not self.pipeline.targets_on_first_stage:
             return built
         return replace(built, ranks=with_targets_shipped(built.ranks, built.stage_ranks))
 
@@ -259,10 +238,3 @@ def _resolved(value: T | None, name: str) -> T:
     if value is None:
         raise RuntimeError(f"TrainConfig.{name} is set by resolved(); call it first")
     return value
-
-
-def plan_options(plan: Plan) -> dict[str, int | bool]:
-    """The schedule options a plan implies: its chunks per worker, for a family that has
-    several model chunks per rank."""
-    chunk_option = spec(plan.schedule).chunk_option
-    return {chunk_option: plan.virtual} if chunk_option is not None and plan.virtual > 1 else {}

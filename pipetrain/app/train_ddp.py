@@ -23,16 +23,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 
 from pipetrain.app.data import BatchStream
+from pipetrain.app.model_registry import model_spec
 from pipetrain.app.models import build_model, loss_function
 from pipetrain.app.traffic import interface_bytes_sent, sent_since
-from pipetrain.app.train_config import (
-    DEFAULT_BATCH_SIZE,
-    DEFAULT_LR,
-    DEFAULT_STAGES,
-    WARMUP_STEPS,
-    TrainConfig,
-    warmup_cosine,
-)
+from pipetrain.app.train_config import DEFAULT_RANKS, WARMUP_STEPS, TrainConfig, warmup_cosine
 from pipetrain.app.train_job import Progress, held_out, run_on_workers
 from pipetrain.app.train_report import divergence, run_keys
 from pipetrain.units import format_seconds
@@ -41,36 +35,36 @@ DDP_PRECISIONS = ("fp32", "bf16")
 
 
 def resolve_ddp(config: TrainConfig, world_size: int | None = None) -> TrainConfig:
-    """``config`` for data parallelism: workers (``stages``), batch and learning rate filled
+    """``config`` for data parallelism: workers (``ranks``), batch and learning rate filled
     in; a ValueError naming any setting that only a pipeline has, or a batch that does not
     split into equal shards."""
-    if config.model not in DEFAULT_LR:
-        raise ValueError(f"unknown model {config.model!r}; choose one of {', '.join(DEFAULT_LR)}")
+    model = model_spec(config.model)
+    pipeline, default = config.pipeline, TrainConfig(config.model).pipeline
     pipeline_only = {
         "--plan": config.plan is not None or config.plan_auto,
-        "--replicas": config.replicas is not None,
-        "--balance": config.balance is not None,
-        "--recompute": config.recompute != "never",
-        "--schedule": config.schedule != TrainConfig.schedule,  # other than the default
-        "schedule options": bool(config.schedule_options),
+        "--replicas": pipeline.replicas is not None,
+        "--balance": pipeline.balance is not None,
+        "--recompute": pipeline.recompute != "never",
+        "--schedule": pipeline.schedule != default.schedule,
+        "schedule options": bool(pipeline.schedule_options),
     }
     given = [name for name, present in pipeline_only.items() if present]
     if given:
         raise ValueError(
             f"{', '.join(given)} set a pipeline, which --ddp does not run; leave them out"
         )
-    if config.precision not in DDP_PRECISIONS:
+    if config.update.precision not in DDP_PRECISIONS:
         raise ValueError(
-            f"--ddp trains in {' or '.join(DDP_PRECISIONS)}, not {config.precision}; "
+            f"--ddp trains in {' or '.join(DDP_PRECISIONS)}, not {config.update.precision}; "
             "give --precision bf16 or leave it out"
         )
-    workers = config.stages or world_size or DEFAULT_STAGES
+    workers = config.ranks or world_size or DEFAULT_RANKS
     if world_size is not None and workers != world_size:
         raise ValueError(
-            f"--stages {workers} differs from the torchrun world size {world_size}; "
-            f"give --stages {world_size} or omit it"
+            f"--ranks {workers} differs from the torchrun world size {world_size}; "
+            f"give --ranks {world_size} or omit it"
         )
-    batch = config.batch_size or DEFAULT_BATCH_SIZE[config.model]
+    batch = config.batch_size or model.batch_size
     if batch % workers:
         raise ValueError(
             f"--ddp splits each batch of {batch} samples into {workers} equal shards; "
@@ -81,9 +75,7 @@ def resolve_ddp(config: TrainConfig, world_size: int | None = None) -> TrainConf
             raise ValueError(f"{name} must be a positive integer, got {getattr(config, name)}")
     if not config.timeout_s > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {config.timeout_s}")
-    return replace(
-        config, stages=workers, batch_size=batch, lr=config.lr or DEFAULT_LR[config.model]
-    )
+    return replace(config, ranks=workers, batch_size=batch, lr=config.lr or model.lr)
 
 
 def ddp_worker(config: TrainConfig) -> dict[str, Any] | None:
@@ -106,7 +98,7 @@ def ddp_worker(config: TrainConfig) -> dict[str, Any] | None:
     progress = Progress(config.steps, config.samples) if rank == 0 else None
     autocast = (
         torch.autocast("cpu", dtype=torch.bfloat16)
-        if config.precision == "bf16"
+        if config.update.precision == "bf16"
         else contextlib.nullcontext()
     )
     losses: list[float] = []
@@ -124,8 +116,8 @@ def ddp_worker(config: TrainConfig) -> dict[str, Any] | None:
             loss = loss_fn(outputs.float(), targets[shard])
             loss.backward()
         if update:
-            if config.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(replica.parameters(), config.max_grad_norm)
+            if config.update.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(replica.parameters(), config.update.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad()
             if scheduler is not None:
@@ -188,8 +180,8 @@ class DDPReport:
             ),
             "schedule": "ddp",
             "ddp": True,
-            "stages": config.stages,
-            "workers": config.stages,
+            "ranks": config.ranks,
+            "workers": config.ranks,
         }
 
     def divergence(self) -> str | None:
@@ -199,7 +191,7 @@ class DDPReport:
     def summary(self) -> str:
         """A few readable lines: workers, loss, step time and throughput."""
         config = self.config
-        share = config.samples // (config.stages or 1)
+        share = config.samples // (config.ranks or 1)
         held = [
             f"  held-out          after step {last['step']:g}: "
             + ", ".join(f"{name} {value:.4f}" for name, value in last.items() if name != "step")
@@ -207,9 +199,9 @@ class DDPReport:
         ]
         return "\n".join(
             [
-                f"{config.model}, data-parallel (DDP) on {config.stages} workers, "
+                f"{config.model}, data-parallel (DDP) on {config.ranks} workers, "
                 f"{share} of {config.samples} samples each, {config.steps} steps "
-                f"(Adam, lr {config.lr:g}, {config.lr_schedule}, {config.precision})",
+                f"(Adam, lr {config.lr:g}, {config.lr_schedule}, {config.update.precision})",
                 f"  loss              {self.losses[0]:.4f} -> {self.losses[-1]:.4f}",
                 *held,
                 f"  step time         {format_seconds(self.step_s)} (median)",

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
 from pipetrain.app.data import BatchStream
-from pipetrain.app.models import TEXT_MODELS, build_model, example_inputs, loss_function
+from pipetrain.app.model_registry import model_spec
+from pipetrain.app.models import build_model, example_inputs, loss_function
 from pipetrain.app.plan_job import plan_together
 from pipetrain.app.traffic import interface_bytes_sent, sent_since
 from pipetrain.app.train_config import TrainConfig
@@ -32,7 +33,7 @@ from pipetrain.app.train_report import TrainReport
 from pipetrain.app.train_resume import check_resumable, resume, save_if_due
 from pipetrain.distributed.heartbeat import stop_beating
 from pipetrain.distributed.io_threads import defer_gloo_io_threads
-from pipetrain.runtime import ModelSource, Pipeline, RuntimeConfig, UpdateConfig, launch
+from pipetrain.runtime import ModelSource, Pipeline, RuntimeConfig, launch
 
 
 class Progress:
@@ -74,7 +75,7 @@ class Progress:
 def held_out(model_name: str, outputs: Any, targets: torch.Tensor) -> dict[str, float]:
     """Held-out loss, and for the digits classifiers the accuracy (a fraction)."""
     metrics = {"loss": float(loss_function(model_name)(outputs, targets))}
-    if model_name not in TEXT_MODELS:
+    if not model_spec(model_name).text:
         metrics["accuracy"] = float((outputs.argmax(dim=1) == targets).float().mean())
     return metrics
 
@@ -86,7 +87,7 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
     if config.plan_auto:
         if dist.get_rank() == 0:
             print(
-                f"profiling {config.model} on {config.stages} workers at once, then planning ...",
+                f"profiling {config.model} on {config.ranks} workers at once, then planning ...",
                 file=sys.stderr,
                 flush=True,
             )
@@ -107,11 +108,10 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
         model,
         loss_fn=loss_function(config.model),
         optimizer=partial(torch.optim.Adam, lr=config.learning_rate),
-        config=config.pipeline_config(),
-        max_grad_norm=config.max_grad_norm,
-        precision=config.precision,
-        update=UpdateConfig(
-            lr_scheduler=None if factor is None else partial(LambdaLR, lr_lambda=factor)
+        config=config.worker_pipeline(),
+        update=replace(
+            config.update,
+            lr_scheduler=None if factor is None else partial(LambdaLR, lr_lambda=factor),
         ),
         runtime=RuntimeConfig(timeout_s=config.timeout_s),
         source=ModelSource(example_inputs=example_inputs(config.model)),

@@ -4,6 +4,7 @@ beside the simulator's prediction on the costs measured in it."""
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,9 +46,9 @@ def run_keys(
         "steps": config.steps,
         "lr": config.lr,
         "accumulate": config.accumulate,
-        "max_grad_norm": config.max_grad_norm,
+        "max_grad_norm": config.update.max_grad_norm,
         "lr_schedule": config.lr_schedule,
-        "precision": config.precision,
+        "precision": config.update.precision,
         "eval_every": config.eval_every,
         "eval": evaluations,
         "losses": losses,
@@ -60,12 +61,19 @@ def run_keys(
     }
 
 
+def _listed(counts: Sequence[int] | None) -> list[int] | None:
+    return None if counts is None else list(counts)
+
+
 def _placement(config: TrainConfig) -> str:
-    """``"2 stages"``, or ``"2 stages on 3 workers"`` when stages are replicated."""
-    if config.replicas is None:
-        return f"{config.stages} stages"
-    replicas = ", ".join(map(str, config.replicas))
-    return f"{len(config.replicas)} stages on {config.stages} workers (replicas {replicas})"
+    """``"2 ranks"``, or ``"2 stages on 3 ranks"`` when stages are replicated or a rank
+    holds several."""
+    schedule, ranks = config.built, config.workers
+    if schedule.stages == ranks:
+        return f"{ranks} ranks"
+    replicas = config.pipeline.replicas
+    how = f" (replicas {', '.join(map(str, replicas))})" if replicas else ""
+    return f"{schedule.stages} stages on {ranks} ranks{how}"
 
 
 @dataclass(frozen=True)
@@ -122,17 +130,19 @@ class TrainReport:
                 self.step_s,
                 self.bytes_sent,
             ),
-            "schedule": config.schedule,
-            "stages": config.stages,
-            "microbatches": config.microbatches,
+            "schedule": config.built.name,
+            "ranks": config.ranks,
+            "stages": config.built.stages,
+            "microbatches": config.pipeline.microbatches,
+            "microbatches_per_call": config.built.microbatches,
             "bubble_fraction": self.measured.bubble_fraction,
             "recorded_step_s": self.measured.makespan,
             "predicted_step_s": self.predicted.makespan,
             "predicted_bubble_fraction": self.predicted.bubble_fraction,
             "planned_step_s": config.planned_step_s,
             "planned_topology": config.planned_topology,
-            "balance": None if config.balance is None else list(config.balance),
-            "replicas": None if config.replicas is None else list(config.replicas),
+            "balance": _listed(config.pipeline.balance),
+            "replicas": _listed(config.pipeline.replicas),
         }
 
     def divergence(self) -> str | None:
@@ -147,9 +157,9 @@ class TrainReport:
             if config.steps > WARMUP_STEPS
             else "all steps"
         )
-        # an asynchronous step may hold several updates of ``config.microbatches`` each
-        in_step = config.schedule_for().microbatches
-        per_update = "" if in_step == config.microbatches else f", {config.microbatches} an update"
+        # an asynchronous step may hold several updates of ``microbatches`` each
+        in_step, microbatches = config.built.microbatches, config.pipeline.microbatches
+        per_update = "" if in_step == microbatches else f", {microbatches} an update"
         stage_costs = " | ".join(
             f"{name} " + ", ".join(format_seconds(v) for v in getattr(self.costs, field))
             for name, field in (("F", "forward_s"), ("B", "backward_s"), ("W", "weight_s"))
@@ -172,10 +182,11 @@ class TrainReport:
             for last in self.evaluations[-1:]
         ]
         schedule = "" if config.lr_schedule == "constant" else f", {config.lr_schedule}"
-        precision = "" if config.precision == "fp32" else f", {config.precision}"
+        precision = config.update.precision
+        precision = "" if precision == "fp32" else f", {precision}"
         return "\n".join(
             [
-                f"{config.model} on {_placement(config)}, {config.schedule}, "
+                f"{config.model} on {_placement(config)}, {config.built.name}, "
                 f"{in_step} micro-batches of {config.samples / in_step:g} samples"
                 f"{per_update}, {config.steps} steps "
                 f"(Adam, lr {config.lr:g}{schedule}{precision})",
@@ -187,7 +198,7 @@ class TrainReport:
                 f"bubble {measured.bubble_fraction:.1%}",
                 f"  predicted         {format_seconds(predicted.makespan)}, "
                 f"bubble {predicted.bubble_fraction:.1%} "
-                f"({config.schedule} simulated on the measured stage costs)",
+                f"({config.built.name} simulated on the measured stage costs)",
                 f"  stage costs       {stage_costs} (median per micro-batch, by stage)",
                 f"  messages          send {format_seconds(self.costs.send_s)} (median), "
                 f"receive {format_seconds(self.costs.receive_s)} (shortest), "
@@ -198,7 +209,7 @@ class TrainReport:
 
     def write_trace(self, path: str) -> None:
         """Write the last step: a PNG of predicted above measured, or the measured Chrome trace."""
-        name = self.config.schedule
+        name = self.config.built.name
         if path.lower().endswith(".png"):
             titles = [f"{name} predicted (measured costs)", f"{name} measured"]
             plot_timelines([self.predicted, self.measured], path, titles)
