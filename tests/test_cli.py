@@ -289,11 +289,11 @@ def unpipelined_losses(
     import torch
 
     from pipetrain.app.data import BatchStream
+    from pipetrain.app.model_registry import model_spec
     from pipetrain.app.models import build_model, loss_function
-    from pipetrain.app.train_config import DEFAULT_LR
 
     model = build_model(model_name, seed=0)
-    optimizer = torch.optim.Adam(model.parameters(), lr=DEFAULT_LR[model_name])
+    optimizer = torch.optim.Adam(model.parameters(), lr=model_spec(model_name).lr)
     scheduler = None if factor is None else torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     batches = BatchStream(model_name, batch_size, seed=0)
     eval_inputs, eval_targets = batches.eval_set()

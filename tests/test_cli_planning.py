@@ -166,7 +166,7 @@ def test_replicated_plan_runs_under_torchrun() -> None:
     )
     assert done.returncode == 0, done.stderr[:6000]
     report = last_json(done.stdout)
-    assert report["stages"] == 3 and len(report["losses"]) == 3
+    assert report["ranks"] == 3 and len(report["losses"]) == 3
 
 
 @pytest.mark.parametrize(
@@ -207,7 +207,7 @@ def test_train_plan_auto_profiles_plans_and_trains(model: str, torchrun: bool) -
     done = run_torchrun(2, *args) if torchrun else run_cli(*args)
     assert done.returncode == 0, done.stderr[:6000]
     report = last_json(done.stdout)
-    assert report["batch_size"] == 32 and report["stages"] == 2
+    assert report["batch_size"] == 32 and report["ranks"] == 2
     assert len(report["losses"]) == 3 and all(math.isfinite(x) for x in report["losses"])
     assert report["planned_step_s"] > 0
     assert "predicted step" in done.stderr  # the plan is shown before training

@@ -246,7 +246,7 @@ def test_a_two_host_pipeline_trains_exactly_within_the_cap(runs: list[str]) -> N
     out, err = finish(process, JOB_TIMEOUT_S + 20)
     assert process.returncode == 0, err[-3000:]
     report = json.loads(out)
-    assert report["stages"] == 2 and report["schedule"] == "1f1b"
+    assert report["ranks"] == 2 and report["schedule"] == "1f1b"
     assert report["losses"] == pytest.approx(
         unpipelined_losses("mlp", 3, report["batch_size"]), rel=1e-5
     )

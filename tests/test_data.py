@@ -150,7 +150,7 @@ def test_digit_batches_drop_partial_batch() -> None:
 
 
 def test_stream_rejects_bad_arguments() -> None:
-    with pytest.raises(ValueError, match="no data for model 'resnet'"):
+    with pytest.raises(ValueError, match="unknown model 'resnet'; choose one of mlp"):
         BatchStream("resnet", 4)
     with pytest.raises(ValueError, match="batch_size must be a positive integer, got 0"):
         BatchStream("mlp", 0)

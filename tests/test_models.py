@@ -11,7 +11,6 @@ from torch import nn
 from pipetrain.app.data import BatchStream
 from pipetrain.app.model_registry import model_spec
 from pipetrain.app.models import MODEL_NAMES, build_model, loss_function, model_layers
-from pipetrain.app.train_config import DEFAULT_LR
 from pipetrain.model.layers import to_layers
 
 OUTPUT_SHAPES = {
@@ -50,7 +49,7 @@ def test_training_lowers_held_out_loss(name: str) -> None:
     eval_inputs, eval_targets = stream.eval_set()
     with torch.no_grad():
         before = loss_fn(model(eval_inputs), eval_targets).item()
-    optimizer = torch.optim.Adam(model.parameters(), lr=DEFAULT_LR[name])
+    optimizer = torch.optim.Adam(model.parameters(), lr=model_spec(name).lr)
     for _ in range(30):
         inputs, targets = next(stream)
         optimizer.zero_grad()
