@@ -193,3 +193,37 @@ def test_the_pure_parts_import_no_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+def _imports_torch(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import) and any(
+            a.name.split(".")[0] == "torch" for a in node.names
+        ):
+            return True
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            return True
+    return False
+
+
+def test_the_map_says_which_packages_import_torch() -> None:
+    """docs/architecture.md's package table: a package marked "no" has no file importing
+    torch, one marked "yes" has some, and one listing files names exactly those that do."""
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    doc = doc[doc.index("## Packages") : doc.index("## Modules")]
+    rows = re.findall(r"^\| (`[^|]+`) \| [^|]+ \| ([^|]+) \|$", doc, re.M)
+    assert len(rows) >= 10
+    for packages, claim in rows:
+        for name in re.findall(r"`([^`]+)`", packages):
+            path = PACKAGE / name.rstrip("/")
+            files = [path] if path.suffix == ".py" else sorted(path.glob("*.py"))
+            if name == "runtime/":  # its rank/ subpackage has a row of its own
+                files = sorted(path.glob("*.py"))
+            importing = {f.name for f in files if _imports_torch(f)}
+            if claim.startswith("no"):
+                assert importing == set(), f"{name} is marked free of torch: {importing}"
+            elif claim.strip() == "yes":
+                assert importing, f"{name} is marked as importing torch but no file does"
+            else:
+                listed = set(re.findall(r"`([^`]+\.py)`", claim))
+                assert importing == listed, f"{name}: the map lists {listed}, the code {importing}"
