@@ -18,7 +18,7 @@ from pipetrain.distributed.loopback import LoopbackGroup, LoopbackTransport
 from pipetrain.distributed.transport import PeerError
 from pipetrain.model.frontend import front_end
 from pipetrain.runtime.assembly import assemble
-from pipetrain.runtime.config import RuntimeConfig
+from pipetrain.runtime.config import PipelineConfig, RuntimeConfig
 from pipetrain.runtime.rank.batch import StepData
 from pipetrain.runtime.rank.cycle import UpdateCycle
 from pipetrain.runtime.rank.executor import ActionFailed
@@ -90,7 +90,7 @@ def play(
             balance,
             loss_fn,
             partial(torch.optim.SGD, lr=LR) if optimizer else None,
-            recompute=recompute,
+            config=PipelineConfig(recompute=recompute),
             update=update,
             runtime=RuntimeConfig(record=True),
             per_update=per_update,

@@ -24,13 +24,14 @@ from pipetrain.model.frontend import FrontEnd, shared_parameters
 from pipetrain.model.graph import GraphModel
 from pipetrain.model.layers import stage_bounds
 from pipetrain.model.materialize import materialize
-from pipetrain.runtime.config import ModelSource, RuntimeConfig
+from pipetrain.runtime.config import ModelSource, PipelineConfig, RuntimeConfig
 from pipetrain.runtime.rank.batchnorm import deferred_layers
 from pipetrain.runtime.rank.cycle import UpdateCycle
 from pipetrain.runtime.rank.executor import Executor
 from pipetrain.runtime.rank.precision import LossScale, Precision
 from pipetrain.runtime.rank.recorder import Recorder
-from pipetrain.runtime.rank.reduce import replica_reducers
+from pipetrain.runtime.rank.reduce import Reducer, replica_groups, replica_reducers
+from pipetrain.runtime.rank.shard import ShardedReducer, shard_stage
 from pipetrain.runtime.rank.shared import SharedGradients, counted_once
 from pipetrain.runtime.rank.stage import LossFn, Stage
 from pipetrain.runtime.rank.update import Updater
@@ -91,7 +92,7 @@ def assemble(
     loss_fn: LossFn,
     optimizer: OptimizerArg,
     *,
-    recompute: str = "never",
+    config: PipelineConfig | None = None,
     update: UpdateConfig | None = None,
     runtime: RuntimeConfig | None = None,
     source: ModelSource | None = None,
@@ -100,9 +101,14 @@ def assemble(
 ) -> Rank:
     """Build rank ``rank``'s stages of the model (``front``'s layers cut by ``balance``)
     and wire them to ``transport`` (by default over torch.distributed, from ``runtime``'s
-    device, group and timeout); ``per_update`` counts the micro-batches of one update (by
-    default all of a run's)."""
-    update, runtime = update or UpdateConfig(), runtime or RuntimeConfig()
+    device, group and timeout); ``config`` says what to recompute and whether to shard each
+    replicated stage over its replicas; ``per_update`` counts the micro-batches of one update
+    (by default all of a run's)."""
+    config, update, runtime = (
+        config or PipelineConfig(),
+        update or UpdateConfig(),
+        runtime or RuntimeConfig(),
+    )
     if transport is None:
         device = indexed(runtime.device) if runtime.device is not None else None
         device = device or default_device(runtime.group)
@@ -116,6 +122,15 @@ def assemble(
             f"stages, which {schedule.name} cannot keep equal with replicated stages; "
             "use a synchronous schedule, no replicas, or a cut with one stage holding them"
         )
+    groups = replica_groups(schedule, transport.global_rank)
+    replicated = [s for s in stages if config.shard and s in groups]
+    if replicated and shared:
+        raise ValueError(
+            f"parameters {[s.names[s.stages[0]] for s in shared][:3]} are used by several "
+            "stages, which shard=True cannot keep one yet; use shard=False, or a cut with "
+            "one stage holding them"
+        )
+    sharded = {s: shard_stage(stages[s], groups[s], device) for s in replicated}
     # a parameter two of this rank's stages use is one tensor: optimized once
     parameters = list({id(p): p for m in stages.values() for p in m.parameters()}.values())
     updates = optimizer is not None  # the same on every rank, unlike the optimizer built
@@ -129,7 +144,7 @@ def assemble(
         optimizer,
         active=updates,
         parameters=[p for p in parameters if p.requires_grad],
-        counted=counted_once(stages, schedule, rank, shared),
+        counted=counted_once(stages, schedule, rank, shared, sharded),
         reduce_shared=sharing.reduce,
         all_reduce=transport.all_reduce,
         all_reduce_start=transport.all_reduce_start,
@@ -146,7 +161,7 @@ def assemble(
             weights,
             loss_fn,
             last=index == schedule.stages - 1,
-            recompute=recompute,
+            recompute=config.recompute,
             microbatches=schedule.microbatches,
             split_backward=schedule.split_backward,
             precision=precision,
@@ -155,9 +170,9 @@ def assemble(
         for index in stages
     }
     recorder = Recorder(rank, device, enabled=runtime.record)
-    reducers = replica_reducers(
-        stages, schedule, transport.global_rank, device, runtime.bucket_bytes
-    )
+    unsharded = {s: m for s, m in stages.items() if s not in sharded}
+    reducers: dict[int, Reducer] = {s: ShardedReducer(m) for s, m in sharded.items()}
+    reducers.update(replica_reducers(unsharded, schedule, groups, device, runtime.bucket_bytes))
     defer_gloo_io_threads()  # the shared weights' and the replicas' groups started theirs
     cycle = UpdateCycle(weights, reducers, transport.all_reduce, device, per_update)
     executor = Executor(rank, runners, transport, cycle, recorder)

@@ -53,6 +53,8 @@ class PipelineConfig:
     balance: Sequence[int] | None = None
     recompute: str = "never"
     targets_on_first_stage: bool = False
+    data_parallel: int = 1
+    shard: bool = False
 
     def __post_init__(self) -> None:
         """Keep copies of the mutable settings, so the value stays as it was built."""
@@ -125,12 +127,16 @@ class PipelineConfig:
                 f"{schedule.name} updates the weights inside the step, so it needs an "
                 "optimizer; pass optimizer=..."
             )
+        if self.shard:
+            _check_shardable(schedule)
         return schedule
 
     def _built(self, family: ScheduleSpec, world: int, layers: int | None) -> Schedule:
         positive_int("microbatches", self.microbatches)
         options = family.resolve(self.schedule_options)
         replicas = None if self.replicas is None else list(self.replicas)
+        if self.data_parallel != 1:
+            replicas = self._data_parallel_replicas(family, world, options)
         if replicas is None:
             stages = world * family.chunks(options)
             self._check_balance(stages, layers, f"{family.name} on {world} ranks")
@@ -143,6 +149,24 @@ class PipelineConfig:
                     f"to the {world} ranks of the process group"
                 )
         return build(family.name, world, self.microbatches, replicas=replicas, **options)
+
+    def _data_parallel_replicas(
+        self, family: ScheduleSpec, world: int, options: Mapping[str, int | bool]
+    ) -> list[int]:
+        """``data_parallel`` ranks for every stage of the ``world`` ranks."""
+        dp = positive_int("data_parallel", self.data_parallel)
+        if self.replicas is not None:
+            raise ValueError(
+                f"data_parallel={dp} gives every stage {dp} replicas; leave replicas out (or "
+                "give replicas alone for stages replicated unevenly)"
+            )
+        if world % dp or family.chunks(options) != 1:
+            raise ValueError(
+                f"data_parallel={dp} needs the {world} ranks to hold whole copies of a "
+                f"pipeline of {family.name}: give a world size that {dp} divides, and a family "
+                "with one stage per rank (gpipe, 1f1b, pipedream)"
+            )
+        return [dp] * (world // dp)
 
     def _check_balance(self, stages: int, layers: int | None, what: str) -> None:
         if self.balance is None:
@@ -162,10 +186,10 @@ class PipelineConfig:
             )
 
     def _checked_value(self, schedule: Schedule, world: int) -> Schedule:
-        if self.schedule_options or self.replicas is not None:
+        if self.schedule_options or self.replicas is not None or self.data_parallel != 1:
             raise ValueError(
                 "a Schedule value carries its own options and placement; leave "
-                "schedule_options and replicas out"
+                "schedule_options, replicas and data_parallel out"
             )
         if self.microbatches not in (1, schedule.microbatches):
             raise ValueError(
@@ -208,6 +232,26 @@ class PipelineConfig:
             elif action.stage == last and action.kind is Kind.STEP:
                 break
         return count
+
+
+def _check_shardable(schedule: Schedule) -> None:
+    """Raise ValueError unless ``schedule`` can shard its replicated stages."""
+    replicas = max(len(ranks) for ranks in schedule.stage_ranks)
+    if replicas < 2:
+        raise ValueError(
+            "shard=True shards each stage over its replicas, and no stage has any: give "
+            "data_parallel=N (or replicas) too"
+        )
+    if schedule.asynchronous or schedule.split_backward:
+        raise ValueError(
+            f"shard=True runs synchronous schedules whose backward is one pass (gpipe, 1f1b); "
+            f"{schedule.name} is not one of them"
+        )
+    if schedule.microbatches < replicas:
+        raise ValueError(
+            f"shard=True needs every replica to run a micro-batch: give at least {replicas} "
+            f"micro-batches, not {schedule.microbatches}"
+        )
 
 
 @dataclass(frozen=True)

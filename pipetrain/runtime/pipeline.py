@@ -121,7 +121,7 @@ class Pipeline(HeldStages):
             self.balance,
             loss_fn,
             optimizer,
-            recompute=self.config.recompute,
+            config=self.config,
             update=self.update_config,
             runtime=runtime,
             source=source,

@@ -30,7 +30,7 @@ import torch
 
 from pipetrain.runtime.rank.normalize import Normalizer, check_kinds
 from pipetrain.runtime.rank.precision import Precision
-from pipetrain.runtime.rank.reduce import GradientReducer, completing_passes
+from pipetrain.runtime.rank.reduce import Reducer, completing_passes
 from pipetrain.runtime.rank.stage import Loss
 from pipetrain.runtime.rank.weights import Weights
 from pipetrain.schedules import Action, Kind, Schedule
@@ -48,7 +48,7 @@ class UpdateCycle:
     def __init__(
         self,
         weights: Weights,
-        reducers: Mapping[int, GradientReducer],
+        reducers: Mapping[int, Reducer],
         all_reduce: Callable[[torch.Tensor], None],
         device: torch.device,
         per_update: int | None = None,

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from pipetrain.runtime.rank.reduce import GradientReducer
+from pipetrain.runtime.rank.reduce import Reducer
 
 
 class Normalizer:
@@ -39,7 +39,7 @@ class Normalizer:
     def __init__(
         self,
         holders: Mapping[int, Sequence[torch.Tensor]],
-        reducers: Mapping[int, GradientReducer],
+        reducers: Mapping[int, Reducer],
         all_reduce: Callable[[torch.Tensor], None],
         device: torch.device,
     ) -> None:

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from pipetrain.runtime.rank.shard import local
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -98,7 +100,7 @@ class Precision:
         found_inf = torch.zeros((), dtype=torch.float32, device=self.device)
         if not self.scales_loss:
             return found_inf
-        grads = [t.grad for t in tensors if t.grad is not None]
+        grads = [local(t.grad) for t in tensors if t.grad is not None]
         inv_scale = self._scale.double().reciprocal().float()
         for group in _by_device_and_dtype(grads):
             torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)

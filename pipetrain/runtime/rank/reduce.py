@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,19 @@ def completing_passes(
         elif action.kind is Kind.ALLREDUCE and action.stage in last:
             found.add((action.stage, last.pop(action.stage)))
     return found
+
+
+class Reducer(Protocol):
+    """What a replicated stage's gradients are reduced by: armed before the update's last
+    gradient pass, finished at the stage's ``ALLREDUCE``."""
+
+    def arm(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Prepare for the update's last backward, which fills ``tensors``' gradients."""
+        ...
+
+    def finish(self, unarmed: Sequence[torch.Tensor]) -> None:
+        """Reduce the gradients (of ``unarmed``'s tensors when nothing was armed)."""
+        ...
 
 
 class GradientReducer:
@@ -152,26 +166,31 @@ class GradientReducer:
         self._reset()
 
 
-def replica_reducers(
-    modules: Mapping[int, nn.Module],
-    schedule: Schedule,
-    global_rank: Callable[[int], int],
-    device: torch.device,
-    bucket_bytes: float | None,
-) -> dict[int, GradientReducer]:
-    """A gradient reducer for each replicated stage among ``modules`` (this rank's, by
-    stage) whose replicas the schedule all-reduces, over a process group of the stage's
-    replicas (``global_rank`` maps a rank of the pipeline's group to the world's). Every
-    rank must call it: torch.distributed needs every rank to create every group, in the
-    same order. By default buckets are
-    :data:`DEFAULT_BUCKET_BYTES` on GPUs and the whole stage on CPUs, where the all-reduce's
-    thread would take cores from the computation it overlaps."""
+def replica_groups(
+    schedule: Schedule, global_rank: Callable[[int], int]
+) -> dict[int, dist.ProcessGroup]:
+    """A process group of each replicated stage's replicas that the schedule all-reduces (by
+    stage; ``global_rank`` maps a rank of the pipeline's group to the world's). Every rank
+    must call it: torch.distributed needs every rank to create every group, in order."""
     reduced = {a.stage for lane in schedule.ranks for a in lane if a.kind is Kind.ALLREDUCE}
-    groups = {
+    return {
         stage: dist.new_group([global_rank(r) for r in ranks])
         for stage, ranks in enumerate(schedule.stage_ranks)
         if len(ranks) > 1 and stage in reduced
     }
+
+
+def replica_reducers(
+    modules: Mapping[int, nn.Module],
+    schedule: Schedule,
+    groups: Mapping[int, dist.ProcessGroup],
+    device: torch.device,
+    bucket_bytes: float | None,
+) -> dict[int, GradientReducer]:
+    """A gradient reducer for each of ``modules`` (this rank's, by stage) that ``groups``
+    holds its replicas' process group for. By default buckets are
+    :data:`DEFAULT_BUCKET_BYTES` on GPUs and the whole stage on CPUs, where the all-reduce's
+    thread would take cores from the computation it overlaps."""
     if bucket_bytes is None:
         bucket_bytes = DEFAULT_BUCKET_BYTES if device.type == "cuda" else math.inf
     # synchronous replicas sum: their micro-batches make one mini-batch whose losses are

@@ -11,7 +11,7 @@ holding two of the stages the copies are one tensor, whose gradient already adds
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -75,13 +75,15 @@ def counted_once(
     schedule: Schedule,
     rank: int,
     shared: Sequence[SharedParameter],
+    sharded: Collection[int] = (),
 ) -> list[nn.Parameter]:
     """This rank's parameters that enter the global gradient norm: a replicated stage's
-    from its first replica, a shared parameter from its first holder stage, each once."""
+    from its first replica (every replica's shard of a ``sharded`` stage), a shared
+    parameter from its first holder stage, each once."""
     elsewhere = {(s, item.names[s]) for item in shared for s in item.stages[1:]}
     counted: dict[int, nn.Parameter] = {}
     for stage, module in modules.items():
-        if schedule.stage_ranks[stage][0] != rank:
+        if schedule.stage_ranks[stage][0] != rank and stage not in sharded:
             continue
         for name, parameter in module.named_parameters():
             if parameter.requires_grad and (stage, name) not in elsewhere:

@@ -28,9 +28,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.nn.utils import clip_grads_with_norm_
 
 from pipetrain.runtime.rank.precision import Precision
+from pipetrain.runtime.rank.shard import local
 from pipetrain.runtime.rank.update_config import LRSchedulerFactory, check_policy
 
 
@@ -45,6 +45,15 @@ class PendingUpdate:
     grads: list[torch.Tensor | None]  # in the order of the stage's parameters
     square: torch.Tensor  # this rank's squared norm, summed over every rank once waited
     wait: Callable[[], None]
+
+
+def _clip(parameters: Sequence[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """Scale the gradients of ``parameters`` (each shard of a sharded one, in place) so that
+    their global ``norm`` is at most ``max_norm``, with :func:`clip_grads_with_norm_`'s
+    arithmetic."""
+    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for grad in (local(p.grad) for p in parameters if p.grad is not None):
+        grad.mul_(coefficient.to(grad.device))
 
 
 def _square_norm(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -108,7 +117,8 @@ class Updater:
         self.skipped_updates = 0
 
     def _grads(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return [t.grad for t in tensors if t.grad is not None]
+        # a sharded parameter's norm is of this rank's shard: the shards' squares add up
+        return [local(t.grad) for t in tensors if t.grad is not None]
 
     def start(self) -> None:
         """Forget the unscaling (and sharing) of gradients cleared for a new update."""
@@ -156,7 +166,7 @@ class Updater:
         """Scale this rank's gradients so that the global norm is at most ``max_norm``, as
         :func:`torch.nn.utils.clip_grad_norm_` on the whole model; return the norm before."""
         norm = self.global_norm()
-        clip_grads_with_norm_(self.parameters, max_norm, norm)
+        _clip(self.parameters, max_norm, norm)
         return float(norm)
 
     def apply(
@@ -189,7 +199,7 @@ class Updater:
             self._clear()
             return
         if self.max_grad_norm is not None:
-            clip_grads_with_norm_(self.parameters, self.max_grad_norm, norm)
+            _clip(self.parameters, self.max_grad_norm, norm)
         if self.optimizer is not None:
             self.optimizer.step()
         self.finish()
@@ -238,7 +248,7 @@ class Updater:
         for parameter, grad in zip(parameters, pending.grads):
             parameter.grad = grad
         assert self.max_grad_norm is not None  # only clipping defers
-        clip_grads_with_norm_(parameters, self.max_grad_norm, norm)
+        _clip(parameters, self.max_grad_norm, norm)
         if self.optimizer is not None:
             self.optimizer.step()
 

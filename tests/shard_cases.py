@@ -1,0 +1,68 @@
+"""Worker functions for the sharded-stage tests (importable by spawned workers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import training_cases as cases
+from torch.distributed.tensor import DTensor
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A parameter or buffer whole: a sharded one gathered (every replica calls it)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def sharded_loop(schedule: str, root: str) -> dict[str, Any]:
+    """The reference loop on 2 stages x 2 sharded replicas, saved under ``root`` at its end:
+    every call's loss, the whole weights this rank's stage ends with, and how much of its
+    stage's parameters, gradients and optimizer state this rank holds."""
+    pipe = cases.loop_pipeline(
+        schedule=schedule, microbatches=4, balance=[2, 3], data_parallel=2, shard=True
+    )
+    losses = []
+    for k, (x, y) in enumerate(cases.calls()):
+        update = k % cases.ACCUMULATE == cases.ACCUMULATE - 1
+        losses.append(pipe.train_step(x, y, update=update))
+    held = sum(p.to_local().numel() for p in pipe.parameters() if isinstance(p, DTensor))
+    whole = sum(p.numel() for p in pipe.parameters())
+    optimizer = pipe.optimizer
+    assert optimizer is not None
+    state = [
+        v.to_local() if isinstance(v, DTensor) else v
+        for per_parameter in optimizer.state.values()
+        for v in per_parameter.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    ]
+    saved = pipe.save(Path(root) / schedule)
+    return {
+        "losses": losses,
+        "state": {name: _full(t).clone() for name, t in pipe.state_dict().items()},
+        "held": held,
+        "whole": whole,
+        "optimizer_held": sum(t.numel() for t in state),
+        "grad_held": sum(
+            p.grad.to_local().numel() for p in pipe.parameters() if isinstance(p.grad, DTensor)
+        ),
+        "updates": pipe.updates,
+        "saved": str(saved),
+    }
+
+
+def refusals() -> list[str]:
+    """What sharding refuses, with the reason: one message per setting."""
+    messages = []
+    for settings in (
+        {"shard": True},
+        {"shard": True, "data_parallel": 2, "balance": [2, 3], "schedule": "zb-h1"},
+        {"shard": True, "data_parallel": 2, "balance": [2, 3], "microbatches": 1},
+        {"data_parallel": 3},
+    ):
+        try:
+            cases.loop_pipeline(**{"microbatches": 4, **settings})
+            messages.append("accepted")
+        except ValueError as error:
+            messages.append(str(error))
+    return messages

@@ -1,0 +1,76 @@
+"""Sharded stages: two pipeline stages, each on two replicas holding half of its parameters,
+gradients and optimizer state (4 gloo processes), against the unpipelined model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import shard_cases
+import torch
+import training_cases as cases
+
+import pipetrain
+from pipetrain.checkpoint import load_full
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    root = str(tmp_path_factory.mktemp("sharded"))
+    return {
+        schedule: pipetrain.launch(shard_cases.sharded_loop, 4, schedule, root, timeout_s=300)
+        for schedule in ("gpipe", "1f1b")
+    }
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_sharded_replicas_train_as_the_unpipelined_model(
+    runs: dict[str, list[dict[str, Any]]], schedule: str
+) -> None:
+    # accumulation over two calls, clipping that clips, AdamW and a learning-rate schedule
+    expected = cases.reference_loop()
+    assert max(expected["norms"]) > cases.MAX_NORM
+    state: dict[str, torch.Tensor] = {}
+    for result in runs[schedule]:
+        assert result["losses"] == pytest.approx(expected["losses"], rel=1e-5)
+        assert result["updates"] == cases.UPDATES
+        state.update(result["state"])
+    assert sorted(state) == sorted(expected["state"])
+    for name, value in expected["state"].items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_each_replica_holds_half_of_its_stage(
+    runs: dict[str, list[dict[str, Any]]], schedule: str
+) -> None:
+    results = runs[schedule]
+    for stage in range(2):  # stage s on ranks 2s and 2s + 1
+        pair = results[2 * stage : 2 * stage + 2]
+        # each replica holds its rows of every parameter: together, the whole stage once
+        assert pair[0]["held"] + pair[1]["held"] == pair[0]["whole"] == pair[1]["whole"]
+        for result in pair:
+            assert result["held"] <= 0.6 * result["whole"]
+            assert result["grad_held"] == result["held"]
+            assert result["optimizer_held"] == 2 * result["held"]  # AdamW's two moments
+
+
+def test_a_sharded_checkpoint_loads_into_the_unpipelined_model(
+    runs: dict[str, list[dict[str, Any]]],
+) -> None:
+    expected = cases.reference_loop()
+    for schedule, results in runs.items():
+        model = cases.mlp(seed=5)
+        found = load_full(Path(results[0]["saved"]), model)
+        assert found.updates == cases.UPDATES, schedule
+        for name, value in expected["state"].items():
+            torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_sharding_refuses_what_it_cannot_run() -> None:
+    messages = pipetrain.launch(shard_cases.refusals, 4, timeout_s=120)[0]
+    assert "shards each stage over its replicas, and no stage has any" in messages[0]
+    assert "zb-h1" in messages[1]
+    assert "give at least 2 micro-batches" in messages[2]
+    assert "a world size that 3 divides" in messages[3]
