@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import precision_cases
 import torch
 import training_cases as cases
 from torch.distributed.tensor import DTensor
@@ -66,3 +67,32 @@ def refusals() -> list[str]:
         except ValueError as error:
             messages.append(str(error))
     return messages
+
+
+def fp16_loop() -> dict[str, Any]:
+    """The mixed-precision tests' fp16 loop (a loss scale that overflows, backs off and
+    grows) on 2 stages x 2 sharded replicas."""
+    pipe = cases.loop_pipeline(
+        loss_scale=precision_cases.LOSS_SCALE,
+        precision="fp16",
+        balance=[2, 3],
+        microbatches=4,
+        data_parallel=2,
+        shard=True,
+    )
+    losses, skipped, scales = [], [], []
+    for x, y in precision_cases.data():
+        before = pipe.skipped_updates
+        losses.append(pipe.train_step(x, y))
+        skipped.append(pipe.skipped_updates > before)
+        scales.append(pipe.precision.scale)
+    state = {name: _full(t).clone() for name, t in pipe.state_dict().items()}
+    return {"losses": losses, "skipped": skipped, "scales": scales, "state": state}
+
+
+def loaded_on_four_stages(path: str) -> dict[str, Any]:
+    """A sharded checkpoint loaded into 4 stages with one rank each (another mesh): the
+    weights this rank's stage holds, and the update count found."""
+    pipe = cases.loop_pipeline(schedule="1f1b", microbatches=4, balance=[1, 1, 1, 2])
+    found = pipe.load(path)
+    return {"state": {k: v.clone() for k, v in pipe.state_dict().items()}, "updates": found.updates}

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import precision_cases
 import pytest
 import shard_cases
 import torch
@@ -74,3 +75,33 @@ def test_sharding_refuses_what_it_cannot_run() -> None:
     assert "zb-h1" in messages[1]
     assert "give at least 2 micro-batches" in messages[2]
     assert "a world size that 3 divides" in messages[3]
+
+
+def test_fp16_on_sharded_replicas_skips_overflowing_updates_as_grad_scaler() -> None:
+    expected = precision_cases.reference_loop("fp16", 4)
+    assert any(expected["skipped"]) and not all(expected["skipped"])
+    state: dict[str, torch.Tensor] = {}
+    for result in pipetrain.launch(shard_cases.fp16_loop, 4, timeout_s=300):
+        assert result["skipped"] == expected["skipped"]
+        assert result["scales"] == expected["scales"]
+        assert result["losses"] == pytest.approx(expected["losses"], rel=1e-4)
+        state.update(result["state"])
+    for name, value in expected["state"].items():
+        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_sharded_checkpoint_loads_on_another_mesh(
+    runs: dict[str, list[dict[str, Any]]],
+) -> None:
+    # saved by 2 stages x 2 sharded replicas, loaded by 4 stages of one rank each
+    expected = cases.reference_loop()
+    loaded = pipetrain.launch(
+        shard_cases.loaded_on_four_stages, 4, runs["1f1b"][0]["saved"], timeout_s=300
+    )
+    state: dict[str, torch.Tensor] = {}
+    for result in loaded:
+        assert result["updates"] == cases.UPDATES
+        state.update(result["state"])
+    assert sorted(state) == sorted(expected["state"])
+    for name, value in expected["state"].items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
