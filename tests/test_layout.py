@@ -67,6 +67,7 @@ ORDER = [
     ("model",),
     ("profiler",),
     ("planning",),
+    ("data",),
     ("distributed",),
     ("checkpoint",),
     ("runtime.rank",),

@@ -1,0 +1,86 @@
+"""A batch of documents as micro-batches of padded tensors for a causal language model.
+
+Each micro-batch is padded to its own longest document (not the batch's): inputs with
+``pad_id``, labels (the inputs themselves, which :func:`pipetrain.causal_lm_loss` shifts)
+with ``ignore_index`` where there is no token, so padding is never counted in the loss and,
+padded on the right under causal attention, changes no real token's output.
+
+Micro-batches are formed either as a fixed count of consecutive groups, or by a token
+budget (:func:`token_budget_groups`): then their number follows the batch's lengths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pipetrain.checks import positive_int
+
+IGNORE_INDEX = -100
+
+
+def fixed_groups(documents: int, count: int) -> list[list[int]]:
+    """``documents`` indices in ``count`` consecutive groups whose sizes differ by at most
+    one, the larger first (as :func:`torch.tensor_split` splits a batch)."""
+    positive_int("count", count)
+    if documents < count:
+        raise ValueError(
+            f"a batch of {documents} documents is smaller than {count} micro-batches; "
+            "use a larger batch or fewer micro-batches"
+        )
+    size, extra = divmod(documents, count)
+    bounds = [k * size + min(k, extra) for k in range(count + 1)]
+    return [list(range(bounds[k], bounds[k + 1])) for k in range(count)]
+
+
+def token_budget_groups(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Indices of ``lengths`` in groups whose padded cost (rows x their longest length)
+    stays within ``budget`` tokens: the longest first, each group filled while the next
+    still fits (a document longer than the budget makes a group of its own). Groups come
+    longest first; the same lengths always give the same groups."""
+    positive_int("budget", budget)
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    for index in order:
+        group = groups[-1] if groups else None
+        # sorted longest first, so a group's first document sets its padded length
+        if group is not None and (len(group) + 1) * lengths[group[0]] <= budget:
+            group.append(index)
+        else:
+            groups.append([index])
+    return groups
+
+
+def padded(
+    documents: Sequence[Sequence[int]], pad_id: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``documents`` as ``(inputs, labels)``, int64 ``[rows, longest]``: inputs padded with
+    ``pad_id``, labels equal to the inputs and ``IGNORE_INDEX`` on the padding."""
+    if not documents or not all(documents):
+        raise ValueError("padded needs at least one document, each of at least one token")
+    longest = max(len(d) for d in documents)
+    labels = torch.full((len(documents), longest), IGNORE_INDEX, dtype=torch.int64)
+    for row, document in enumerate(documents):
+        labels[row, : len(document)] = torch.as_tensor(document, dtype=torch.int64)
+    inputs = labels.masked_fill(labels == IGNORE_INDEX, pad_id)
+    return inputs, labels
+
+
+def microbatches(
+    documents: Sequence[Sequence[int]],
+    *,
+    count: int | None = None,
+    budget: int | None = None,
+    pad_id: int = 0,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A batch's ``documents`` as micro-batches, each ``(inputs, labels)`` padded to its
+    own longest: ``count`` consecutive groups, or groups within a ``budget`` of tokens."""
+    if (count is None) == (budget is None):
+        raise ValueError("give either count (micro-batches) or budget (tokens), not both")
+    if count is not None:
+        groups = fixed_groups(len(documents), count)
+    else:
+        assert budget is not None
+        groups = token_budget_groups([len(d) for d in documents], budget)
+    return [padded([documents[i] for i in group], pad_id) for group in groups]
