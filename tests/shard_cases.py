@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import graph_cases
 import precision_cases
 import torch
 import training_cases as cases
@@ -96,3 +97,15 @@ def loaded_on_four_stages(path: str) -> dict[str, Any]:
     pipe = cases.loop_pipeline(schedule="1f1b", microbatches=4, balance=[1, 1, 1, 2])
     found = pipe.load(path)
     return {"state": {k: v.clone() for k, v in pipe.state_dict().items()}, "updates": found.updates}
+
+
+def tied_on_sharded_replicas() -> dict[str, Any]:
+    """The graph tests' tied model (an embedding that the last layer reuses) on 2 stages x 2
+    sharded replicas, as their sequential reference trains it."""
+    results = graph_cases.train_sequential([{"balance": [2, 3], "data_parallel": 2, "shard": True}])
+    # the first holder's sharded copy, gathered whole (the pickled result needs no mesh)
+    return {
+        "losses": results[0]["losses"],
+        "state": {k: _full(v).clone() for k, v in results[0]["state"].items()},
+        "shared": results[0]["shared"],
+    }

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import graph_cases
 import precision_cases
 import pytest
 import shard_cases
@@ -103,5 +104,16 @@ def test_a_sharded_checkpoint_loads_on_another_mesh(
         assert result["updates"] == cases.UPDATES
         state.update(result["state"])
     assert sorted(state) == sorted(expected["state"])
+    for name, value in expected["state"].items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_parameter_two_sharded_stages_use_stays_one() -> None:
+    expected = graph_cases.sequential_reference()
+    state: dict[str, torch.Tensor] = {}
+    for result in pipetrain.launch(shard_cases.tied_on_sharded_replicas, 4, timeout_s=300):
+        assert result["losses"] == pytest.approx(expected["losses"], rel=1e-5)
+        assert result["shared"] == ["0.weight"]
+        state.update(result["state"])
     for name, value in expected["state"].items():
         torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)

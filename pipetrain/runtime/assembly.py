@@ -124,12 +124,10 @@ def assemble(
         )
     groups = replica_groups(schedule, transport.global_rank)
     replicated = [s for s in stages if config.shard and s in groups]
-    if replicated and shared:
-        raise ValueError(
-            f"parameters {[s.names[s.stages[0]] for s in shared][:3]} are used by several "
-            "stages, which shard=True cannot keep one yet; use shard=False, or a cut with "
-            "one stage holding them"
-        )
+    sharing = SharedGradients(
+        shared, schedule, stages, transport.global_rank, rank, sharded=config.shard
+    )
+    sharing.synchronize()  # whole copies, before any is sharded
     sharded = {s: shard_stage(stages[s], groups[s], device) for s in replicated}
     # a parameter two of this rank's stages use is one tensor: optimized once
     parameters = list({id(p): p for m in stages.values() for p in m.parameters()}.values())
@@ -137,8 +135,6 @@ def assemble(
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         # a stage of parameter-free layers (activations, pooling) has nothing to optimize
         optimizer = optimizer(iter(parameters)) if parameters else None
-    sharing = SharedGradients(shared, schedule, stages, transport.global_rank)
-    sharing.synchronize()
     precision = Precision(update.precision, device, update.loss_scale or LossScale())
     updater = Updater(
         optimizer,

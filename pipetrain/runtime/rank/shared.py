@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipetrain.model.frontend import SharedParameter
+from pipetrain.runtime.rank.shard import local
 from pipetrain.schedules import Schedule
 
 
@@ -30,44 +31,77 @@ class SharedGradients:
         schedule: Schedule,
         modules: Mapping[int, nn.Module],
         global_rank: Callable[[int], int],
+        rank: int,
+        sharded: bool = False,
     ) -> None:
-        """Make the process group of each shared parameter's ranks. Every rank must call
+        """Make the process groups of each shared parameter's ranks. Every rank must call
         it with the same ``shared``: torch.distributed needs every rank to create every
-        group, in the same order."""
-        self._entries: list[tuple[int, nn.Parameter, float, dist.ProcessGroup]] = []
-        self._sources: list[int] = []  # each entry's first holder, by the world's rank
+        group, in the same order. ``rank`` is this rank of the pipeline's group. With
+        ``sharded``, the holder stages' replicas will hold shards: each sums with the same
+        replica of every other holder stage, which holds the same rows."""
+        self._modules = modules
+        self._entries: list[tuple[int, str, float, dist.ProcessGroup]] = []
+        self._copies: list[tuple[int, str, dist.ProcessGroup, int]] = []  # to synchronize
         for item in shared:
-            ranks = sorted({r for s in item.stages for r in schedule.stage_ranks[s]})
+            holders = [schedule.stage_ranks[s] for s in item.stages]
+            ranks = sorted({r for replicas in holders for r in replicas})
             if len(ranks) < 2:
                 continue
-            group = dist.new_group([global_rank(r) for r in ranks])
+            whole = dist.new_group([global_rank(r) for r in ranks])
             held = [s for s in item.stages if s in modules]
+            sums = self._shard_groups(holders, global_rank) if sharded else None
             if not held:
                 continue
-            parameters = dict(modules[held[0]].named_parameters(remove_duplicate=False))
-            share = 1.0 / len(schedule.stage_ranks[held[0]])
-            self._entries.append((held[0], parameters[item.names[held[0]]], share, group))
-            self._sources.append(global_rank(ranks[0]))
+            stage, name = held[0], item.names[held[0]]
+            self._copies.append((stage, name, whole, global_rank(ranks[0])))
+            if sums is None:
+                share = 1.0 / len(schedule.stage_ranks[stage])
+                self._entries.append((stage, name, share, whole))
+            else:  # a shard holds the sum over its stage's replicas already
+                replica = schedule.stage_ranks[stage].index(rank)
+                self._entries.append((stage, name, 1.0, sums[replica]))
         self.names = [item.names[item.stages[0]] for item in shared]
+
+    @staticmethod
+    def _shard_groups(
+        holders: Sequence[Sequence[int]], global_rank: Callable[[int], int]
+    ) -> list[dist.ProcessGroup]:
+        """For each replica index, the group of that replica of every holder stage."""
+        counts = {len(replicas) for replicas in holders}
+        if len(counts) != 1:
+            raise ValueError(
+                "a parameter several stages use needs as many replicas on each of them to be "
+                f"sharded, not {sorted(counts)}; give data_parallel=N for every stage"
+            )
+        return [
+            dist.new_group([global_rank(replicas[d]) for replicas in holders])
+            for d in range(counts.pop())
+        ]
+
+    def _parameter(self, stage: int, name: str) -> torch.Tensor:
+        """The holder's parameter now (sharding replaces a module's parameters)."""
+        return dict(self._modules[stage].named_parameters(remove_duplicate=False))[name]
 
     def synchronize(self) -> None:
         """Make every copy equal to its first holder's (after building: the stages may have
-        been initialized on their own ranks)."""
+        been initialized on their own ranks), before any sharding."""
         with torch.no_grad():
-            for (_, parameter, _, group), source in zip(self._entries, self._sources):
-                dist.broadcast(parameter, src=source, group=group)
+            for stage, name, group, source in self._copies:
+                dist.broadcast(self._parameter(stage, name), src=source, group=group)
 
     def reduce(self, stage: int | None = None) -> None:
         """Sum the holders' gradients into every copy (a missing gradient counts as zero):
         of every shared parameter on this rank, or of those ``stage`` holds."""
-        for held, parameter, share, group in self._entries:
+        for held, name, share, group in self._entries:
             if stage is not None and held != stage:
                 continue
+            parameter = self._parameter(held, name)
             if parameter.grad is None:
                 parameter.grad = torch.zeros_like(parameter)
+            grad = local(parameter.grad)
             if share != 1.0:
-                parameter.grad.mul_(share)
-            dist.all_reduce(parameter.grad, group=group)
+                grad.mul_(share)
+            dist.all_reduce(grad, group=group)
 
 
 def counted_once(
