@@ -228,3 +228,20 @@ def test_the_map_says_which_packages_import_torch() -> None:
             else:
                 listed = set(re.findall(r"`([^`]+\.py)`", claim))
                 assert importing == listed, f"{name}: the map lists {listed}, the code {importing}"
+
+
+def test_the_pipeline_facade_stays_narrow() -> None:
+    """The front door takes at most 15 settings in at most 60 lines, in a module of at most
+    300 lines: the rest belongs in the settings objects and the rank's machinery."""
+    path = PACKAGE / "runtime" / "pipeline.py"
+    source = path.read_text()
+    assert len(source.splitlines()) <= 300
+    tree = ast.parse(source)
+    init = next(
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef) and node.name == "__init__"
+    )
+    arguments = init.args
+    assert len(arguments.args) - 1 + len(arguments.kwonlyargs) <= 15  # self left out
+    assert init.end_lineno is not None and init.end_lineno - init.lineno + 1 <= 60
