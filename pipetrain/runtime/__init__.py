@@ -22,12 +22,14 @@ from pipetrain.distributed.heap import keep_freed_memory
 from pipetrain.distributed.launch import LaunchError, launch
 from pipetrain.runtime.config import ModelSource, PipelineConfig, RuntimeConfig
 from pipetrain.runtime.pipeline import Pipeline
+from pipetrain.runtime.rank.batch import MicroBatches
 from pipetrain.runtime.rank.losses import causal_lm_loss
 from pipetrain.runtime.rank.update import NonFiniteError
 from pipetrain.runtime.rank.update_config import UpdateConfig
 
 __all__ = [
     "LaunchError",
+    "MicroBatches",
     "ModelSource",
     "NonFiniteError",
     "Pipeline",

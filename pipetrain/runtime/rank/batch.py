@@ -1,15 +1,17 @@
 """A step's data on one rank, split into micro-batches.
 
 The batch is split with :func:`torch.tensor_split`, so a batch that the micro-batch count
-does not divide is fine. Each micro-batch's loss is weighted by its share of the samples
-of the update it belongs to (``size_k / update``), which makes the summed loss of an
-update the mean over its samples, as the unpipelined model computes it.
+does not divide is fine; or it comes already split, as :class:`MicroBatches` whose shapes
+may differ (sequences padded each micro-batch to its own longest). Each micro-batch's
+loss is weighted by its share of the samples of the update it belongs to (``size_k /
+update``), which makes the summed loss of an update the mean over its samples, as the
+unpipelined model computes it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -17,16 +19,39 @@ from pipetrain.schedules import Schedule
 
 Tensors = tuple[torch.Tensor, ...]
 Target = torch.Tensor | Tensors
+
+
+class MicroBatches(tuple[Any, ...]):
+    """A step's inputs or targets given micro-batch by micro-batch: each piece a tensor or
+    a tuple of tensors, as the whole batch would be, and their shapes may differ from one
+    piece to the next (beyond the first dimension too: a sequence length, say). Give the
+    inputs and the targets the same way, one piece for each micro-batch of the step."""
+
+    def __new__(cls, pieces: Sequence[torch.Tensor | Sequence[torch.Tensor]]) -> MicroBatches:
+        """The step's ``pieces``, in micro-batch order."""
+        if not pieces:
+            raise ValueError("MicroBatches needs at least one micro-batch")
+        return super().__new__(cls, pieces)
+
+    @property
+    def pieces(self) -> tuple[Any, ...]:
+        """The micro-batches, in order."""
+        return tuple(self)
+
+
 Data = torch.Tensor | Sequence[torch.Tensor]
 
 
-def as_tuple(value: Data) -> Tensors:
+def as_tuple(value: torch.Tensor | Sequence[torch.Tensor]) -> Tensors:
     """A tensor, or a sequence of tensors, as a tuple of tensors."""
     return (value,) if isinstance(value, torch.Tensor) else tuple(value)
 
 
 def batch_size(value: Data, what: str) -> int:
-    """The size of ``value``'s first dimension (of its first tensor, for a tuple)."""
+    """The size of ``value``'s first dimension (of its first tensor, for a tuple; summed
+    over the pieces of :class:`MicroBatches`)."""
+    if isinstance(value, MicroBatches):
+        return sum(batch_size(piece, what) for piece in value.pieces)
     tensor = value if isinstance(value, torch.Tensor) else value[0]
     if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
         raise TypeError(
@@ -38,6 +63,13 @@ def batch_size(value: Data, what: str) -> int:
 
 def _split(value: Data, parts: int, device: torch.device, what: str) -> list[Target]:
     """``value`` split into ``parts`` pieces along dim 0, each moved to ``device``."""
+    if isinstance(value, MicroBatches):
+        if len(value) != parts:
+            raise ValueError(
+                f"{what} come as {len(value)} micro-batches but the step plays {parts}; "
+                f"give {parts} pieces"
+            )
+        return [_moved(piece, device) for piece in value.pieces]
     size = batch_size(value, what)
     if size < parts:
         raise ValueError(
@@ -48,6 +80,12 @@ def _split(value: Data, parts: int, device: torch.device, what: str) -> list[Tar
         return [piece.to(device) for piece in torch.tensor_split(value, parts)]
     pieces = [torch.tensor_split(t, parts) for t in value]
     return [tuple(p[i].to(device) for p in pieces) for i in range(parts)]
+
+
+def _moved(piece: torch.Tensor | Sequence[torch.Tensor], device: torch.device) -> Target:
+    if isinstance(piece, torch.Tensor):
+        return piece.to(device)
+    return tuple(t.to(device) for t in piece)
 
 
 class LossTarget(NamedTuple):
@@ -126,12 +164,16 @@ class StepData:
 
     def set_inputs(self, inputs: Data) -> None:
         """Split the first stage's inputs into micro-batches."""
-        self.inputs = [
-            as_tuple(p) for p in _split(inputs, self.microbatches, self.device, "inputs")
-        ]
+        pieces = _split(inputs, self.microbatches, self.device, "inputs")
+        self.inputs = [as_tuple(p) for p in pieces]
 
     def set_shipped(self, targets: Data) -> None:
         """Keep the whole batch's targets for sending to the last stage."""
+        if isinstance(targets, MicroBatches):
+            raise ValueError(
+                "targets_on_first_stage ships the step's targets as one tensor, so they "
+                "cannot come as MicroBatches; give the last stage's ranks the targets instead"
+            )
         self.shipped = tuple(t.to(self.device) for t in as_tuple(targets))
 
     def set_targets(self, targets: Data) -> None:

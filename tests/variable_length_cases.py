@@ -1,0 +1,140 @@
+"""Steps whose micro-batches differ in sequence length, on the built-in GPT: the data,
+the unpipelined references and the worker functions (importable by spawned workers)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+from settings import make_pipeline
+from torch import nn
+
+import pipetrain
+from pipetrain.app.models.gpt import build_gpt
+from pipetrain.data.batches import microbatches
+from pipetrain.runtime import MicroBatches
+
+STEPS, MICROBATCHES, ROWS, SGD_LR = 2, 6, 2, 0.1
+SYNCHRONOUS = [
+    "gpipe",
+    "1f1b",
+    "interleaved",
+    "zb-h1",
+    "looped-bfs",
+    "interleaved-zb",
+    "zb-v",
+    "v-half",
+    "v-min",
+    "dualpipev",
+]
+Batch = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def gpt() -> nn.Sequential:
+    """Six layers: the embedding, four blocks, the head; context 64."""
+    torch.manual_seed(0)
+    return build_gpt(d_model=16, heads=2, n_layers=4, context=64)
+
+
+def step_batches(seed: int = 0) -> list[Batch]:
+    """Each step's micro-batches: documents of 3 to 64 bytes, padded per micro-batch."""
+    chance = random.Random(seed)
+    steps = []
+    for _ in range(STEPS):
+        documents = [
+            [chance.randrange(256) for _ in range(chance.choice([3, 8, 17, 40, 64]))]
+            for _ in range(MICROBATCHES * ROWS)
+        ]
+        steps.append(microbatches(documents, count=MICROBATCHES))
+    return steps
+
+
+def token_mean(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's own token mean: the scalar loss an asynchronous schedule takes."""
+    total, count = pipetrain.causal_lm_loss(output, labels)
+    return total / count
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    # not Adam: a key bias's gradient is zero up to rounding, which Adam would magnify
+    return torch.optim.SGD(params, lr=SGD_LR, momentum=0.9)
+
+
+def synchronous_reference() -> dict[str, Any]:
+    """The unpipelined GPT: each step's loss is the token mean over all its micro-batches."""
+    model = gpt()
+    optimizer = sgd(model.parameters())
+    losses = []
+    for batch in step_batches():
+        optimizer.zero_grad()
+        pairs = [pipetrain.causal_lm_loss(model(x), y) for x, y in batch]
+        loss = sum(t for t, _ in pairs) / sum(c for _, c in pairs)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return {"losses": losses, "state": model.state_dict()}
+
+
+def synchronous_runs(schedules: list[str], balance: list[int]) -> list[dict[str, Any]]:
+    """Each schedule's losses and this rank's final weights, from the same start."""
+    results = []
+    for schedule in schedules:
+        pipe = make_pipeline(
+            gpt(),
+            balance=balance,
+            microbatches=MICROBATCHES,
+            schedule=schedule,
+            loss_fn=pipetrain.causal_lm_loss,
+            optimizer=sgd,
+        )
+        losses = []
+        for batch in step_batches():
+            inputs = MicroBatches([x for x, _ in batch])
+            targets = MicroBatches([y for _, y in batch])
+            losses.append(pipe.train_step(inputs, targets))
+        state = {k: v.clone() for k, v in pipe.state_dict().items()}
+        results.append({"schedule": schedule, "losses": losses, "state": state})
+    return results
+
+
+def pipedream_reference(balance: list[int]) -> dict[str, torch.Tensor]:
+    """PipeDream's rule replayed in one process with SGD: micro-batch ``k`` of a call
+    updates every stage, stage ``s`` computing on the version ``k - (p - s) + 1`` (the
+    newest it holds; 0 at the call's start, as the pipeline drains between calls)."""
+    model = gpt()
+    stages = len(balance)
+    owner = {}
+    layer = 0
+    for stage, count in enumerate(balance):
+        for index in range(layer, layer + count):
+            for name, _ in model[index].named_parameters():
+                owner[f"{index}.{name}"] = stage
+        layer += count
+    versions = [{n: p.detach().clone() for n, p in model.named_parameters()}]
+    for batch in step_batches():
+        base = len(versions) - 1
+        for k, (x, y) in enumerate(batch):
+            weights = {
+                n: versions[base + max(0, k - (stages - owner[n]) + 1)][n].clone().requires_grad_()
+                for n in owner
+            }
+            loss = token_mean(torch.func.functional_call(model, weights, (x,)), y)
+            grads = dict(zip(weights, torch.autograd.grad(loss, list(weights.values()))))
+            versions.append({n: versions[-1][n] - SGD_LR * grads[n] for n in owner})
+    return versions[-1]
+
+
+def pipedream_run(balance: list[int]) -> dict[str, torch.Tensor]:
+    """PipeDream with SGD over the same micro-batches; this rank's weights."""
+    pipe = make_pipeline(
+        gpt(),
+        balance=balance,
+        microbatches=MICROBATCHES,
+        schedule="pipedream",
+        loss_fn=token_mean,
+        optimizer=lambda params: torch.optim.SGD(params, lr=SGD_LR),
+    )
+    for batch in step_batches():
+        pipe.train_step(MicroBatches([x for x, _ in batch]), MicroBatches([y for _, y in batch]))
+    return {k: v.clone() for k, v in pipe.state_dict().items()}
