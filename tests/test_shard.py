@@ -3,6 +3,8 @@ gradients and optimizer state (4 gloo processes), against the unpipelined model.
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,7 @@ import pytest
 import shard_cases
 import torch
 import training_cases as cases
+from test_cli import run_cli
 
 import pipetrain
 from pipetrain.checkpoint import load_full
@@ -117,3 +120,20 @@ def test_a_parameter_two_sharded_stages_use_stays_one() -> None:
         state.update(result["state"])
     for name, value in expected["state"].items():
         torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_train_data_parallel_shard_from_the_command_line() -> None:
+    done = run_cli(
+        "train",
+        *("--model", "mlp", "--data-parallel", "2", "--shard", "--steps", "3", "--json"),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["ranks"] == 4 and report["stages"] == 2
+    assert len(report["losses"]) == 3 and all(math.isfinite(x) for x in report["losses"])
+
+
+def test_ddp_refuses_the_pipeline_data_parallel_flags() -> None:
+    done = run_cli("train", "--model", "mlp", "--ddp", "--data-parallel", "2", "--shard")
+    assert done.returncode == 2
+    assert "--data-parallel, --shard set a pipeline" in done.stderr

@@ -131,6 +131,20 @@ def add_train(commands: argparse._SubParsersAction) -> None:
         + "; default one each)",
     )
     parser.add_argument(
+        "--data-parallel",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="run every stage on N ranks, each taking every N-th micro-batch (gpipe, 1f1b, "
+        "pipedream; --ranks is then N times the stages)",
+    )
+    parser.add_argument(
+        "--shard",
+        action="store_true",
+        help="with --data-parallel: each of a stage's N ranks holds a shard of its "
+        "parameters, gradients and optimizer state instead of a whole copy (gpipe, 1f1b)",
+    )
+    parser.add_argument(
         "--plan",
         metavar="auto|PLAN.json",
         help="take split, replication, schedule and micro-batches from a plan; "
@@ -209,6 +223,8 @@ def run_train(args: argparse.Namespace) -> None:
         microbatches=args.microbatches,
         schedule_options=schedule_options(args),
         replicas=args.replicas,
+        data_parallel=args.data_parallel,
+        shard=args.shard,
         balance=args.balance,
         recompute=args.recompute,
         targets_on_first_stage=True,

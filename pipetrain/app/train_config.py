@@ -79,7 +79,7 @@ class TrainConfig:
         ranks = (
             self.ranks
             or (sum(replicas) if replicas and not self.plan_auto else world_size)
-            or DEFAULT_RANKS
+            or DEFAULT_RANKS * self.pipeline.data_parallel
         )
         if world_size is not None and ranks != world_size:
             raise ValueError(

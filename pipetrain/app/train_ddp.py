@@ -47,6 +47,8 @@ def resolve_ddp(config: TrainConfig, world_size: int | None = None) -> TrainConf
         "--recompute": pipeline.recompute != "never",
         "--schedule": pipeline.schedule != default.schedule,
         "schedule options": bool(pipeline.schedule_options),
+        "--data-parallel": pipeline.data_parallel != 1,
+        "--shard": pipeline.shard,
     }
     given = [name for name, present in pipeline_only.items() if present]
     if given:

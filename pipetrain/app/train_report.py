@@ -73,6 +73,9 @@ def _placement(config: TrainConfig) -> str:
         return f"{ranks} ranks"
     replicas = config.pipeline.replicas
     how = f" (replicas {', '.join(map(str, replicas))})" if replicas else ""
+    if config.pipeline.data_parallel > 1:
+        how = f" ({config.pipeline.data_parallel} replicas each)"
+    how += ", sharded" if config.pipeline.shard else ""
     return f"{schedule.stages} stages on {ranks} ranks{how}"
 
 
