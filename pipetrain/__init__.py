@@ -1,9 +1,17 @@
 """pipetrain: pipeline-parallel training for PyTorch.
 
 Profile a model, plan how to split it over workers, simulate the plan, and run it on
-torch.distributed with GPipe, 1F1B, interleaved, zero-bubble or PipeDream schedules.
+torch.distributed with any of twelve schedules: ``gpipe``, ``1f1b``, ``interleaved``,
+``zb-h1``, ``pipedream``, ``2bw``, ``looped-bfs``, ``interleaved-zb``, ``zb-v``, ``v-half``,
+``v-min`` and ``dualpipev`` (:func:`pipetrain.schedules.names` lists every registered one).
+
+``import pipetrain`` loads no torch: the torch-backed parts (:class:`Pipeline`,
+:func:`profile`, :func:`launch`, and the packages :mod:`pipetrain.runtime`,
+:mod:`pipetrain.checkpoint`, :mod:`pipetrain.model`, :mod:`pipetrain.distributed`) are
+imported on first use, so ``pipetrain.checkpoint.latest(...)`` works after ``import pipetrain``.
 """
 
+import importlib
 from typing import Any
 
 from pipetrain import schedules
@@ -52,10 +60,29 @@ _RUNTIME = (
     "launch",
 )
 
+SUBPACKAGES = (
+    "allocation",
+    "checkpoint",
+    "checks",
+    "data",
+    "distributed",
+    "jsonfile",
+    "model",
+    "planning",
+    "profiler",
+    "runtime",
+    "schedules",
+    "simulation",
+    "timeline",
+    "units",
+)
+"""Every package and module of the library, each reachable as ``pipetrain.NAME`` (the
+command's :mod:`pipetrain.app`, which the library never imports, is imported by name)."""
+
 
 def __getattr__(name: str) -> Any:
-    """Import the torch-backed parts (runtime, profiler) on first use, so the pure parts
-    stay cheap to import."""
+    """Import the torch-backed parts (runtime, profiler, the packages above) on first use,
+    so the pure parts stay cheap to import."""
     if name in _RUNTIME:
         from pipetrain import runtime
 
@@ -64,4 +91,11 @@ def __getattr__(name: str) -> Any:
         from pipetrain.profiler.measure import profile
 
         return profile
+    if name in SUBPACKAGES:
+        return importlib.import_module(f"pipetrain.{name}")
     raise AttributeError(f"module 'pipetrain' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The public names, the lazily imported ones included."""
+    return sorted(set(globals()) | set(__all__) | set(SUBPACKAGES))

@@ -80,12 +80,19 @@ class JsonFile:
                 text = file.read()
         except OSError as error:
             raise ValueError(f"cannot read the {what} {path}: {error.strerror or error}") from error
+        except UnicodeDecodeError as error:
+            raise ValueError(f"the {what} {path} is not UTF-8 text: {error.reason}") from error
         try:
             data = json.loads(text)
         except json.JSONDecodeError as error:
             raise ValueError(
                 f"the {what} {path} is not valid JSON ({error}); is the file complete?"
             ) from error
+        except RecursionError:
+            # the decoder recurses once per nested array or object
+            raise ValueError(
+                f"the {what} {path} nests its JSON too deeply to be a {what}"
+            ) from None
         try:
             return cls.from_dict(data)
         except (ValueError, KeyError, TypeError) as error:

@@ -31,7 +31,7 @@ def test_an_option_the_schedule_does_not_have_is_refused(
 
 def test_a_batch_larger_than_the_data_set_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     error = refused(capsys, "train", "--model", "mlp", "--batch-size", "2048")
-    assert "batch_size 2048 exceeds the 1437 digits training samples" in error
+    assert "--batch-size 2048 exceeds the 1437 digits training samples" in error
 
 
 def test_a_missing_plan_file_is_named(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -50,11 +50,13 @@ def test_a_truncated_profile_is_named(capsys: pytest.CaptureFixture[str], tmp_pa
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["--save-every", "5"], "save_every needs a save directory (--save-dir)"),
+        (["--save-every", "5"], "--save-every needs --save-dir DIR"),
         (
             ["--save-every", "3", "--accumulate", "2", "--save-dir", "unused"],
-            "save_every 3 must be a positive multiple of accumulate 2",
+            "--save-every 3 must be a positive multiple of --accumulate 2",
         ),
+        (["--replicas", "2,2", "--ranks", "2"], "--replicas 2,2 add up to 4 ranks"),
+        (["--batch-size", "3", "--microbatches", "4"], "--batch-size 3 is smaller than"),
         (["--timeout", "0"], "argument --timeout: must be greater than 0"),
         (["--keep-checkpoints", "0"], "argument --keep-checkpoints"),
     ],

@@ -23,6 +23,12 @@ from pipetrain.timeline import Event, Timeline
 
 ROOT = Path(__file__).resolve().parent.parent
 
+SUBPROCESS_TIMEOUT_S = 540
+"""A command's limit: generous, since worker processes on a machine whose cores are shared
+can take minutes to start; the tests that run one get a hang timeout above it."""
+
+pytestmark = pytest.mark.timeout(SUBPROCESS_TIMEOUT_S + 60)
+
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     """Run ``python -m pipetrain ARGS`` from the repository root."""
@@ -34,7 +40,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         text=True,
         cwd=ROOT,
         env=env,
-        timeout=100,
+        timeout=SUBPROCESS_TIMEOUT_S,
     )
 
 

@@ -156,5 +156,5 @@ def test_stream_rejects_bad_arguments() -> None:
         BatchStream("mlp", 0)
     with pytest.raises(ValueError, match="seq_len must be a positive integer, got 0"):
         BatchStream("gpt", 4, seq_len=0)
-    with pytest.raises(ValueError, match="batch_size 2000 exceeds the 1437"):
+    with pytest.raises(ValueError, match="--batch-size 2000 exceeds the 1437"):
         BatchStream("mlp", 2000)

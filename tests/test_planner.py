@@ -393,7 +393,7 @@ def test_under_a_memory_limit_that_1f1b_exceeds_a_v_schedule_is_chosen() -> None
     )
     assert re.fullmatch(
         r"fits with recomputation never \(17.32 kB on a worker\) but is slower: \S+ samples/s "
-        "at best",
+        "steady at best",
         rejected["v-min"],
     )
     text = under_1f1b.describe()

@@ -4,8 +4,13 @@ types, the schedule options as flags, and printing text or JSON."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 from pipetrain.app.model_registry import MODEL_NAMES
@@ -117,3 +122,48 @@ def schedule_options(args: argparse.Namespace) -> dict[str, int | bool]:
     """The schedule options given on the command line."""
     keys = {option.name for name in names() for option in spec(name).options}
     return {key: getattr(args, key) for key in keys if getattr(args, key, None) is not None}
+
+
+def say(line: str) -> None:
+    """A phase's progress line on stderr, in the step lines' style (``starting 2 ranks ...``),
+    so that no phase longer than a second or two passes in silence."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def progress_printer(quiet_s: float = 0.0, every_s: float = 1.0) -> Callable[[str], None]:
+    """A ``progress`` callback that prints lines on stderr once ``quiet_s`` seconds have
+    passed, at most one every ``every_s`` seconds (a line arriving sooner is dropped: a
+    later one says more), never the same line twice in a row."""
+    last_line, last_at = "", time.monotonic() - every_s + quiet_s
+
+    def report(line: str) -> None:
+        nonlocal last_line, last_at
+        now = time.monotonic()
+        if now - last_at >= every_s and line != last_line:
+            print(line, file=sys.stderr, flush=True)
+            last_line, last_at = line, now
+
+    return report
+
+
+@contextlib.contextmanager
+def ticking(
+    label: str, every_s: float = 4.0, until: Callable[[], bool] = lambda: False
+) -> Iterator[None]:
+    """While the block runs, say ``label: N s ...`` every ``every_s`` seconds, so that a long
+    phase does not look like a hang; stop early once ``until()`` is true (another process
+    has taken over the talking)."""
+    done = threading.Event()
+    start = time.monotonic()
+
+    def tick() -> None:
+        while not done.wait(every_s) and not until():
+            say(f"{label}: {time.monotonic() - start:.0f} s ...")
+
+    thread = threading.Thread(target=tick, name="pipetrain-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()

@@ -2,8 +2,10 @@
 ``train`` a built-in model.
 
 Each command is a module with a pair of functions, ``add_<command>`` (its arguments) and
-``run_<command>`` (its work and printing), listed in :data:`COMMANDS`. Errors a user can
-cause print one line on stderr and exit with status 2.
+``run_<command>`` (its work and printing), listed in :data:`COMMANDS`. The command modules
+import torch only inside ``run_<command>``, so ``--help`` and a bad argument answer at once.
+Errors a user can cause print one line on stderr and exit with status 2; a run that fails
+prints one line and exits with status 1.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from pickle import UnpicklingError
+from typing import Any, cast
 
 from pipetrain.app.arguments import MODEL_NAMES, USAGE_ERROR, Parser
 from pipetrain.app.cluster_command import add_cluster, run_cluster
@@ -23,6 +27,10 @@ from pipetrain.schedules import ScheduleError
 
 RUN_FAILED = 1
 INTERRUPTED = 130
+
+LONGEST_MESSAGE = 2000
+"""Characters of an error message printed; the rest is counted, not printed (a message
+listing every stage of a huge plan would otherwise fill the terminal)."""
 
 __all__ = ["COMMANDS", "MODEL_NAMES", "build_parser", "main"]
 
@@ -60,12 +68,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         run(args)
     except (ValueError, TypeError, ScheduleError) as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
+        _print_error(prog, "error", str(error))
         return USAGE_ERROR
     except (RuntimeError, OSError) as error:
-        print(f"{prog}: failed: {error}", file=sys.stderr)
+        _print_error(prog, "failed", str(error))
+        return RUN_FAILED
+    except (UnpicklingError, EOFError, KeyError) as error:  # a damaged or foreign file
+        _print_error(prog, "failed", f"{type(error).__name__}: {error}")
         return RUN_FAILED
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return INTERRUPTED
+    except BaseException as error:
+        failures = _checkpoint_failures(error)
+        if failures is None:
+            raise
+        _print_error(prog, "failed", failures)
+        return RUN_FAILED
     return 0
+
+
+def _print_error(prog: str, verdict: str, message: str) -> None:
+    """``prog: verdict: message`` on stderr, a message too long cut at :data:`LONGEST_MESSAGE`."""
+    if len(message) > LONGEST_MESSAGE:
+        rest = len(message) - LONGEST_MESSAGE
+        message = f"{message[:LONGEST_MESSAGE]} ... ({rest:,} characters more)"
+    print(f"{prog}: {verdict}: {message}", file=sys.stderr)
+
+
+def _checkpoint_failures(error: BaseException) -> str | None:
+    """What each rank's failure inside ``torch.distributed.checkpoint`` was, on one line
+    (its ``CheckpointException`` derives from ``BaseException``); ``None`` for any other
+    error."""
+    checkpoint_api = sys.modules.get("torch.distributed.checkpoint.api")
+    if checkpoint_api is None or not isinstance(error, checkpoint_api.CheckpointException):
+        return None
+    failures: dict[int, tuple[BaseException, object]] = cast(Any, error).failures
+    return "; ".join(
+        f"checkpoint failed on rank {rank}: {type(cause).__name__}: {cause}"
+        for rank, (cause, _) in sorted(failures.items())
+    )

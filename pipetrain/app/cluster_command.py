@@ -26,7 +26,7 @@ from typing import Any
 from pipetrain.app.arguments import Parser, non_negative_float, positive_int
 from pipetrain.app.cluster_net import INTERFACE, Cluster, remove_leftovers, require_root
 from pipetrain.app.train_command import add_train, refuse_stages
-from pipetrain.units import format_bandwidth, format_bytes, parse_bandwidth
+from pipetrain.units import counted, format_bandwidth, format_bytes, parse_bandwidth
 
 DEFAULT_PORT = 29400
 SAMPLE_S = 0.25  # how often each host's sent bytes are read during the run
@@ -283,7 +283,7 @@ def _mbit(bytes_per_s: float) -> str:
 
 def _summary(report: dict[str, Any]) -> str:
     lines = [
-        f"cluster of {report['hosts']} hosts, each link "
+        f"cluster of {counted(report['hosts'], 'host')}, each link "
         + (
             "not capped"
             if report["bandwidth_bytes_per_s"] is None
@@ -313,7 +313,7 @@ def run_cluster(args: argparse.Namespace) -> None:
     try:
         cluster.create()
         print(
-            f"cluster {cluster.name}: {args.hosts} hosts at "
+            f"cluster {cluster.name}: {counted(args.hosts, 'host')} at "
             f"{format_bandwidth(args.bandwidth)} each, running pipetrain {' '.join(job)}",
             file=sys.stderr,
             flush=True,

@@ -129,8 +129,8 @@ class BatchStream:
         self.epoch_size = len(self._train_y) // self.batch_size
         if self.epoch_size == 0:
             raise ValueError(
-                f"batch_size {self.batch_size} exceeds the {len(self._train_y)} digits training "
-                "samples; use a smaller batch"
+                f"--batch-size {self.batch_size} exceeds the {len(self._train_y)} digits "
+                "training samples; give a smaller --batch-size"
             )
         self._order = torch.empty(0, dtype=torch.int64)
         self._position = 0

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from collections.abc import Callable
 
-from pipetrain.app.arguments import add_model_argument, emit, positive_int
-from pipetrain.units import format_bytes, format_seconds
+from pipetrain.app.arguments import add_model_argument, emit, positive_int, progress_printer
+from pipetrain.schedules import names, spec
+from pipetrain.units import counted, format_bytes, format_seconds, parse_bytes
 
 
 def add_profile(commands: argparse._SubParsersAction) -> None:
@@ -50,15 +49,23 @@ def add_profile(commands: argparse._SubParsersAction) -> None:
 
 
 def run_profile(args: argparse.Namespace) -> None:
-    from pipetrain.app.plan_job import profile_builtin
+    from pipetrain.app.plan_job import PROFILE_REPEATS, profile_builtin
 
+    if args.batch_size >= args.microbatches:  # profile_builtin refuses the others
+        print(
+            f"profiling {args.model} at micro-batches of {args.batch_size // args.microbatches} "
+            f"samples: each layer timed {PROFILE_REPEATS} times ...",
+            file=sys.stderr,
+            flush=True,
+        )
     measured = profile_builtin(
         args.model, args.batch_size, args.microbatches, args.seed, args.threads
     )
     if args.out:
         measured.save(args.out)
     lines = [
-        f"{args.model}: {len(measured.layers)} layers, micro-batch of {measured.microbatch_size}",
+        f"{args.model}: {counted(len(measured.layers), 'layer')}, micro-batch of "
+        f"{counted(measured.microbatch_size, 'sample')}",
         f"{'layer':>5}  {'name':16} {'forward':>10} {'backward':>10} "
         f"{'activation':>11} {'parameters':>11}",
     ]
@@ -103,7 +110,8 @@ def add_plan(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--schedules",
         metavar="A,B",
-        help="schedules to consider (default gpipe,1f1b,zb-h1,interleaved)",
+        help=f"schedules to consider, of {', '.join(names())} (default "
+        f"{','.join(name for name in names() if spec(name).planned_by_default)})",
     )
     parser.add_argument(
         "--no-replication", action="store_true", help="a straight pipeline, one worker per stage"
@@ -115,7 +123,6 @@ def add_plan(commands: argparse._SubParsersAction) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> None:
-    from pipetrain.app.plan_job import parse_bytes
     from pipetrain.planning import plan
     from pipetrain.profiler import Profile
 
@@ -128,24 +135,9 @@ def run_plan(args: argparse.Namespace) -> None:
         memory_limit=parse_bytes(args.memory) if args.memory else None,
         batch_size=args.batch_size,
         replication=not args.no_replication,
-        progress=_progress_after(PLAN_QUIET_S),
+        progress=progress_printer(quiet_s=1.0),
         schedules=tuple(args.schedules.split(",")) if args.schedules else None,
     )
     if args.out:
         chosen.save(args.out)
     emit(args, chosen.to_dict(), chosen.describe(), ("plan", args.out) if args.out else None)
-
-
-PLAN_QUIET_S = 1.0
-"""Seconds a plan runs before ``pipetrain plan`` says on stderr what it is doing."""
-
-
-def _progress_after(quiet_s: float) -> Callable[[str], None]:
-    """Print each progress line on stderr once ``quiet_s`` seconds have passed."""
-    start = time.monotonic()
-
-    def report(line: str) -> None:
-        if time.monotonic() - start >= quiet_s:
-            print(line, file=sys.stderr, flush=True)
-
-    return report

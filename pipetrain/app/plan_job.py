@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import math
-import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -12,6 +11,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from pipetrain.app.arguments import progress_printer, say
 from pipetrain.app.data import BatchStream
 from pipetrain.app.message_costs import MessageCosts, measure_message_costs
 from pipetrain.app.models import build_model, loss_function
@@ -21,21 +21,6 @@ from pipetrain.profiler import Profile, pooled
 from pipetrain.profiler.links import combined, measure_links
 from pipetrain.profiler.measure import profile
 from pipetrain.units import counted, format_bandwidth, format_seconds
-
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKMGT]?)(i?)B?\s*$")
-_POWERS = {"": 0, "k": 1, "K": 1, "M": 2, "G": 3, "T": 4}
-
-
-def parse_bytes(text: str) -> float:
-    """``"16GiB"`` -> 17179869184, ``"500MB"`` -> 5e8, ``"1024"`` -> 1024; ValueError otherwise."""
-    match = _SIZE.match(text)
-    if not match:
-        raise ValueError(
-            f"memory size {text!r} is not a size; write it like 16GiB, 500MB or 1e9 (bytes)"
-        ) from None
-    number, prefix, binary = match.groups()
-    return float(number) * (1024 if binary else 1000) ** _POWERS[prefix]
-
 
 PROFILE_REPEATS, _WARMUP = 50, 5
 
@@ -51,12 +36,15 @@ def profile_builtin(
     """Profile a built-in model in this process on one micro-batch of its data, with
     ``threads`` torch threads as a local worker has, over ``repeats`` timed runs."""
     if batch_size < microbatches:
-        raise ValueError(f"batch size {batch_size} is smaller than microbatches {microbatches}")
+        raise ValueError(
+            f"--batch-size {batch_size} is smaller than --microbatches {microbatches}; give "
+            f"--batch-size {microbatches} or more"
+        )
     torch.set_num_threads(threads)
     network = build_model(model, seed=seed)
     inputs, targets = next(BatchStream(model, batch_size, seed=seed))
     size = batch_size // microbatches
-    return profile(
+    measured = profile(
         network,
         inputs[:size],
         targets[:size],
@@ -65,6 +53,7 @@ def profile_builtin(
         repeats=repeats,
         warmup=_WARMUP,
     )
+    return replace(measured, model=model)
 
 
 def profile_together(
@@ -98,18 +87,26 @@ def profile_together(
     # machine with fewer cores than ranks take turns, as many at once as there are cores
     # (the planner then models them sharing the cores)
     at_once = shared_cores(threads) or dist.get_world_size()
+    turns = -(-dist.get_world_size() // at_once)
+    counts = (microbatches, *other_counts)
     measured: Profile | None = None
-    for turn in range(-(-dist.get_world_size() // at_once)):
+    for turn in range(turns):
         dist.barrier()
-        if dist.get_rank() // at_once == turn:
-            measured = replace(
-                profile_builtin(model, batch_size, microbatches, seed, threads, repeats),
-                other_sizes=tuple(
-                    profile_builtin(model, batch_size, count, seed, threads, repeats)
-                    for count in other_counts
-                ),
-            )
+        if dist.get_rank() // at_once != turn:
+            continue
+        profiles = []
+        for index, count in enumerate(counts):
+            if dist.get_rank() == turn * at_once:  # the turn's first rank speaks for it
+                of_turns = f", ranks' turn {turn + 1} of {turns}" if turns > 1 else ""
+                say(
+                    f"profiling {model} at {counted(count, 'micro-batch', 'micro-batches')} "
+                    f"({index + 1} of {len(counts)}{of_turns}) ..."
+                )
+            profiles.append(profile_builtin(model, batch_size, count, seed, threads, repeats))
+        measured = replace(profiles[0], other_sizes=tuple(profiles[1:]))
     assert measured is not None  # every rank had a turn
+    if at_once < dist.get_world_size() and dist.get_rank() == 0:
+        say("measuring how much sharing the cores slows the ranks ...")
     slowdown = (
         measure_shared_cores_factor(
             _training_pass(model, batch_size // microbatches, seed), at_once
@@ -121,6 +118,8 @@ def profile_together(
         [measured] * dist.get_world_size() if dist.get_rank() == 0 else None
     )
     dist.gather_object(measured, gathered, dst=0)
+    if dist.get_world_size() > 1 and dist.get_rank() == 0:
+        say("measuring what a message costs each side ...")
     message = (
         MessageCosts(0.0, 0.0, 0.0)
         if dist.get_world_size() == 1
@@ -176,6 +175,8 @@ def plan_together(
     counts = tuple(
         m for m in (profiled // 2, profiled, profiled * 2) if m >= 1 and batch_size % m == 0
     )
+    if dist.get_rank() == 0:
+        say("measuring the links between the ranks ...")
     link = measure_links()
     measured = profile_together(
         model,
@@ -204,6 +205,7 @@ def plan_together(
             file=sys.stderr,
             flush=True,
         )
+        say("planning ...")
         try:
             outcome = [
                 plan(
@@ -214,6 +216,7 @@ def plan_together(
                     schedules=schedules,
                     every_worker=True,  # the job has this many processes, each a worker
                     shared_cores=cores,
+                    progress=progress_printer(),
                 )
             ]
         except (ValueError, TypeError) as error:  # every rank must hear of it, not wait for a plan

@@ -16,7 +16,7 @@ from pipetrain.app.arguments import (
 )
 from pipetrain.app.simulate_job import COST_FIELDS, run_simulation
 from pipetrain.schedules import Schedule, names
-from pipetrain.units import format_seconds
+from pipetrain.units import counted, format_seconds
 
 
 def add_simulate(commands: argparse._SubParsersAction) -> None:
@@ -107,7 +107,8 @@ def run_simulate(args: argparse.Namespace) -> None:
         write_timeline(
             timeline,
             args.out,
-            f"{schedule.name}, {schedule.num_ranks} ranks, {result.microbatches} micro-batches",
+            f"{schedule.name}, {counted(schedule.num_ranks, 'rank')}, "
+            f"{counted(result.microbatches, 'micro-batch', 'micro-batches')}",
         )
     if args.json:
         print(json.dumps(result.to_json()))
@@ -123,8 +124,8 @@ def run_simulate(args: argparse.Namespace) -> None:
         formula, value = result.textbook
         bubble += f"   (textbook {formula} = {value:.1%})"
     print(
-        f"{schedule.name}: {schedule.num_ranks} ranks{chunks}, "
-        f"{result.microbatches} micro-batches{window}"
+        f"{schedule.name}: {counted(schedule.num_ranks, 'rank')}{chunks}, "
+        f"{counted(result.microbatches, 'micro-batch', 'micro-batches')}{window}"
     )
     print(f"  costs             {_describe_costs(result.requested, schedule)}")
     print(f"  makespan          {format_seconds(timeline.makespan)}")

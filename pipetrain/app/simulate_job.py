@@ -45,6 +45,8 @@ def read_costs_file(path: str) -> dict[str, Any]:
         raise ValueError(f"cannot read costs file {path!r}: {error.strerror}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"costs file {path!r} is not valid JSON: {error}") from None
+    except RecursionError:  # the decoder recurses once per nested array or object
+        raise ValueError(f"costs file {path!r} nests its JSON too deeply") from None
     if not isinstance(values, dict):
         raise ValueError(
             f'costs file {path!r} must hold a JSON object such as {{"forward_s": 1.0}}'

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import TYPE_CHECKING
 
@@ -37,7 +38,8 @@ def add_train(commands: argparse._SubParsersAction) -> None:
         "--ranks",
         type=positive_int,
         metavar="N",
-        help="worker processes (default 2; under torchrun, the world size)",
+        help="worker processes, one rank each (default: the sum of --replicas, else 2; under "
+        "torchrun, the world size)",
     )
     # the former name of --ranks, refused with a message that names the new one
     parser.add_argument("--stages", type=int, help=argparse.SUPPRESS)
@@ -212,12 +214,12 @@ def _positive_float(text: str) -> float:
 
 
 def run_train(args: argparse.Namespace) -> None:
+    refuse_stages(args)  # before torch loads: a renamed flag is answered at once
     from pipetrain.app.train_config import TrainConfig
     from pipetrain.app.train_job import run_training
     from pipetrain.app.train_resume import RunFinished
     from pipetrain.runtime import PipelineConfig, UpdateConfig
 
-    refuse_stages(args)
     pipeline = PipelineConfig(
         schedule=args.schedule or "1f1b",
         microbatches=args.microbatches,
@@ -258,7 +260,18 @@ def run_train(args: argparse.Namespace) -> None:
     try:
         report = run_training(config)
     except RunFinished as finished:
+        # exit 0, so that torchrun restarts no more; --json still gets its one object
         print(f"pipetrain train: {finished}", file=sys.stderr)
+        if args.json:
+            print(
+                json.dumps(
+                    {
+                        "finished_before": True,
+                        "checkpoint": finished.checkpoint,
+                        "steps": finished.steps,
+                    }
+                )
+            )
         return
     if report is None:  # a torchrun rank other than 0: rank 0 reports
         return

@@ -15,6 +15,7 @@ from pipetrain.planning import Plan
 from pipetrain.runtime import PipelineConfig
 from pipetrain.runtime.rank.update_config import UpdateConfig
 from pipetrain.schedules import Schedule, with_targets_shipped
+from pipetrain.units import counted
 
 DEFAULT_RANKS = 2
 WARMUP_STEPS = 2  # left out of the median step time: first steps pay for allocation and set-up
@@ -117,7 +118,13 @@ class TrainConfig:
         return _resolved(self.schedule, "schedule")
 
     def from_plan(self, plan: Plan) -> TrainConfig:
-        """This configuration with the plan's split, replication, schedule and micro-batches."""
+        """This configuration with the plan's split, replication, schedule and micro-batches;
+        ValueError for a plan made for another model."""
+        if plan.model and plan.model != self.model:
+            raise ValueError(
+                f"the plan was made for --model {plan.model}, not {self.model}; give "
+                f"--model {plan.model}, or profile and plan {self.model} (or use --plan auto)"
+            )
         return replace(
             self,
             plan=None,
@@ -136,8 +143,9 @@ class TrainConfig:
         replicas = self.pipeline.replicas
         if replicas is not None and sum(replicas) != self.ranks:
             raise ValueError(
-                f"replicas {list(replicas)} add up to {sum(replicas)} workers, "
-                f"but --ranks is {self.ranks}"
+                f"--replicas {','.join(map(str, replicas))} add up to "
+                f"{counted(sum(replicas), 'rank')}, but --ranks is {self.ranks}; give --ranks "
+                f"{sum(replicas)} or leave it out"
             )
         for name in ("steps", "batch_size", "threads", "accumulate"):
             value = getattr(self, name)
@@ -147,18 +155,20 @@ class TrainConfig:
         microbatches = self.pipeline.microbatches
         if self.samples < microbatches:
             raise ValueError(
-                f"batch size {self.batch_size} is smaller than microbatches {microbatches}; "
-                f"use a batch of at least {microbatches}"
+                f"--batch-size {self.batch_size} is smaller than --microbatches {microbatches}; "
+                f"give --batch-size {microbatches} or more"
             )
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(
                 f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}"
             )
         if self.eval_every is not None and self.eval_every < 1:
-            raise ValueError(f"eval_every must be a positive integer, got {self.eval_every}")
+            raise ValueError(f"--eval-every must be a positive integer, got {self.eval_every}")
         self._check_saving()
         if not self.timeout_s > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout_s}")
+            raise ValueError(
+                f"--timeout must be a positive number of seconds, got {self.timeout_s}"
+            )
         # the data set must hold a batch (a plan may ask for more than it has)
         BatchStream(self.model, self.samples, seed=self.seed)
         schedule = self.pipeline.build(self.workers, model_spec(self.model).layers)
@@ -174,7 +184,7 @@ class TrainConfig:
     def _check_saving(self) -> None:
         """Raise a ValueError for save settings that cannot work."""
         if self.save_every is not None and self.save_dir is None:
-            raise ValueError("save_every needs a save directory (--save-dir)")
+            raise ValueError("--save-every needs --save-dir DIR, the directory to save into")
         if self.save_every is not None and (
             self.save_every < 1 or self.save_every % self.accumulate
         ):

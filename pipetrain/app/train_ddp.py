@@ -27,9 +27,9 @@ from pipetrain.app.model_registry import model_spec
 from pipetrain.app.models import build_model, loss_function
 from pipetrain.app.traffic import interface_bytes_sent, sent_since
 from pipetrain.app.train_config import DEFAULT_RANKS, WARMUP_STEPS, TrainConfig, warmup_cosine
-from pipetrain.app.train_job import Progress, held_out, run_on_workers
+from pipetrain.app.train_job import Progress, announce_started, held_out, run_on_workers
 from pipetrain.app.train_report import divergence, run_keys
-from pipetrain.units import format_seconds
+from pipetrain.units import counted, format_seconds
 
 DDP_PRECISIONS = ("fp32", "bf16")
 
@@ -85,6 +85,8 @@ def ddp_worker(config: TrainConfig) -> dict[str, Any] | None:
     (the full batch's mean, averaged over the shards), step times and held-out metrics,
     other ranks ``None``."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        announce_started()
     model = build_model(config.model, seed=config.seed)
     replica = DistributedDataParallel(model)
     optimizer = torch.optim.Adam(replica.parameters(), lr=config.learning_rate)
@@ -201,8 +203,8 @@ class DDPReport:
         ]
         return "\n".join(
             [
-                f"{config.model}, data-parallel (DDP) on {config.ranks} workers, "
-                f"{share} of {config.samples} samples each, {config.steps} steps "
+                f"{config.model}, data-parallel (DDP) on {counted(config.ranks or 1, 'rank')}, "
+                f"{share} of {config.samples} samples each, {counted(config.steps, 'step')} "
                 f"(Adam, lr {config.lr:g}, {config.lr_schedule}, {config.update.precision})",
                 f"  loss              {self.losses[0]:.4f} -> {self.losses[-1]:.4f}",
                 *held,

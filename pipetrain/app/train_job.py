@@ -10,8 +10,10 @@ measured in that timeline.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
+from pipetrain.app.arguments import say, ticking
 from pipetrain.app.data import BatchStream
 from pipetrain.app.model_registry import model_spec
 from pipetrain.app.models import build_model, example_inputs, loss_function
@@ -34,11 +37,16 @@ from pipetrain.app.train_resume import check_resumable, resume, save_if_due
 from pipetrain.distributed.heartbeat import stop_beating
 from pipetrain.distributed.io_threads import defer_gloo_io_threads
 from pipetrain.runtime import ModelSource, Pipeline, RuntimeConfig, launch
+from pipetrain.units import counted, format_seconds
 
 
 class Progress:
     """Prints ``step i/N, loss, samples/s`` on a stream: rewritten in place on a terminal,
-    otherwise one line about every tenth of the run."""
+    otherwise one line about every tenth of the run, and at least every :data:`QUIET_S`
+    seconds."""
+
+    QUIET_S = 4.0
+    """The longest a run goes without a progress line where steps are slow."""
 
     def __init__(
         self, steps: int, batch_size: int, stream: TextIO = sys.stderr, *, start: int = 0
@@ -52,9 +60,9 @@ class Progress:
 
     def update(self, step: int, loss: float) -> None:
         """Report that ``step`` (counted from 1) finished with ``loss``."""
-        if step % self.every and step != self.steps:
-            return
         now = time.perf_counter()
+        if step % self.every and step != self.steps and now - self._last_time < self.QUIET_S:
+            return
         rate = (step - self._last_step) * self.batch_size / max(now - self._last_time, 1e-9)
         self._last_step, self._last_time = step, now
         line = f"step {step}/{self.steps}  loss {loss:.4f}  {rate:,.0f} samples/s"
@@ -84,38 +92,38 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
     """Train on this rank of the process group; rank 0 returns the configuration it ran
     (with the plan's settings, for ``plan_auto``), losses, step times and the last step's
     timeline (as a dict), other ranks ``None``."""
+    if dist.get_rank() == 0:
+        announce_started()
     if config.plan_auto:
         if dist.get_rank() == 0:
-            print(
-                f"profiling {config.model} on {config.ranks} workers at once, then planning ...",
-                file=sys.stderr,
-                flush=True,
+            say(
+                f"profiling {config.model} on {counted(dist.get_world_size(), 'rank')} at "
+                "once, then planning ..."
             )
         # profile with the threads this worker trains with (torchrun's setting, under torchrun)
-        chosen = plan_together(
-            config.model,
-            config.samples,
-            config.seed,
-            torch.get_num_threads(),
-            schedules=config.plan_schedules,
-        )
+        with ticking("profiling and planning") if dist.get_rank() == 0 else _quiet():
+            chosen = plan_together(
+                config.model,
+                config.samples,
+                config.seed,
+                torch.get_num_threads(),
+                schedules=config.plan_schedules,
+            )
         if dist.get_rank() == 0:
             print(chosen.describe() + "\n", file=sys.stderr, flush=True)
         config = replace(config, plan_auto=False, plan=chosen).resolved(dist.get_world_size())
-    model = build_model(config.model, seed=config.seed)
-    factor = config.lr_factor()
-    pipe = Pipeline(
-        model,
-        loss_fn=loss_function(config.model),
-        optimizer=partial(torch.optim.Adam, lr=config.learning_rate),
-        config=config.worker_pipeline(),
-        update=replace(
-            config.update,
-            lr_scheduler=None if factor is None else partial(LambdaLR, lr_lambda=factor),
-        ),
-        runtime=RuntimeConfig(timeout_s=config.timeout_s),
-        source=ModelSource(example_inputs=example_inputs(config.model)),
-    )
+    built_at = time.perf_counter()
+    talking = dist.get_rank() == 0
+    if talking:
+        captured = model_spec(config.model).captured
+        say(
+            f"{'capturing' if captured else 'building'} {config.model} and its stages on "
+            f"{counted(dist.get_world_size(), 'rank')} ..."
+        )
+    with ticking("building") if talking else _quiet():
+        pipe = _pipeline(config)
+    if pipe.rank == 0:
+        say(f"pipeline ready in {format_seconds(time.perf_counter() - built_at)}; training ...")
     # only the input stage's ranks load data; the targets travel to the last stage
     batches = (
         BatchStream(config.model, config.samples, seed=config.seed) if 0 in pipe.stages else None
@@ -152,7 +160,10 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
             dist.barrier()
         save_if_due(pipe, config, batches, history)
     sent = sent_since(sent_before)
-    timeline = pipe.timeline()
+    if pipe.rank == 0:
+        say("gathering the last step's timeline from every rank ...")
+    with ticking("gathering") if pipe.rank == 0 else _quiet():
+        timeline = pipe.timeline()
     if timeline is None:
         return None
     return {
@@ -163,6 +174,42 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
         "eval": history.evaluations,
         "bytes_sent": sent,
     }
+
+
+def _pipeline(config: TrainConfig) -> Pipeline:
+    """This rank's pipeline of ``config``'s model, as ``pipetrain train`` trains it."""
+    factor = config.lr_factor()
+    return Pipeline(
+        build_model(config.model, seed=config.seed),
+        loss_fn=loss_function(config.model),
+        optimizer=partial(torch.optim.Adam, lr=config.learning_rate),
+        config=config.worker_pipeline(),
+        update=replace(
+            config.update,
+            lr_scheduler=None if factor is None else partial(LambdaLR, lr_lambda=factor),
+        ),
+        runtime=RuntimeConfig(timeout_s=config.timeout_s),
+        source=ModelSource(example_inputs=example_inputs(config.model)),
+    )
+
+
+def _quiet() -> contextlib.AbstractContextManager[None]:
+    """Where another rank talks: no progress lines."""
+    return contextlib.nullcontext()
+
+
+_STARTED_FILE = "PIPETRAIN_STARTED_FILE"
+"""The environment variable naming the file that rank 0 of local workers creates once it
+runs, so that the launching process stops saying that the ranks are starting."""
+
+
+def announce_started() -> None:
+    """Tell the launching process (if it is listening) that rank 0 is running, and so
+    talking: called by rank 0 of every worker function given to :func:`run_on_workers`."""
+    path = os.environ.get(_STARTED_FILE)
+    if path:
+        with contextlib.suppress(OSError):
+            open(path, "x").close()
 
 
 def run_on_workers(
@@ -181,13 +228,24 @@ def run_on_workers(
     """
     if "WORLD_SIZE" not in os.environ:
         config = ready(config, None)  # before any worker starts
-        result = launch(
-            worker,
-            config.workers,
-            config,
-            threads_per_worker=config.threads,
-            timeout_s=config.timeout_s,
-        )[0]
+        say(
+            f"starting {counted(config.workers, 'rank')} (worker processes; each imports "
+            "torch and joins the process group) ..."
+        )
+        with tempfile.TemporaryDirectory(prefix="pipetrain-") as directory:
+            started = os.path.join(directory, "started")
+            os.environ[_STARTED_FILE] = started  # the workers inherit it
+            try:
+                with ticking("starting", until=lambda: os.path.exists(started)):
+                    result = launch(
+                        worker,
+                        config.workers,
+                        config,
+                        threads_per_worker=config.threads,
+                        timeout_s=config.timeout_s,
+                    )[0]
+            finally:
+                del os.environ[_STARTED_FILE]
         return config, result
     started_group = not dist.is_initialized()
     if started_group:
@@ -213,4 +271,8 @@ def run_training(config: TrainConfig) -> TrainReport | None:
     """Train as ``config`` says and report; ``None`` on torchrun ranks other than 0 (see
     :func:`run_on_workers`)."""
     _, result = run_on_workers(train_worker, config, _ready)
-    return None if result is None else TrainReport.build(result["config"], result)
+    if result is None:
+        return None
+    say("simulating the last step on its measured costs for the report ...")
+    with ticking("writing the report"):
+        return TrainReport.build(result["config"], result)

@@ -11,6 +11,7 @@ from typing import Any
 from pipetrain.app.train_config import WARMUP_STEPS, TrainConfig
 from pipetrain.simulation import Costs, measured_costs, simulate
 from pipetrain.timeline import Timeline, format_seconds, plot_timelines
+from pipetrain.units import counted
 
 DIVERGENCE_FACTOR = 10.0
 """A run whose final loss exceeds its first this many times over has diverged."""
@@ -70,13 +71,24 @@ def _placement(config: TrainConfig) -> str:
     holds several."""
     schedule, ranks = config.built, config.workers
     if schedule.stages == ranks:
-        return f"{ranks} ranks"
+        return counted(ranks, "rank")
     replicas = config.pipeline.replicas
     how = f" (replicas {', '.join(map(str, replicas))})" if replicas else ""
     if config.pipeline.data_parallel > 1:
         how = f" ({config.pipeline.data_parallel} replicas each)"
     how += ", sharded" if config.pipeline.shard else ""
-    return f"{schedule.stages} stages on {ranks} ranks{how}"
+    return f"{counted(schedule.stages, 'stage')} on {counted(ranks, 'rank')}{how}"
+
+
+def split_sizes(samples: int, parts: int) -> str:
+    """``"4 micro-batches of 4 samples"``, or of ``"2-3 samples"`` where ``parts`` does not
+    divide ``samples`` (the batch is split as evenly as it goes, as the pipeline splits it)."""
+    size, left = divmod(samples, parts)
+    sizes = f"{size}" if not left else f"{size}-{size + 1}"
+    return (
+        f"{counted(parts, 'micro-batch', 'micro-batches')} of {sizes} "
+        f"{'sample' if sizes == '1' else 'samples'}"
+    )
 
 
 @dataclass(frozen=True)
@@ -190,8 +202,8 @@ class TrainReport:
         return "\n".join(
             [
                 f"{config.model} on {_placement(config)}, {config.built.name}, "
-                f"{in_step} micro-batches of {config.samples / in_step:g} samples"
-                f"{per_update}, {config.steps} steps "
+                f"{split_sizes(config.samples, in_step)}"
+                f"{per_update}, {counted(config.steps, 'step')} "
                 f"(Adam, lr {config.lr:g}{schedule}{precision})",
                 f"  loss              {self.losses[0]:.4f} -> {self.losses[-1]:.4f}",
                 *held,

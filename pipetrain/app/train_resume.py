@@ -34,7 +34,15 @@ class History:
 
 
 class RunFinished(Exception):
-    """A restart found the run finished: its newest checkpoint is at the last step."""
+    """A restart found the run finished: its newest checkpoint, ``checkpoint``, is at the
+    last step, ``steps``."""
+
+    def __init__(self, checkpoint: str, steps: int) -> None:
+        super().__init__(
+            f"the run had finished before this restart: {checkpoint} holds its last step, "
+            f"{steps}; nothing is left to train"
+        )
+        self.checkpoint, self.steps = checkpoint, steps
 
 
 def check_resumable(config: TrainConfig) -> None:
@@ -53,10 +61,7 @@ def check_resumable(config: TrainConfig) -> None:
         return
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if restarted and step_of(newest) == config.steps:
-        raise RunFinished(
-            f"the run had finished before this restart: {newest} holds its last step, "
-            f"{config.steps}; nothing is left to train"
-        )
+        raise RunFinished(str(newest), config.steps)
     raise ValueError(
         f"the newest checkpoint, {newest}, is at step {step_of(newest)}, and the run has "
         f"{config.steps} steps: nothing is left to train; give more --steps or another "
@@ -71,11 +76,21 @@ def resume(pipe: Pipeline, config: TrainConfig, batches: BatchStream | None) -> 
         return History()
     found = pipe.load(config.save_dir)
     saved = found.extra
+    missing = [key for key in _SAVED if not isinstance(saved, dict) or key not in saved]
+    if missing:
+        raise ValueError(
+            f"{found.path} was not saved by pipetrain train (its extra lacks "
+            f"{', '.join(missing)}); give --save-dir a directory of this command's checkpoints"
+        )
     if batches is not None:
         batches.load_state_dict(saved["data"])
     if pipe.rank == 0:
         print(f"resumed from {found.path} after step {found.step}", file=sys.stderr, flush=True)
     return History(saved["losses"], saved["step_times_s"], saved["evaluations"])
+
+
+_SAVED = ("data", "losses", "step_times_s", "evaluations")
+"""What :func:`save_if_due` keeps in a checkpoint's ``extra`` and :func:`resume` reads."""
 
 
 def save_if_due(

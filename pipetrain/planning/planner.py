@@ -24,7 +24,7 @@ from pipetrain.planning.verdicts import Verdicts
 from pipetrain.profiler.costs import Profile
 from pipetrain.schedules import names, spec
 from pipetrain.simulation import Costs, Variation, median_makespan
-from pipetrain.units import counted
+from pipetrain.units import counted, format_bytes
 
 DEFAULT_MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -198,7 +198,7 @@ def _fastest(
         best = _chosen(results, fastest)
         report(
             f"planning: {simulated + 1}/{len(bounded)} candidates simulated, best so far "
-            f"{_summary(best.candidate)}: {best.throughput:.4g} samples/s"
+            f"{_summary(best.candidate)}: {best.throughput:.4g} samples/s steady"
         )
     assert best is not None  # the first candidate is always simulated
     verdicts.chose(best.throughput)
@@ -291,6 +291,7 @@ def _as_plan(
         microbatch_size=size,
         virtual=layout.virtual,
         stage_compute_s=[f + b + w for f, b, w in zip(forward, backward, weight)],
+        model=candidate.profile.model,
     )
 
 
@@ -314,11 +315,12 @@ def _no_fit_message(
             f"{reason}; use fewer workers, replication=True, or other schedules"
         )
     return (
-        f"no candidate plan fits memory_limit={memory_limit:.4g} bytes per worker; the smallest "
-        f"needs {math.ceil(need)} bytes ({need / 1e9:.3g} GB: {candidate.schedule}, "
-        f"{candidate.microbatches} micro-batches, recomputation {candidate.recompute}). Raise "
-        "memory_limit to at least that, or make each worker hold less: allow recomputation "
-        "(recompute modes are tried already), use more micro-batches for the same batch_size "
-        "(smaller micro-batches hold less activation memory), or add workers (fewer layers and "
-        "weights per worker)."
+        f"no candidate plan fits a memory limit of {format_bytes(memory_limit or 0.0)} a worker "
+        f"(memory_limit, pipetrain plan --memory); the smallest needs {math.ceil(need)} bytes "
+        f"({format_bytes(need)}: {candidate.schedule}, "
+        f"{counted(candidate.microbatches, 'micro-batch', 'micro-batches')}, recomputation "
+        f"{candidate.recompute}, the cheapest that fits it). Raise the limit to at least that, "
+        "or make each worker hold less: more micro-batches for the same batch size (smaller "
+        "micro-batches hold less activation memory), or more workers (fewer layers and weights "
+        "each)."
     )

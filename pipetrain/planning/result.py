@@ -42,7 +42,8 @@ class Plan(JsonFile):
     for a profile without runs). Stages sit on consecutive ranks in order. ``rejected``
     names each other schedule the planner considered and why it lost (out of memory, no
     layout it runs, or slower). ``topology`` is the network planned for, in
-    :meth:`pipetrain.planning.Topology.parse` syntax.
+    :meth:`pipetrain.planning.Topology.parse` syntax. ``model`` is the profile's: the
+    model planned for (``""`` where the profile names none).
     """
 
     stages: list[PlanStage]
@@ -59,6 +60,7 @@ class Plan(JsonFile):
     steady_step_s: float | None = None
     rejected: dict[str, str] = field(default_factory=dict)
     topology: str = ""
+    model: str = ""
 
     @property
     def balance(self) -> list[int]:
@@ -103,12 +105,7 @@ class Plan(JsonFile):
             f"{counted(self.microbatches, 'micro-batch', 'micro-batches')} of "
             f"{self.microbatch_size}{per_update}, recomputation {self.recompute}",
             f"predicted step {self.predicted_step_s:.4g} s, "
-            f"{self.predicted_throughput:.4g} samples/s"
-            + (
-                f" ({self.steady_step_s:.4g} s with every action at its median time)"
-                if self.steady_step_s is not None and self.steady_step_s != self.predicted_step_s
-                else ""
-            ),
+            f"{self.predicted_throughput:.4g} samples/s{self._steady()}",
             f"{'stage':>5}  {'layers':>11}  {'count':>5}  {'replicas':>8}  "
             f"{'compute/mb':>10}  {'memory/worker':>13}",
         ]
@@ -132,6 +129,21 @@ class Plan(JsonFile):
             lines.append("rejected:")
             lines += [f"  {name}: {reason}" for name, reason in self.rejected.items()]
         return "\n".join(lines)
+
+    def _steady(self) -> str:
+        """The steady step and throughput (every action at its median time: the scale the
+        planner compares candidates and rejections on) after the predicted ones."""
+        steady_s = self.steady_step_s
+        if steady_s is None:  # a plan saved before steady steps were kept
+            return ""
+        if steady_s == self.predicted_step_s or steady_s <= 0:
+            return " (steady: every action at its given time, the scale candidates are compared on)"
+        throughput = self.predicted_throughput * self.predicted_step_s / steady_s
+        return (
+            " with the profile's run-to-run variation; steady (with every action at its median "
+            f"time, the scale candidates are compared on): {steady_s:.4g} s, "
+            f"{throughput:.4g} samples/s"
+        )
 
 
 def _has_links(topology: str) -> bool:

@@ -87,17 +87,18 @@ class Verdicts:
                     )
                 if record.simulated >= self._chosen_throughput * (1 - 1e-9):
                     reasons[name] = (
-                        f"{fits} and reaches {record.simulated:.4g} samples/s, but the plan "
-                        f"chosen ({self._chosen_throughput:.4g}) is as fast or within a few "
-                        "percent, with fewer stages or micro-batches (or less memory)"
+                        f"{fits} and reaches {record.simulated:.4g} samples/s steady, but the "
+                        f"plan chosen ({self._chosen_throughput:.4g} steady) is as fast or "
+                        "within a few percent, with fewer stages or micro-batches (or less "
+                        "memory)"
                     )
                 elif record.simulated > 0:
                     reasons[name] = (
-                        f"{fits} but is slower: {record.simulated:.4g} samples/s at best"
+                        f"{fits} but is slower: {record.simulated:.4g} samples/s steady at best"
                     )
                 else:
                     reasons[name] = (
                         f"{fits} but cannot be faster: at most {record.ceiling:.4g} samples/s "
-                        "by its lower bound"
+                        "steady by its lower bound"
                     )
         return reasons

@@ -144,6 +144,8 @@ class Profile(JsonFile):
     ``other_sizes`` (optional) holds the same model measured at other micro-batch sizes,
     from which :meth:`scaled` starts when nearer: a sample costs more in a small
     micro-batch than in a large one (the VGG model's: 1.19 ms at 8, 1.03 at 16, 0.84 at 32).
+    ``model`` names the model measured (a built-in model's name; ``""`` where unnamed), and
+    plans made from the profile carry it, so that one is refused for another model.
     """
 
     layers: list[LayerCost]
@@ -156,9 +158,12 @@ class Profile(JsonFile):
     receive_byte_s: float = 0.0
     weight_version_byte_s: float = 0.0
     shared_cores_factor: float = 1.0
+    model: str = ""
 
     def __post_init__(self) -> None:
         """Reject empty profiles and negative or non-finite costs, naming the layer and field."""
+        if not isinstance(self.model, str):
+            raise TypeError(f"Profile.model must be a str, got {type(self.model).__name__}")
         if not isinstance(self.layers, list) or not self.layers:
             raise ValueError("a Profile needs a non-empty list of LayerCost, one per layer")
         for index, layer in enumerate(self.layers):
@@ -228,6 +233,7 @@ class Profile(JsonFile):
                 "receive_byte_s": self.receive_byte_s,
                 "weight_version_byte_s": self.weight_version_byte_s,
                 "shared_cores_factor": self.shared_cores_factor,
+                "model": self.model,
                 "layers": [asdict(layer) for layer in self.layers],
                 "spread": None if self.spread is None else asdict(self.spread),
                 "other_sizes": [other.to_dict() for other in self.other_sizes],
@@ -268,6 +274,7 @@ class Profile(JsonFile):
             data.get("receive_byte_s", 0.0),
             data.get("weight_version_byte_s", 0.0),
             data.get("shared_cores_factor", 1.0),
+            data.get("model", ""),
         )
 
 
