@@ -137,3 +137,14 @@ def test_ddp_refuses_the_pipeline_data_parallel_flags() -> None:
     done = run_cli("train", "--model", "mlp", "--ddp", "--data-parallel", "2", "--shard")
     assert done.returncode == 2
     assert "--data-parallel, --shard set a pipeline" in done.stderr
+
+
+def test_the_train_command_hands_its_workers_the_sharding() -> None:
+    from pipetrain.app.train_config import TrainConfig
+    from pipetrain.runtime import PipelineConfig
+
+    pipeline = PipelineConfig(microbatches=4, data_parallel=2, shard=True)
+    config = TrainConfig("mlp", pipeline, batch_size=16).resolved()
+    assert config.workers == 4  # 2 stages x 2 replicas by default
+    worker = config.worker_pipeline()
+    assert worker.shard and worker.build(4, layers=5).stage_ranks == ((0, 1), (2, 3))

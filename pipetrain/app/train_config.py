@@ -197,13 +197,14 @@ class TrainConfig:
 
     def worker_pipeline(self) -> PipelineConfig:
         """The pipeline a worker trains with: the schedule built here, handed over as a
-        value, with the split, recomputation and the targets' transfer."""
+        value, with the split, recomputation, sharding and the targets' transfer."""
         return PipelineConfig(
             schedule=self.built,
             microbatches=self.built.microbatches,
             balance=self.pipeline.balance,
             recompute=self.pipeline.recompute,
             targets_on_first_stage=self.pipeline.targets_on_first_stage,
+            shard=self.pipeline.shard,
         )
 
     def updates(self) -> int:
