@@ -25,8 +25,8 @@ def merged(per_rank: list[list[dict]]) -> dict[str, dict]:
     return runs
 
 
-def assert_like_the_unpipelined(runs: dict[str, dict]) -> None:
-    expected = cases.synchronous_reference()
+def assert_like_the_unpipelined(runs: dict[str, dict], expected: dict | None = None) -> None:
+    expected = expected or cases.synchronous_reference()
     for schedule, run in runs.items():
         torch.testing.assert_close(
             run["losses"], expected["losses"], rtol=1e-5, atol=0, msg=schedule
@@ -72,3 +72,29 @@ def test_micro_batches_of_another_count_are_refused() -> None:
     data = StepData(3, 3, torch.device("cpu"))
     with pytest.raises(ValueError, match="come as 2 micro-batches but the step plays 3"):
         data.set_inputs(MicroBatches([torch.zeros(1, 4), torch.zeros(1, 5)]))
+
+
+def test_a_token_budget_changes_the_micro_batch_count_from_step_to_step() -> None:
+    counts = [len(cases.budget_groups(rows, 1)) for rows in cases.budget_rows()]
+    assert len(set(counts)) == len(counts), counts
+    for rows in cases.budget_rows():
+        for group in cases.budget_groups(rows, 1):
+            longest = max(len(rows[i]) for i in group)
+            assert len(group) * longest <= cases.BUDGET or len(group) == 1
+
+
+@pytest.mark.slow
+def test_token_budget_micro_batches_equal_the_unpipelined_model() -> None:
+    per_rank = pipetrain.launch(cases.budget_runs, 2, ["gpipe", "1f1b", "zb-h1"], timeout_s=240)
+    assert_like_the_unpipelined(merged(per_rank), cases.budget_reference(1))
+    per_rank = pipetrain.launch(cases.budget_runs, 2, ["interleaved"], timeout_s=240)
+    assert_like_the_unpipelined(merged(per_rank), cases.budget_reference(2))
+
+
+def test_a_token_budget_refuses_what_cannot_change_its_count() -> None:
+    from pipetrain.runtime import PipelineConfig
+
+    with pytest.raises(ValueError, match="an asynchronous schedule cannot follow"):
+        PipelineConfig("pipedream", 2, microbatch_tokens=64).build(2, 4)
+    with pytest.raises(ValueError, match="microbatch_tokens must be a positive"):
+        PipelineConfig("gpipe", 2, microbatch_tokens=0).build(2, 4)

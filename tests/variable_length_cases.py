@@ -138,3 +138,64 @@ def pipedream_run(balance: list[int]) -> dict[str, torch.Tensor]:
     for batch in step_batches():
         pipe.train_step(MicroBatches([x for x, _ in batch]), MicroBatches([y for _, y in batch]))
     return {k: v.clone() for k, v in pipe.state_dict().items()}
+
+
+BUDGET, BUDGET_STEPS = 96, 3
+LENGTHS = [[3, 5, 9], [5, 9, 20, 33], [9, 20, 33, 64]]  # each step's, longer and longer
+
+
+def budget_rows(seed: int = 1) -> list[list[torch.Tensor]]:
+    """Each step's rows: 8 documents of 3 to 64 bytes, skewed differently each step."""
+    chance = random.Random(seed)
+    return [
+        [
+            torch.randint(0, 256, (chance.choice(LENGTHS[step]),))
+            for _ in range(8)
+        ]
+        for step in range(BUDGET_STEPS)
+    ]
+
+
+def budget_groups(rows: list[torch.Tensor], multiple: int) -> list[list[int]]:
+    """The micro-batches a token budget forms, split to a multiple of ``multiple``."""
+    from pipetrain.data.batches import token_budget_groups
+    from pipetrain.runtime.token_budget import split_to
+
+    groups = token_budget_groups([len(r) for r in rows], BUDGET)
+    return split_to(groups, -(-len(groups) // multiple) * multiple)
+
+
+def budget_reference(multiple: int) -> dict[str, Any]:
+    """The unpipelined GPT on the micro-batches a token budget forms: each step's loss is
+    the token mean over all of them."""
+    model = gpt()
+    optimizer = sgd(model.parameters())
+    losses = []
+    for rows in budget_rows():
+        optimizer.zero_grad()
+        documents = [r.tolist() for r in rows]
+        pairs = []
+        for group in budget_groups(rows, multiple):
+            from pipetrain.data.batches import padded
+
+            x, y = padded([documents[i] for i in group])
+            pairs.append(pipetrain.causal_lm_loss(model(x), y))
+        loss = sum(t for t, _ in pairs) / sum(c for _, c in pairs)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return {"losses": losses, "state": model.state_dict()}
+
+
+def budget_runs(schedules: list[str]) -> list[dict[str, Any]]:
+    """Each schedule with ``microbatch_tokens``: its losses and this rank's weights."""
+    from pipetrain.runtime import PipelineConfig, Sequences
+
+    results = []
+    for schedule in schedules:
+        config = PipelineConfig(schedule, 2, microbatch_tokens=BUDGET)
+        pipe = make_pipeline(gpt(), loss_fn=pipetrain.causal_lm_loss, optimizer=sgd, config=config)
+        losses = [pipe.train_step(Sequences(rows), Sequences(rows)) for rows in budget_rows()]
+        state = {k: v.clone() for k, v in pipe.state_dict().items()}
+        results.append({"schedule": schedule, "losses": losses, "state": state})
+    return results

@@ -26,6 +26,7 @@ from pipetrain.runtime.rank.batch import MicroBatches
 from pipetrain.runtime.rank.losses import causal_lm_loss
 from pipetrain.runtime.rank.update import NonFiniteError
 from pipetrain.runtime.rank.update_config import UpdateConfig
+from pipetrain.runtime.token_budget import Sequences
 
 __all__ = [
     "LaunchError",
@@ -36,6 +37,7 @@ __all__ = [
     "PipelineConfig",
     "PipelineError",
     "RuntimeConfig",
+    "Sequences",
     "UpdateConfig",
     "causal_lm_loss",
     "keep_freed_memory",

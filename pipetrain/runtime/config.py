@@ -43,7 +43,11 @@ class PipelineConfig:
     value; ``schedule_options`` are the family's own (``{"virtual": 2}`` for
     ``interleaved``). ``microbatches`` counts micro-batches per update for a name; a
     schedule value runs its own. ``replicas`` gives ranks per stage (replicable families),
-    ``balance`` layers per stage (by default shared out evenly).
+    ``balance`` layers per stage (by default shared out evenly). ``microbatch_tokens``:
+    each training step given as :class:`~pipetrain.runtime.token_budget.Sequences` is cut
+    into micro-batches of at most this many tokens (rows x their longest), so the count
+    follows the step's lengths; the schedule for each count is built on its first step
+    and kept (synchronous families; ``microbatches`` is then only the first schedule's).
     """
 
     schedule: str | Schedule = "1f1b"
@@ -55,6 +59,7 @@ class PipelineConfig:
     targets_on_first_stage: bool = False
     data_parallel: int = 1
     shard: bool = False
+    microbatch_tokens: int | None = None
 
     def __post_init__(self) -> None:
         """Keep copies of the mutable settings, so the value stays as it was built."""
@@ -129,7 +134,24 @@ class PipelineConfig:
             )
         if self.shard:
             _check_shardable(schedule)
+        if self.microbatch_tokens is not None:
+            self._check_token_budget(schedule)
         return schedule
+
+    def _check_token_budget(self, schedule: Schedule) -> None:
+        positive_int("microbatch_tokens", self.microbatch_tokens)
+        fixed = {
+            "an asynchronous schedule": schedule.asynchronous,
+            "a Schedule value": isinstance(self.schedule, Schedule),
+            "recompute='except_last'": self.recompute == "except_last",
+            "targets_on_first_stage": self.targets_on_first_stage,
+        }
+        refused = [what for what, given in fixed.items() if given]
+        if refused:
+            raise ValueError(
+                f"microbatch_tokens changes the micro-batch count from step to step, which "
+                f"{refused[0]} cannot follow; use a synchronous family by name without it"
+            )
 
     def _built(self, family: ScheduleSpec, world: int, layers: int | None) -> Schedule:
         positive_int("microbatches", self.microbatches)

@@ -3,13 +3,16 @@
 :func:`prepare` turns a :class:`~pipetrain.runtime.config.PipelineConfig` into the training
 schedule (with the targets' transfer when the input stage ships them) and the forward-only
 schedule that evaluation runs. A :class:`StepPlayer` splits a step's data for its rank, has
-the executor play a schedule on it, delivers the last stage's outputs where asked, and
-turns any failure into a :class:`~pipetrain.distributed.failure.PipelineError` naming the rank
-and stage where it began.
+the executor play a schedule on it (for a step whose rows were formed into another number
+of micro-batches, the schedule built for that number, once), delivers the last stage's
+outputs where asked, and turns any failure into a
+:class:`~pipetrain.distributed.failure.PipelineError` naming the rank and stage where it
+began.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -25,6 +28,7 @@ from pipetrain.runtime.outputs import Destination, deliver
 from pipetrain.runtime.rank.batch import Data, StepData
 from pipetrain.runtime.rank.executor import ActionFailed, Outcome
 from pipetrain.runtime.rank.update import NonFiniteError
+from pipetrain.runtime.token_budget import formed
 from pipetrain.schedules import Schedule, forward_only, with_targets_shipped
 
 Outputs = torch.Tensor | tuple[torch.Tensor, ...]
@@ -33,12 +37,15 @@ Outputs = torch.Tensor | tuple[torch.Tensor, ...]
 @dataclass(frozen=True)
 class Prepared:
     """What :func:`prepare` makes: the training and evaluation schedules, the layers per
-    stage, and the micro-batches of each update."""
+    stage, the micro-batches of each update, and (with a token budget) what the same
+    configuration prepares for another micro-batch count."""
 
     schedule: Schedule
     evaluation: Schedule
     balance: list[int]
     per_update: int
+    microbatch_tokens: int | None = None
+    with_count: Callable[[int], Prepared] | None = None
 
 
 def prepare(config: PipelineConfig, world: int, front: FrontEnd, has_optimizer: bool) -> Prepared:
@@ -62,7 +69,15 @@ def prepare(config: PipelineConfig, world: int, front: FrontEnd, has_optimizer: 
     evaluation = replace(
         built, ranks=forward_only(built.ranks, built.stage_ranks), asynchronous=False
     )
-    return Prepared(built, evaluation, balance, per_update)
+    with_count = None
+    if config.microbatch_tokens is not None:
+        fixed = replace(config, microbatch_tokens=None, balance=balance)
+
+        def with_count(count: int) -> Prepared:
+            return prepare(replace(fixed, microbatches=count), world, front, has_optimizer)
+
+    tokens = config.microbatch_tokens
+    return Prepared(built, evaluation, balance, per_update, tokens, with_count)
 
 
 class StepPlayer:
@@ -81,17 +96,48 @@ class StepPlayer:
         self.parts, self.rank, self.group = parts, rank, group
         self.prepared, self.ships_targets = prepared, ships_targets
         self.device = parts.transport.device
+        self._by_count = {prepared.schedule.microbatches: prepared}
+
+    def for_count(self, count: int) -> Prepared:
+        """The schedules for ``count`` micro-batches a step, built on first use and kept."""
+        if count not in self._by_count:
+            assert self.prepared.with_count is not None, "only a token budget changes counts"
+            self._by_count[count] = self.prepared.with_count(count)
+        return self._by_count[count]
+
+    def runnable(self, count: int) -> int:
+        """The smallest micro-batch count from ``count`` up that the schedule runs."""
+        world = len(self.prepared.schedule.ranks)
+        for tried in range(count, count + 2 * world):
+            try:
+                return self.for_count(tried).schedule.microbatches
+            except ValueError:  # a family that needs a multiple of the ranks, say
+                continue
+        return self.for_count(count).schedule.microbatches  # raises, naming the need
 
     def data(self, inputs: Data | None, targets: Data | None, training: bool) -> StepData:
-        """The step's data this rank reads, split into micro-batches."""
+        """The step's data this rank reads, split into micro-batches (rows given as
+        :class:`~pipetrain.runtime.token_budget.Sequences` formed into them first)."""
+        prepared = self.prepared
+        if training:
+            inputs, targets, count = formed(
+                inputs,
+                targets,
+                budget=prepared.microbatch_tokens,
+                count=prepared.schedule.microbatches,
+                chooses=self.rank == prepared.schedule.stage_ranks[0][0],
+                transport=self.parts.transport,
+                runnable=self.runnable,
+            )
+            prepared = self.for_count(count)
         return StepData.for_rank(
-            self.prepared.schedule,
+            prepared.schedule,
             self.rank,
             inputs,
             targets if training else None,
             training=training,
             ships_targets=self.ships_targets,
-            per_update=self.prepared.per_update,
+            per_update=prepared.per_update,
             device=self.device,
         )
 
@@ -105,6 +151,8 @@ class StepPlayer:
         """Play ``schedule`` on ``data``; with ``to``, also deliver the last stage's outputs
         there (see :func:`~pipetrain.runtime.outputs.deliver`)."""
         parts = self.parts
+        if data.microbatches != schedule.microbatches:  # a step formed by a token budget
+            schedule = self.for_count(data.microbatches).schedule
         if parts.recorder.enabled:
             dist.barrier(group=self.group)
             parts.recorder.reset()

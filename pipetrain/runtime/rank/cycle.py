@@ -244,7 +244,8 @@ class UpdateCycle:
             stats[0] /= stats[1]
         loss = stats[0].float()
         per_update = self._per_update or schedule.microbatches
-        if per_update == schedule.microbatches:
+        # a synchronous step is one update, whatever its count (a token budget varies it)
+        if per_update == schedule.microbatches or not schedule.asynchronous:
             return loss
         return loss.double() * per_update / schedule.microbatches
 
