@@ -148,10 +148,7 @@ def budget_rows(seed: int = 1) -> list[list[torch.Tensor]]:
     """Each step's rows: 8 documents of 3 to 64 bytes, skewed differently each step."""
     chance = random.Random(seed)
     return [
-        [
-            torch.randint(0, 256, (chance.choice(LENGTHS[step]),))
-            for _ in range(8)
-        ]
+        [torch.randint(0, 256, (chance.choice(LENGTHS[step]),)) for _ in range(8)]
         for step in range(BUDGET_STEPS)
     ]
 
