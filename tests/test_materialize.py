@@ -144,7 +144,11 @@ def test_a_parameter_without_a_reset_method_names_its_module() -> None:
         materialize(built, "cpu")
     with torch.device("meta"):
         built = nn.Sequential(nn.Linear(3, 3), Scale())
-    materialize(built, "cpu", init_fn=lambda m: nn.init.ones_(m[1].gain))  # covered
+    def init(module: nn.Module) -> None:  # init_fn sets every tensor
+        module[0].reset_parameters()
+        nn.init.ones_(module[1].gain)
+
+    materialize(built, "cpu", init_fn=init)
     assert torch.equal(built[1].gain, torch.ones(3))
 
 
@@ -235,3 +239,130 @@ def test_a_meta_model_loaded_from_safetensors_trains_as_the_ordinary_model(
     assert sorted(state) == sorted(expected["state"])
     for name, value in expected["state"].items():
         torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_an_init_fn_that_leaves_tensors_unset_in_whole_or_in_part_is_refused() -> None:
+    with torch.device("meta"):
+        built = nn.Sequential(nn.Linear(3, 3), Scale())
+    with pytest.raises(ValueError, match=r"parameter '1.gain' of module '1' \(Scale, which init"):
+        materialize(built, "cpu", init_fn=lambda m: m[0].reset_parameters())
+
+    def half(module: nn.Module) -> None:
+        module[0].reset_parameters()
+        with torch.no_grad():
+            module[1].gain[:2] = 1.0
+
+    with torch.device("meta"):
+        built = nn.Sequential(nn.Linear(3, 3), Scale())
+    with pytest.raises(ValueError, match=r"'1.gain'.*in whole or in part"):
+        materialize(built, "cpu", init_fn=half)
+
+    def through_data(module: nn.Module) -> None:  # moves no version counter
+        module[0].weight.data.normal_()
+        module[0].bias.data.zero_()
+        module[1].gain.data.fill_(2.0)
+
+    with torch.device("meta"):
+        built = nn.Sequential(nn.Linear(3, 3), Scale())
+    materialize(built, "cpu", init_fn=through_data)
+    assert torch.equal(built[1].gain, torch.full((3,), 2.0))
+
+
+def _hf_decoder(family: str, meta: bool = False) -> nn.Module:
+    """A tiny stock decoder of ``family`` (on the meta device if ``meta``)."""
+    import transformers
+
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
+        "phi": (transformers.PhiConfig, transformers.PhiForCausalLM),
+    }[family]
+    config = config_class(
+        num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+        num_key_value_heads=2, vocab_size=32, max_position_embeddings=32, head_dim=8,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    if meta:
+        with torch.device("meta"):
+            return model_class(config)
+    return model_class(config)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma", "phi"])
+def test_the_readme_recipe_initializes_every_tensor_of_a_captured_stage(family: str) -> None:
+    """``init_fn=lambda stage: stage.apply(model._init_weights)`` on each stage of a
+    captured Hugging Face decoder: the rotary tables as the model computes them, every
+    tensor set; leaving the recipe out is refused naming the rotary table."""
+    pytest.importorskip("transformers")
+    from pipetrain.model.graph import GraphModel
+
+    meta, expected = _hf_decoder(family, meta=True), _hf_decoder(family)
+    graph = GraphModel(meta, {"input_ids": torch.randint(0, 32, (2, 8))})
+    buffers = dict(expected.named_buffers())
+    cpu = torch.device("cpu")
+    for start, stop in [(0, 1), (1, len(graph.names))]:
+        part = materialize(
+            graph.stage(start, stop, cpu), cpu, init_fn=lambda s: s.apply(meta._init_weights)
+        )
+        for name, tensor in [*part.named_parameters(), *part.named_buffers()]:
+            assert not tensor.is_floating_point() or not tensor.isnan().any(), name
+            if name in buffers:
+                torch.testing.assert_close(tensor, buffers[name], msg=name)
+    with pytest.raises(ValueError, match=r"rotary_emb.inv_freq"):
+        materialize(graph.stage(0, 1, cpu), cpu, weights=expected.state_dict())
+
+
+def _sharded_gpt2(directory: Path) -> nn.Module:
+    """A tiny GPT-2 saved by save_pretrained in shards of at most 4 kB."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=2, n_embd=16, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0
+    )
+    saved = GPT2LMHeadModel(config)
+    saved.save_pretrained(directory, max_shard_size="4kB")
+    return saved
+
+
+def test_weights_come_from_a_save_pretrained_directory_or_its_index(tmp_path: Path) -> None:
+    """A directory (sharded here) or its ``model.safetensors.index.json`` give each
+    stage exactly its entries; shards holding none of them are never opened."""
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from pipetrain.model.graph import GraphModel
+
+    saved = _sharded_gpt2(tmp_path)
+    index = tmp_path / "model.safetensors.index.json"
+    assert index.is_file() and len(list(tmp_path.glob("model-*.safetensors"))) > 2
+    with torch.device("meta"):
+        config = GPT2Config(
+            n_layer=2, n_embd=16, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0
+        )
+        meta = GPT2LMHeadModel(config)
+    graph = GraphModel(meta, {"input_ids": torch.randint(0, 64, (2, 8))})
+    expected = saved.state_dict()
+    cpu = torch.device("cpu")
+    for weights in (tmp_path, index, str(tmp_path)):
+        part = materialize(graph.stage(1, 2, cpu), cpu, weights=weights)
+        state = part.state_dict()
+        assert state and all(torch.equal(v, expected[k]) for k, v in state.items())
+    import json
+
+    weight_map = json.loads(index.read_text())["weight_map"]
+    needed = {weight_map[k] for k in graph.stage(1, 2).state_dict()}
+    for shard in tmp_path.glob("model-*.safetensors"):
+        if shard.name not in needed:
+            shard.write_bytes(b"not a shard")
+    part = materialize(graph.stage(1, 2, cpu), cpu, weights=tmp_path)
+    assert all(torch.equal(v, expected[k]) for k, v in part.state_dict().items())
+
+
+def test_a_directory_without_weights_is_refused_naming_what_it_looked_for(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"holds none of model.safetensors.index.json"):
+        materialize(meta_model(), "cpu", weights=tmp_path)
+    save_file(model(seed=3).state_dict(), tmp_path / "model.safetensors")
+    built = materialize(meta_model(), "cpu", weights=tmp_path)
+    assert_equal_state(built, model(seed=3).state_dict())

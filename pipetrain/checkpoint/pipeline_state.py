@@ -12,7 +12,7 @@ unpipelined model (:func:`pipetrain.checkpoint.load_full`).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ from pipetrain.checkpoint.entries import (
     LAYOUT,
     LR_SCHEDULER,
     MODEL,
+    OPTIMIZER_GROUP,
     PRECISION,
     PROGRESS,
     RNG,
@@ -168,7 +169,7 @@ def load(
     problems = model_differences(saved, held, {name for names in every for name in names})
     wanted: dict[str, Any] = {MODEL + name: tensor for name, tensor in held.items()}
     wanted.update({PROGRESS: None, EXTRA: None, LAYOUT: None})
-    names = state.parameter_names()
+    names = _saved_names(state, saved)
     rng = f"{RNG}{dist.get_rank()}"
     if not weights_only:
         if state.optimizer is not None:
@@ -202,3 +203,17 @@ def load(
             restore_random_states(wanted[rng])
         state.cycle.restore((progress["updates"], progress["skipped_updates"]))
     return Checkpoint(found, progress["step"], progress["updates"], wanted[EXTRA], wanted[LAYOUT])
+
+
+def _saved_names(state: TrainingState, saved: Mapping[str, Any]) -> dict[int, str]:
+    """Each parameter's name, by ``id``, as the checkpoint ``saved`` keys its optimizer
+    state: of a tied parameter's names (a stage holds it under each), the first saved,
+    whichever the saving layout's stages listed first (else the first held)."""
+    aliases: dict[int, list[str]] = {}
+    for module in state.modules.values():
+        for name, parameter in module.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(parameter), []).append(name)
+    return {
+        key: next((n for n in names if OPTIMIZER_GROUP + n in saved), names[0])
+        for key, names in aliases.items()
+    }

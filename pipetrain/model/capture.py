@@ -6,12 +6,17 @@ of every tensor input dynamic, so micro-batches of any size and sequence length 
 same graph. Inputs that are not tensors (``use_cache=False``) are fixed at capture. A
 model whose ``forward`` takes ``use_cache`` and was not given it is captured with
 ``use_cache=False``: a training step has no use for a key/value cache.
+
+A capture is of one mode, training or evaluation, whatever mode the model is in: dropout,
+batch normalization and code branching on ``self.training`` take that mode's path. The
+conditions on input shapes that export recorded (a branch on ``x.shape[1] > 8`` taken at
+the sample's length) are kept: :meth:`Captured.check_guards` refuses inputs that break one.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,13 +33,38 @@ Inputs = torch.Tensor | Sequence[torch.Tensor] | Mapping[str, Any]
 class Captured:
     """A captured model: its graph (parameters and buffers are the model's own objects,
     under their full-model names), the names of its tensor inputs in the order a step
-    passes them, the constants fixed at capture, and how its outputs nest."""
+    passes them, the constants fixed at capture, how its outputs nest, whether it was
+    captured in training mode, and export's check of the conditions on input shapes."""
 
     module: fx.GraphModule
     input_names: list[str]
     constants: dict[fx.Node, Any]
     output_spec: pytree.TreeSpec
     keyword: bool
+    training: bool = True
+    guards: Callable[..., None] | None = None
+
+    def check_guards(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Raise ValueError naming the condition if the tensor inputs ``tensors`` (in
+        :attr:`input_names` order) break one the capture recorded: the graph would run
+        the path the sample took, which is not the model's at these shapes."""
+        if self.guards is None:
+            return
+        given = iter(tensors)
+        placeholders = [n for n in self.module.graph.nodes if n.op == "placeholder"]
+        flat = [self.constants[n] if n in self.constants else next(given) for n in placeholders]
+        try:
+            self.guards(*flat)
+        except AssertionError as error:
+            shapes = {
+                name: list(t.shape) for name, t in zip(self.input_names, tensors, strict=False)
+            }
+            raise ValueError(
+                f"inputs of shapes {shapes} break a condition the model was captured under "
+                f"({error}): the graph holds only the path its sample took. Capture on a "
+                "sample of these shapes (example_inputs=...), or keep inputs within the "
+                "condition"
+            ) from error
 
 
 def _arguments(example: Inputs) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -69,8 +99,10 @@ def _name(path: tuple[Any, ...]) -> str:
     return ("args" if where == pytree.SequenceKey(0) else "kwargs") + pytree.keystr(tuple(rest))
 
 
-def capture(model: nn.Module, example_inputs: Inputs) -> Captured:
-    """Export ``model`` on ``example_inputs`` (a sample with at least 2 rows) as a graph.
+def capture(model: nn.Module, example_inputs: Inputs, training: bool = True) -> Captured:
+    """Export ``model`` on ``example_inputs`` (a sample with at least 2 rows) as a graph of
+    its training mode (``training=False``: its eval mode); the model's modules are left
+    in the modes they were in.
 
     Raises ValueError for a sample that would fix the batch size, and RuntimeError naming
     the model when export fails.
@@ -89,13 +121,18 @@ def capture(model: nn.Module, example_inputs: Inputs) -> Captured:
             )
     bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
     dynamic = {name: _dynamic(value) for name, value in bound.items()}
+    modes = [(m, m.training) for m in model.modules()]
+    model.train(training)
     try:
         exported = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
     except Exception as error:  # export's own errors are many and unrelated
+        name = type(model).__name__
         raise RuntimeError(
-            f"torch.export could not capture the {type(model).__name__}: {error}. Give the "
-            "model as a sequence of layers instead (nn.Sequential or pipeline_layers())"
+            f"torch.export could not capture the {name}: {error}{_hint(model, error)}"
         ) from error
+    finally:
+        for module_, mode in modes:
+            module_.training = mode
     module = exported.module()
     assert isinstance(module, fx.GraphModule)
     leaves = pytree.tree_flatten_with_path((args, kwargs))[0]
@@ -106,28 +143,53 @@ def capture(model: nn.Module, example_inputs: Inputs) -> Captured:
             names.append(_name(path))
         else:
             constants[node] = value
+    guards = None
     for node in list(module.graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn":
-            module.graph.erase_node(node)  # checks the capture's sample shapes only
+            # checked on a first stage's inputs instead (Captured.check_guards)
+            guards = module.get_submodule("_guards_fn")
+            module.graph.erase_node(node)
     spec = module._out_spec
     assert spec is not None  # an exported module always has one
-    return Captured(module, names, constants, spec, keyword=not args)
+    return Captured(module, names, constants, spec, not args, training, guards)
 
 
-def flatten_inputs(captured: Captured, inputs: Inputs) -> tuple[torch.Tensor, ...]:
+def _hint(model: nn.Module, error: Exception) -> str:
+    """What to do about an export failure of ``model``."""
+    data_dependent = "data-dependent" in str(error) or "GuardOnDataDependent" in repr(error)
+    experts = getattr(getattr(model, "config", None), "_experts_implementation", None)
+    if data_dependent and experts == "eager" and hasattr(model, "set_experts_implementation"):
+        return (
+            ". Its mixture-of-experts layers run the eager experts loop, whose sizes depend "
+            'on the routing; call model.set_experts_implementation("batched_mm") before '
+            "the pipeline (the same computation, which export captures)"
+        )
+    if data_dependent:
+        return (
+            ". The model's control flow or sizes depend on tensor values, which one graph "
+            "cannot hold; make them independent of the values (torch.cond, masks), or give "
+            "the model as a sequence of layers (nn.Sequential or pipeline_layers())"
+        )
+    return ". Give the model as a sequence of layers instead (nn.Sequential or pipeline_layers())"
+
+
+def flatten_inputs(
+    captured: Captured, inputs: Inputs, names: Sequence[str] | None = None
+) -> tuple[torch.Tensor, ...]:
     """A step's inputs as the tuple of tensors the captured graph takes, checked against
-    the names captured."""
+    the names captured (of a keyword model, ``names``: those of them expected)."""
     args, kwargs = _arguments(inputs)
     if captured.keyword:
+        expected = list(captured.input_names if names is None else names)
         given = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
-        missing = [n for n in captured.input_names if n not in given]
-        extra = [n for n in given if n not in captured.input_names]
+        missing = [n for n in expected if n not in given]
+        extra = [n for n in given if n not in expected]
         if missing or extra or args:
             raise ValueError(
                 f"the inputs' tensors are {sorted(given)} but the model was captured with "
                 f"{captured.input_names}; pass the same keyword inputs as example_inputs"
             )
-        return tuple(given[n] for n in captured.input_names)
+        return tuple(given[n] for n in expected)
     values = [v for v in pytree.tree_leaves(args) if isinstance(v, torch.Tensor)]
     if len(values) != len(captured.input_names) or kwargs:
         raise ValueError(

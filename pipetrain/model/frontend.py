@@ -69,9 +69,12 @@ def front_end(
 ) -> FrontEnd:
     """The front-end for ``model``: its layers, or its graph captured on ``example_inputs``
     and cut at ``split_points`` (module paths) or between its blocks; a
-    :class:`~pipetrain.model.graph.GraphModel` (a model captured once) as it is."""
+    :class:`~pipetrain.model.graph.GraphModel` (a model captured once) as it is, or its
+    capture cut at ``split_points`` when they are given and differ from its own."""
     if isinstance(model, GraphModel):
-        return model
+        if split_points is None or list(split_points) == model.split_points:
+            return model
+        return model.cut_at(split_points)
     if _given_as_layers(model):
         if split_points is not None:
             raise ValueError(

@@ -4,7 +4,9 @@ A model created under ``with torch.device("meta"):`` holds shapes and dtypes but
 memory, so every rank can build the whole model for nothing and :func:`materialize` only
 its own stage: its meta tensors are allocated on the device (tied names keep one tensor),
 then set from ``weights``, by ``init_fn``, or by their modules' own reset methods. A
-tensor none of these sets is an error, never uninitialized memory left behind.
+tensor none of these sets is an error, never uninitialized memory left behind: floating
+tensors are allocated filled with NaN and must hold none afterwards, others must have
+been written (their version counter moved) or replaced.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def materialize(
       state dict must be there (of tied names, one); a non-persistent buffer is taken when
       present. Values are copied in whether or not the module was on the meta device.
     - by ``init_fn(module)``, called before the weights are copied, which must set in place
-      every meta tensor the weights do not hold.
+      every meta tensor the weights do not hold (checked: see below).
     - otherwise by the reset methods (:data:`RESET_METHODS`) of each module holding a meta
       tensor that the weights do not hold.
 
@@ -76,10 +78,15 @@ def materialize(
     from this process's random generator, so replicas of a stage start equal only on ranks
     seeded alike; load ``weights`` to start exactly as a given model.
 
+    Every tensor that was on the meta device is checked afterwards, whichever of these
+    set it: a floating tensor still holding any of the NaN it was allocated with, or
+    another never written, is refused.
+
     Raises:
-        ValueError: a meta tensor nothing sets (naming it, its module and that module's
-            type), entries missing from ``weights`` or of another shape (naming them and
-            the file), or tied names that ``init_fn`` separated.
+        ValueError: a meta tensor nothing sets, or sets only in part (naming it, its
+            module and that module's type), entries missing from ``weights`` or of
+            another shape (naming them and the file), or tied names that ``init_fn``
+            separated.
     """
     device = torch.device(device)
     slots = _slots(module)
@@ -97,6 +104,9 @@ def materialize(
             _initialize(module, slots, {n: v for n, v in fresh.items() if n not in held}, init_fn)
             _load(slots, ties, source)
     _check_ties(ties)
+    unset = [slot for slot in slots if slot.name in fresh and _unset(slot, *fresh[slot.name])]
+    if unset:
+        raise ValueError(_unset_message(unset, init_fn is not None))
     module.to(device)  # a tensor an initializer assigned anew may sit elsewhere
     return module
 
@@ -133,7 +143,13 @@ def _allocate(slots: list[_Slot], device: torch.device) -> dict[str, tuple[Tenso
         if not tensor.is_meta:
             continue
         if id(tensor) not in made:
-            empty = torch.empty_like(tensor, device=device)
+            # NaN marks what no initializer wrote (checked by _unset)
+            fill = float("nan") if tensor.is_floating_point() or tensor.is_complex() else None
+            empty = (
+                torch.empty_like(tensor, device=device)
+                if fill is None
+                else torch.full_like(tensor, fill, device=device)
+            )
             made[id(tensor)] = (
                 nn.Parameter(empty, requires_grad=tensor.requires_grad)
                 if isinstance(tensor, nn.Parameter)
@@ -153,8 +169,8 @@ def _initialize(
     pending: dict[str, tuple[Tensor, int]],
     init_fn: InitFn | None,
 ) -> None:
-    """Set the ``pending`` tensors: by ``init_fn`` (trusted to set them all), or by their
-    holders' reset methods, checked through the tensors' version counters."""
+    """Set the ``pending`` tensors: by ``init_fn``, or by their holders' reset methods
+    (what they leave unset is found by :func:`_unset` afterwards)."""
     if init_fn is not None:
         init_fn(module)
         return
@@ -166,17 +182,19 @@ def _initialize(
                 reset = getattr(owner, method, None)
                 if callable(reset):
                     reset()
-    # an in-place write bumps a tensor's version; a reset may also assign a new tensor
-    unset = [
-        slot
-        for slot in waiting
-        if slot.tensor is pending[slot.name][0] and slot.tensor._version == pending[slot.name][1]
-    ]
-    if unset:
-        raise ValueError(_unset_message(unset))
 
 
-def _unset_message(unset: list[_Slot]) -> str:
+def _unset(slot: _Slot, allocated: Tensor, version: int) -> bool:
+    """Whether ``slot`` still holds memory no initializer wrote: NaN left in a floating
+    tensor (a write through ``.data`` moves no version counter, so values decide), or
+    another tensor as allocated, its version unmoved."""
+    tensor = slot.tensor
+    if tensor.is_floating_point() or tensor.is_complex():
+        return bool(torch.isnan(tensor).any())
+    return tensor is allocated and tensor._version == version
+
+
+def _unset_message(unset: list[_Slot], by_init_fn: bool) -> str:
     """Name each tensor nothing set, grouped by the module holding it."""
     by_owner: dict[str, list[_Slot]] = {}
     for slot in unset:
@@ -185,11 +203,12 @@ def _unset_message(unset: list[_Slot]) -> str:
     for path, held in list(by_owner.items())[:_SHOWN]:
         owner = held[0].owner
         methods = [m for m in RESET_METHODS if callable(getattr(owner, m, None))]
-        why = (
-            f"whose {'/'.join(f'{m}()' for m in methods)} left them unset"
-            if methods
-            else "which has none of " + ", ".join(f"{m}()" for m in RESET_METHODS)
-        )
+        if by_init_fn:
+            why = "which init_fn left unset, in whole or in part"
+        elif methods:
+            why = f"whose {'/'.join(f'{m}()' for m in methods)} left them unset"
+        else:
+            why = "which has none of " + ", ".join(f"{m}()" for m in RESET_METHODS)
         names = ", ".join(
             f"{'buffer' if s.buffer else 'parameter'} {s.name!r}"
             + ("" if s.persistent else " (non-persistent, so in no saved state dict)")

@@ -17,6 +17,23 @@ class HeldStages:
     def reset_weights(self) -> None:
         """Take note of weights loaded from outside (nothing to do by default)."""
 
+    @property
+    def training(self) -> bool:
+        """Whether the stages are in training mode (as ``nn.Module.training``)."""
+        return all(module.training for module in self.stages.values())
+
+    def train(self, mode: bool = True) -> HeldStages:
+        """Put every stage in training mode (``mode=False``: eval mode), as
+        ``model.train()`` does: dropout, batch normalization and a captured model's graph
+        follow it in ``train_step``; ``eval_step`` always runs eval mode."""
+        for module in self.stages.values():
+            module.train(mode)
+        return self
+
+    def eval(self) -> HeldStages:
+        """Put every stage in eval mode (``train(False)``)."""
+        return self.train(False)
+
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters, named as in the full model."""
         for module in self.stages.values():

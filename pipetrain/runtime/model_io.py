@@ -4,7 +4,8 @@ The user gives inputs as the model takes them (a tensor, a tuple, or a captured 
 dict of keyword inputs) and receives outputs as the model returns them; the stages pass
 flat tuples of tensors. A captured model trained on its own loss (``output.loss``, as
 Hugging Face models compute it from labels among the inputs) needs no targets: a stand-in
-of the batch's size weighs each micro-batch's loss by its share of the samples.
+of the batch's size weighs each micro-batch's loss by its share of the samples; evaluated,
+it returns its outputs with the loss when given the labels, without them otherwise.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipetrain.distributed.transport import Transport
 from pipetrain.model.capture import Inputs
 from pipetrain.model.frontend import FrontEnd
 from pipetrain.model.graph import GraphModel
 from pipetrain.runtime.rank.batch import Data
 from pipetrain.runtime.rank.stage import LossFn
 from pipetrain.runtime.steps import Outputs
+from pipetrain.schedules import Schedule
 
 
 def model_loss(output: Any, target: Any) -> torch.Tensor:
@@ -47,21 +50,52 @@ def loss_function(loss_fn: LossFn | None, front: FrontEnd) -> tuple[LossFn, bool
 class ModelIO:
     """Turns a step's inputs into the first stage's tensors and the last stage's tensors
     into the model's outputs, for ``front``; ``own_loss`` when the model's own loss is
-    trained; ``last_rank``: this rank, if it holds the last stage."""
+    trained; this is rank ``rank`` of ``schedule``, reaching the others by ``transport``."""
 
-    def __init__(self, front: FrontEnd, own_loss: bool, last_rank: int | None) -> None:
+    def __init__(
+        self, front: FrontEnd, own_loss: bool, rank: int, schedule: Schedule, transport: Transport
+    ) -> None:
         """Translate for ``front``."""
-        self.front, self.own_loss, self.last_rank = front, own_loss, last_rank
+        self.front, self.own_loss, self.transport = front, own_loss, transport
+        last = schedule.stages - 1 in schedule.stages_of(rank)
+        self.last_rank = rank if last else None
+        self.chooses = rank == schedule.stage_ranks[0][0]  # the inputs evaluated
 
     def inputs(self, inputs: Inputs | None) -> Data | None:
         """A step's inputs as the first stage takes them."""
         return None if inputs is None else self.front.inputs(inputs)
 
-    def outputs(self, outputs: Outputs | None) -> Any:
-        """Gathered outputs nested as the model returns them."""
+    def evaluation_inputs(self, inputs: Inputs | None) -> Data | None:
+        """An evaluation's inputs as the first stage takes them. A captured model trained
+        on its own loss may be evaluated without its labels: the first stage's first rank
+        tells every rank which inputs it was given (every rank calls this), and the stages
+        run the model's eval mode on those."""
+        front = self.front
+        if not (self.own_loss and isinstance(front, GraphModel) and front.captured.keyword):
+            return self.inputs(inputs)
+        names: tuple[str, ...] = ()
+        flat = None
+        if inputs is not None:
+            names, flat = front.evaluation_inputs(inputs)
+        captured = front.captured.input_names
+        given = torch.tensor(
+            [self.chooses and name in names for name in captured],
+            dtype=torch.int64,
+            device=self.transport.device,
+        )
+        self.transport.all_reduce(given)  # only the first stage's first rank counts
+        front.evaluated = tuple(n for n, g in zip(captured, given.tolist(), strict=True) if g)
+        return flat
+
+    def outputs(self, outputs: Outputs | None, evaluation: bool = False) -> Any:
+        """Gathered outputs nested as the model returns them (``evaluation``: as its eval
+        mode does on the inputs evaluated)."""
         if outputs is None:
             return None
-        return self.front.outputs((outputs,) if isinstance(outputs, torch.Tensor) else outputs)
+        tensors = (outputs,) if isinstance(outputs, torch.Tensor) else outputs
+        if isinstance(self.front, GraphModel):
+            return self.front.outputs(tensors, evaluation)
+        return self.front.outputs(tensors)
 
     def step_data(self, inputs: Inputs | None, targets: Data | None) -> tuple[Any, Any]:
         """A step's inputs as the first stage takes them, and its targets: with the

@@ -3,7 +3,8 @@
 After a run, the last stage's outputs lie by micro-batch on the ranks that computed them
 (evaluation gathers them all on the first last-stage rank; a replicated last stage in
 training keeps each replica's own). :func:`deliver` gathers them on the first last-stage
-rank, concatenates them in micro-batch order, and sends the whole batch's outputs to every
+rank, concatenates them in micro-batch order (a value per micro-batch, such as a model's
+own loss, becomes its mean over the samples), and sends the whole batch's outputs to every
 rank or to the one asked, as messages of the transport (shapes and dtypes travel with them).
 """
 
@@ -56,7 +57,7 @@ def deliver(
             else transport.receive(rank_of(stage_ranks, last, k), RESULTS)
             for k in range(microbatches)
         ]
-        whole = tuple(torch.cat(parts) for parts in zip(*pieces))
+        whole = _whole(pieces)
         receivers = [r for r in range(world) if r != gather] if to == "all" else [to]
         for receiver in receivers:
             if receiver != gather:
@@ -65,3 +66,21 @@ def deliver(
         whole = transport.receive(gather, RESULTS)
     transport.flush()
     return whole if to in ("all", rank) else None
+
+
+def _whole(pieces: Sequence[Tensors]) -> Tensors:
+    """The micro-batches' outputs as the whole batch's: each tensor concatenated, and a
+    zero-dimensional one (a mean over its micro-batch, such as a model's own loss)
+    averaged with each micro-batch weighted by its rows (those of its first output that
+    has rows)."""
+    rows = [next((len(t) for t in piece if t.dim() > 0), 1) for piece in pieces]
+    whole = []
+    for parts in zip(*pieces):
+        if parts[0].dim() > 0:
+            whole.append(torch.cat(parts))
+        elif parts[0].is_floating_point():
+            weighted = sum(part * count for part, count in zip(parts, rows, strict=True))
+            whole.append(torch.as_tensor(weighted) / sum(rows))
+        else:
+            whole.append(torch.stack(parts))
+    return tuple(whole)

@@ -135,8 +135,7 @@ class Pipeline(HeldStages):
         self._evaluation = prepared.evaluation
         ships = self.config.targets_on_first_stage
         self._player = StepPlayer(self._rank, self.rank, self.group, prepared, ships)
-        last = self.schedule.stages - 1 in self.schedule.stages_of(self.rank)
-        self._io = ModelIO(front, own_loss, self.rank if last else None)
+        self._io = ModelIO(front, own_loss, self.rank, self.schedule, self.transport)
 
     def _prepare(
         self, front: FrontEnd, settings: tuple[RuntimeConfig, ModelSource], optimized: bool
@@ -251,13 +250,13 @@ class Pipeline(HeldStages):
         return self._cycle.skipped_updates
 
     def eval_step(self, inputs: Data | None = None, *, to: Destination = "all") -> Outputs | None:
-        """Forward only, without gradients, in eval mode, on the newest weights: the outputs
-        on every rank (``to="all"``), or on rank ``to`` and ``None`` elsewhere."""
+        """Forward only, without gradients, as ``model.eval()`` runs, on the newest weights:
+        the outputs on every rank (``to="all"``), or on rank ``to`` (see ``ModelIO``)."""
         check_destination(to, dist.get_world_size(self.group))
-        data = self._player.data(self._io.inputs(inputs), None, training=False)
+        data = self._player.data(self._io.evaluation_inputs(inputs), None, training=False)
         with evaluating(self.stages.values()), torch.no_grad():
             _, outputs = self._player.play(self._evaluation, data, to=to)
-        return self._io.outputs(outputs)
+        return self._io.outputs(outputs, evaluation=True)
 
     def timeline(self) -> Timeline | None:
         """The last step's measured timeline on rank 0, ``None`` elsewhere (every rank calls it)."""

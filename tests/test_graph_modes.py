@@ -1,0 +1,85 @@
+"""A captured model's modes, guards and evaluation: captured in training mode whatever
+mode it is in, trained and evaluated as the unpipelined model in either mode (dropout,
+batch normalization, SDPA's attention dropout and ``self.training`` branches), conditions
+on input shapes kept, a model's own loss evaluated, split points of a captured model."""
+
+from __future__ import annotations
+
+import graph_mode_cases as cases
+import pytest
+import torch
+
+import pipetrain
+from pipetrain.model.frontend import front_end
+from pipetrain.model.graph import GraphModel
+
+
+def test_a_model_in_eval_mode_trains_and_evaluates_as_the_unpipelined_one_in_each_mode() -> None:
+    per_rank = pipetrain.launch(cases.train_modes, 2, timeout_s=120)
+    expected = cases.mode_reference()
+    state: dict[str, torch.Tensor] = {}
+    for result in per_rank:
+        assert result["modes"] == cases.MODES
+        assert result["losses"] == pytest.approx(expected["losses"], rel=1e-5)
+        assert result["still"] is True
+        torch.testing.assert_close(result["evaluated"], expected["evaluated"])
+        state.update(result["state"])
+    assert sorted(state) == sorted(expected["state"])
+    for name, value in expected["state"].items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_eval_step_is_the_models_eval_mode_with_and_without_labels(name: str) -> None:
+    pytest.importorskip("transformers")
+    per_rank = pipetrain.launch(cases.evaluate_hf, 2, name, timeout_s=180)
+    model = cases.hf_dropout_model(name)
+    state = {k: v for result in per_rank for k, v in result["state"].items()}
+    model.load_state_dict(state, strict=False)
+    model.eval()
+    batch = cases.tokens(1)
+    with torch.no_grad():
+        expected = model(**batch)
+        logits_only = model(input_ids=batch["input_ids"]).logits
+    for result in per_rank:
+        for loss, logits in (result["first"], result["second"]):
+            torch.testing.assert_close(loss, expected.loss, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(logits, expected.logits, rtol=1e-5, atol=1e-6)
+        loss, logits = result["logits_only"]
+        assert loss is None
+        torch.testing.assert_close(logits, logits_only, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("evaluate", [False, True])
+def test_inputs_breaking_a_guard_of_the_capture_are_refused_naming_it(evaluate: bool) -> None:
+    within = pipetrain.launch(cases.guarded, 2, 8, evaluate, timeout_s=60)
+    assert within == ["", ""]
+    beyond = pipetrain.launch(cases.guarded, 2, 16, evaluate, timeout_s=60)
+    for message in beyond:
+        assert "break a condition the model was captured under" in message, message
+        assert "x.size()[1] <= 8" in message, message
+
+
+def test_a_first_stage_checks_the_guards_in_either_mode() -> None:
+    model = cases.LengthBranch()
+    graph = GraphModel(model, torch.randn(2, 8, 4))
+    whole = graph.stage(0, len(graph.names))
+    x = torch.randn(3, 8, 4)
+    torch.testing.assert_close(whole(x)[0], model(x))
+    for training in (True, False):
+        whole.train(training)
+        with pytest.raises(ValueError, match=r"x.size\(\)\[1\] <= 8"):
+            whole(torch.randn(3, 16, 4))
+
+
+def test_split_points_recut_a_captured_model_without_capturing_again() -> None:
+    graph = GraphModel(cases.mode_net(), cases.data(0)[0][:2])
+    assert graph.names == ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "end"]
+    recut = front_end(graph, None, ["blocks.3"])
+    assert isinstance(recut, GraphModel) and recut.captured is graph.captured
+    assert recut.names == ["start", "blocks.3"] and recut.split
+    assert front_end(graph, None, None) is graph
+    per_rank = pipetrain.launch(cases.split_graph, 2, timeout_s=60)
+    assert "blocks.2.linear.weight" in per_rank[0]
+    assert not any(name.startswith("blocks.3") for name in per_rank[0])
+    assert "blocks.3.linear.weight" in per_rank[1] and "head.weight" in per_rank[1]
