@@ -26,7 +26,8 @@ from pipetrain.app.train_report import split_sizes
 from pipetrain.app.train_resume import RunFinished
 from pipetrain.planning import Plan, PlanStage, plan
 from pipetrain.profiler import LayerCost, Profile, Spread
-from pipetrain.schedules import names, spec
+from pipetrain.schedules import build, names, spec
+from pipetrain.simulation import Costs, simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -108,6 +109,14 @@ def test_the_readme_and_the_package_list_every_registered_schedule() -> None:
     assert set(names()) <= set(documented)
     for name in names():  # the timelines table has a chart of each
         assert f"docs/timelines/{name}.png" in README
+
+
+def test_the_readme_states_zero_bubbles_extra_activations_as_simulated() -> None:
+    stated = re.search(r"ZB-H1 holds\s+`(\[[\d, ]+\])` .* 1F1B's `(\[[\d, ]+\])`", README, re.S)
+    costs = Costs(forward_s=1.0, backward_s=1.0, weight_s=1.0)
+    for name, peaks in (("zb-h1", stated.group(1)), ("1f1b", stated.group(2))):
+        timeline = simulate(build(name, ranks=4, microbatches=8), costs)
+        assert str(timeline.peak_activations) == peaks
 
 
 def test_plan_help_states_the_schedules_the_planner_tries(
