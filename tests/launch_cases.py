@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,7 +17,9 @@ from settings import make_pipeline
 from torch import nn
 
 import pipetrain
+from pipetrain.distributed import heartbeat
 from pipetrain.distributed.torch_transport import TorchTransport
+from pipetrain.distributed.transport import PeerError
 
 
 def idle(directory: str) -> None:
@@ -56,7 +59,7 @@ def killed_while_a_peer_waits() -> None:
     dist.recv(torch.empty(1), src=1)
 
 
-def train_until_stopped(directory: str, timeout_s: float) -> None:
+def train_until_stopped(directory: str, timeout_s: float, frozen_after_s: float) -> None:
     """Train a two-stage pipeline, writing this worker's PID to ``directory/RANK.pid`` after
     its first step, for up to a minute (until a peer is stopped and the run fails)."""
     rank = int(os.environ["RANK"])
@@ -66,6 +69,7 @@ def train_until_stopped(directory: str, timeout_s: float) -> None:
         loss_fn=nn.functional.cross_entropy,
         optimizer=lambda params: torch.optim.SGD(params, lr=0.01),
         timeout_s=timeout_s,
+        frozen_after_s=frozen_after_s,
     )
     x, y = batch()
     pipe.train_step(x, y)
@@ -78,10 +82,50 @@ def train_until_stopped(directory: str, timeout_s: float) -> None:
 def slow_peer(delay_s: float) -> float:
     """Rank 1 computes for ``delay_s`` (its process alive and beating) before it sends; rank
     0 waits for the message. Returns what rank 0 received (rank 1: what it sent)."""
-    transport = TorchTransport(torch.device("cpu"), timeout_s=30)
+    return slow_peer_on(TorchTransport(torch.device("cpu"), timeout_s=30), delay_s)
+
+
+def slow_peer_on(transport: TorchTransport, delay_s: float) -> float:
+    """:func:`slow_peer` over ``transport``."""
     if int(os.environ["RANK"]) == 1:
         time.sleep(delay_s)
         transport.send((torch.full((1,), 7.0),), 0, "slow")
         transport.flush()
         return 7.0
     return float(transport.receive(1, "slow")[0])
+
+
+def paused_peer(pause_s: float, timeout_s: float) -> float:
+    """Rank 1 is stopped (SIGSTOP) for ``pause_s`` (a helper process continues it), then
+    sends; rank 0 waits for the message with a ``timeout_s`` timeout and the default frozen
+    threshold. Returns what rank 0 received (rank 1: what it sent)."""
+    transport = TorchTransport(torch.device("cpu"), timeout_s=timeout_s)
+    if int(os.environ["RANK"]) == 1:
+        subprocess.Popen(["sh", "-c", f"sleep {pause_s}; kill -CONT {os.getpid()}"])
+        os.kill(os.getpid(), signal.SIGSTOP)
+        transport.send((torch.full((1,), 7.0),), 0, "paused")
+        transport.flush()
+        return 7.0
+    return float(transport.receive(1, "paused")[0])
+
+
+def silent_on_another_host(frozen_after_s: float) -> str:
+    """Rank 1 says it runs on another host, stops its heartbeat and stays silent while rank
+    0 waits for a message from it (as a rank behind a cut link does); rank 0 returns the
+    error its wait raised, rank 1 waits for rank 0 to be done."""
+    transport = TorchTransport(torch.device("cpu"), timeout_s=60, frozen_after_s=frozen_after_s)
+    store = dist.distributed_c10d._get_default_store()
+    if int(os.environ["RANK"]) == 1:
+        heartbeat.stop_beating()
+        store.set("pipetrain/heartbeat/1/where", f"elsewhere.example {os.getpid()}")
+        store.set("test/ready", "1")
+        store.wait(["test/done"])
+        return ""
+    store.wait(["test/ready"])
+    try:
+        transport.receive(1, "never")
+    except PeerError as error:
+        return str(error)
+    finally:
+        store.set("test/done", "1")
+    return "no error"

@@ -168,6 +168,13 @@ def add_train(commands: argparse._SubParsersAction) -> None:
         help="save checkpoints here, and start from the newest complete one found here",
     )
     parser.add_argument(
+        "--new-settings",
+        action="store_true",
+        help="resume from --save-dir with settings other than those saved (learning rate, "
+        "batch size, seed, accumulation, clipping), which then apply; without it a "
+        "difference is refused, naming each",
+    )
+    parser.add_argument(
         "--save-every",
         type=positive_int,
         metavar="N",
@@ -253,6 +260,7 @@ def run_train(args: argparse.Namespace) -> None:
         save_every=args.save_every,
         keep_checkpoints=args.keep_checkpoints,
         timeout_s=args.timeout,
+        new_settings=args.new_settings,
     )
     if args.ddp:
         _run_ddp(args, config)

@@ -41,9 +41,10 @@ class TrainConfig:
     :func:`warmup_cosine`); every ``eval_every`` steps the run evaluates the model on a
     fixed held-out batch. With ``save_dir``, the run saves a checkpoint every ``save_every``
     steps (a multiple of ``accumulate``) and at its last, keeping the ``keep_checkpoints``
-    newest, and starts from the newest one there; every receive and collective waits at
-    most ``timeout_s``. :meth:`resolved` fills the defaults in and builds ``schedule``, the
-    schedule the run plays, once."""
+    newest, and starts from the newest one there, whose saved settings must be the run's
+    unless ``new_settings`` (see :mod:`pipetrain.app.run_settings`); every receive and
+    collective waits at most ``timeout_s``. :meth:`resolved` fills the defaults in and builds
+    ``schedule``, the schedule the run plays, once."""
 
     model: str
     pipeline: PipelineConfig = field(default_factory=_default_pipeline)
@@ -67,6 +68,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     timeout_s: float = 300.0
     schedule: Schedule | None = None
+    new_settings: bool = False
 
     def resolved(self, world_size: int | None = None) -> TrainConfig:
         """The configuration with defaults filled in, checked, and its schedule built;

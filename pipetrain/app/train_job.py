@@ -30,12 +30,15 @@ from pipetrain.app.data import BatchStream
 from pipetrain.app.model_registry import model_spec
 from pipetrain.app.models import build_model, example_inputs, loss_function
 from pipetrain.app.plan_job import plan_together
+from pipetrain.app.run_settings import apply_new_settings, check_settings
 from pipetrain.app.traffic import interface_bytes_sent, sent_since
 from pipetrain.app.train_config import TrainConfig
 from pipetrain.app.train_report import TrainReport
 from pipetrain.app.train_resume import check_resumable, resume, save_if_due
 from pipetrain.distributed.heartbeat import stop_beating
 from pipetrain.distributed.io_threads import defer_gloo_io_threads
+from pipetrain.distributed.parent import end_with_agent
+from pipetrain.distributed.store import join_group
 from pipetrain.runtime import ModelSource, Pipeline, RuntimeConfig, launch
 from pipetrain.units import counted, format_seconds
 
@@ -131,6 +134,8 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
     # a fixed held-out batch, read where the inputs are (and on rank 0, which reports)
     held = batches.eval_set() if batches is not None and config.eval_every else None
     history = resume(pipe, config, batches)  # from the newest checkpoint, if there is one
+    if apply_new_settings(pipe, config) and batches is not None:  # a new seed: a new order
+        batches = BatchStream(config.model, config.samples, seed=config.seed)
     progress = (
         Progress(config.steps, config.samples, start=history.steps) if pipe.rank == 0 else None
     )
@@ -222,7 +227,9 @@ def run_on_workers(
     rank 0's result (``None`` on other torchrun ranks).
 
     Under ``torchrun`` (``WORLD_SIZE`` set) it runs in this process on the existing process
-    group (a gloo group is started if none is), with ``config.threads`` torch threads;
+    group (a gloo group is started if none is, listening only where needed:
+    :func:`~pipetrain.distributed.store.join_group`), with ``config.threads`` torch threads,
+    and ends when torchrun's agent dies;
     otherwise it launches ``config.workers`` local workers with that many threads each.
     Every receive and collective waits at most ``config.timeout_s``.
     """
@@ -247,9 +254,10 @@ def run_on_workers(
             finally:
                 del os.environ[_STARTED_FILE]
         return config, result
+    end_with_agent()  # a SIGKILLed torchrun agent must not leave this worker training
     started_group = not dist.is_initialized()
     if started_group:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=config.timeout_s))
+        join_group("gloo", timedelta(seconds=config.timeout_s))
         defer_gloo_io_threads()
     torch.set_num_threads(config.threads)
     try:
@@ -264,6 +272,7 @@ def run_on_workers(
 def _ready(config: TrainConfig, world_size: int | None) -> TrainConfig:
     config = config.resolved(world_size=world_size)
     check_resumable(config)
+    check_settings(config)
     return config
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pipetrain.app.data import BatchStream
+from pipetrain.app.run_settings import SETTINGS, run_settings
 from pipetrain.app.train_config import TrainConfig
 from pipetrain.checkpoint import latest
 from pipetrain.checkpoint.directory import step_of
@@ -104,6 +105,7 @@ def save_if_due(
     if step != config.steps and (config.save_every is None or step % config.save_every):
         return
     extra = {
+        SETTINGS: run_settings(config),  # compared when a run resumes from it
         "data": None if batches is None else batches.state_dict(),
         "losses": history.losses,
         "step_times_s": history.step_times_s,

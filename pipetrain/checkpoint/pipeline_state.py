@@ -205,6 +205,21 @@ def load(
     return Checkpoint(found, progress["step"], progress["updates"], wanted[EXTRA], wanted[LAYOUT])
 
 
+def saved_extra(path: str | os.PathLike) -> tuple[Path, Any]:
+    """The checkpoint :func:`load` would read at ``path`` (itself, or the newest intact one
+    under it) and the ``extra`` object saved with it, read in this process alone and
+    checked as :func:`load` checks it; no tensor of the model is read.
+
+    Raises:
+        FileNotFoundError: no complete checkpoint is there.
+    """
+    found = resolve(path)
+    wanted: dict[str, Any] = {EXTRA: None}
+    if EXTRA in contents(found):
+        read(wanted, found, distributed=False)
+    return found, wanted[EXTRA]
+
+
 def _saved_names(state: TrainingState, saved: Mapping[str, Any]) -> dict[int, str]:
     """Each parameter's name, by ``id``, as the checkpoint ``saved`` keys its optimizer
     state: of a tied parameter's names (a stage holds it under each), the first saved,

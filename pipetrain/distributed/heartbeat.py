@@ -1,27 +1,34 @@
-"""Signs of life: a waiting rank tells a frozen peer from a slow one, well before the timeout.
+"""Signs of life: a waiting rank tells a frozen or unreachable peer from a slow one.
 
 Every process that builds a :class:`~pipetrain.distributed.torch_transport.TorchTransport`
-runs a daemon thread that adds one to ``pipetrain/heartbeat/<rank>`` in the default
-process group's store every :data:`BEAT_S`. A :class:`Watch` runs the transport's waits on
-a waiter thread while the caller looks on: once a wait has lasted :data:`BEAT_S`, the
-caller reads the counters of the peers it waits for at every beat. A counter that has not
-moved for :data:`STALE_S` means that peer's process no longer runs (stopped by a signal or
-a debugger, or its machine hung), since its threads stop with it: the wait records that
-rank as where the failure began (:mod:`pipetrain.distributed.failure`), so that every rank
-names it, and raises :class:`PeerFrozen`. A peer that died breaks its connections, which fails the
-wait by itself; a peer that is alive but slow keeps beating and is waited for up to the
-timeout.
+runs a daemon thread that writes a growing counter to ``pipetrain/heartbeat/<rank>`` in the
+default process group's store every :data:`BEAT_S` (and its host and process id once). A
+:class:`Watch` runs the transport's waits on a waiter thread while the caller looks on: once
+a wait has lasted :data:`BEAT_S`, the caller reads the counters of the peers it waits for at
+every beat. A counter that has not moved for the watch's ``frozen_after`` (by default the
+transport's timeout, so that a stall the timeout allows is waited for) means that peer no
+longer runs or cannot be reached: the wait records that rank as where the failure began
+(:mod:`pipetrain.distributed.failure`), so that every rank names it, and raises
+:class:`PeerFrozen` (its process on this host is stopped or hangs) or
+:class:`PeerUnreachable` (on another host: the network or the host is down; or this rank's
+own beats no longer reach the store). A peer that died breaks its connections, which fails
+the wait by itself; a peer that is alive but slow keeps beating and is waited for up to
+the timeout. Values in the store are parsed defensively: a key anyone else wrote that is
+not a counter makes no rank look frozen.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import queue
+import socket
 import threading
 import time
 from collections.abc import Sequence
 from contextlib import suppress
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -31,24 +38,34 @@ from pipetrain.distributed.framing import Work
 from pipetrain.distributed.transport import PeerError
 
 BEAT_S = 0.5
-STALE_S = 3.0  # six beats missed
 _KEY = "pipetrain/heartbeat/"
+_WHERE = "/where"  # after a rank's key: "HOST PID" of its process
+_COUNTER_DIGITS = 19  # a counter longer than this was not written by a heartbeat
+_OWN_SILENCE_S = 5.0  # this rank's beats failing this long: it is cut off itself
 
 # the default group beaten for, the event that stops its heartbeat and the beating thread
 _beating: tuple[Any, threading.Event, threading.Thread] | None = None
+_last_beat = [0.0]  # when this process's heartbeat last reached the store (monotonic)
 
 
 class PeerFrozen(PeerError):
-    """A peer's heartbeat stopped while this rank waited for it: its process is frozen."""
+    """A peer's heartbeat stopped while this rank waited for it, and its process (on this
+    host) is stopped or hangs."""
 
-    def __init__(self, peer: int, silent_s: float) -> None:
+    def __init__(self, peer: int, silent_s: float, reason: str | None = None) -> None:
         """Name the frozen ``peer`` (a global rank) and how long it has been silent."""
-        self.reason = (
+        self.reason = reason or (
             f"rank {peer} froze: it has given no sign of life for {silent_s:.1f} s (its "
             "process is stopped, by a signal or a debugger, or its machine hangs)"
         )
         super().__init__(peer, self.reason)
         self.silent_s = silent_s
+
+
+class PeerUnreachable(PeerFrozen):
+    """A peer's heartbeat stopped while this rank waited for it, and the peer runs on
+    another host (or this rank's own beats no longer reach the store): the network between
+    them, or the other host, is down."""
 
 
 def _store() -> dist.Store | None:
@@ -76,11 +93,17 @@ def beat() -> None:
     except (RuntimeError, AttributeError):  # a store that cannot be cloned: no heartbeat,
         return  # so no peer ever takes this rank for frozen
     key, stop = f"{_KEY}{dist.get_rank()}", threading.Event()
+    with suppress(RuntimeError):
+        own.set(key + _WHERE, f"{socket.gethostname()} {os.getpid()}")
 
     def run() -> None:
+        count = 0
         while True:
+            count += 1
+            # set, not add: a value planted under this key cannot stop the counter
             with suppress(RuntimeError):  # a store that failed once may answer the next beat
-                own.add(key, 1)
+                own.set(key, str(count))
+                _last_beat[0] = time.monotonic()
             if stop.wait(BEAT_S):
                 return
 
@@ -102,7 +125,7 @@ def stop_beating() -> None:
         return
     _, stop, beating = _beating
     stop.set()
-    beating.join(timeout=5 * BEAT_S)  # one store call at most; never hang an exit on it
+    beating.join(timeout=5 * BEAT_S + 1.0)  # one store call at most; never hang an exit on it
     _beating = None
 
 
@@ -133,9 +156,12 @@ def _serve(
 class Watch:
     """Waits for transfers and collectives of one transport, naming a frozen peer."""
 
-    def __init__(self, timeout: timedelta) -> None:
-        """A wait fails after ``timeout``, or once a peer waited for has frozen."""
+    def __init__(self, timeout: timedelta, frozen_after: timedelta | None = None) -> None:
+        """A wait fails after ``timeout``, or once the heartbeat of a peer waited for has
+        stood still for ``frozen_after`` (by default ``timeout``: a stall the timeout
+        allows is waited for, and a frozen peer is still named as such)."""
         self.timeout = timeout
+        self.frozen_after_s = (frozen_after or timeout).total_seconds()
         self._jobs: queue.SimpleQueue[Work | None] = queue.SimpleQueue()
         self._done = threading.Lock()
         self._done.acquire()
@@ -170,7 +196,10 @@ class Watch:
             )
             self._waiter.start()
         self._jobs.put(work)
-        deadline = time.monotonic() + self.timeout.total_seconds() + STALE_S
+        # a counter is first read a beat into the wait: a peer silent all along is named
+        # as frozen, not timed out, when frozen_after is the timeout
+        patience = max(self.timeout.total_seconds(), self.frozen_after_s + 2 * BEAT_S)
+        deadline = time.monotonic() + patience
         while not self._done.acquire(timeout=BEAT_S):
             frozen = self._frozen(peers)
             if frozen is None and time.monotonic() < deadline:
@@ -178,7 +207,7 @@ class Watch:
             self._stuck = "an earlier wait never ended; the transport cannot be used again"
             if frozen is None:
                 return False
-            error = PeerFrozen(*frozen)
+            error = _silence(*frozen)
             report_origin(frozen[0], None, error.reason)  # the culprit, for every rank
             raise error
         outcome = self._outcome[0]
@@ -187,8 +216,9 @@ class Watch:
         return outcome
 
     def _frozen(self, peers: Sequence[int]) -> tuple[int, float] | None:
-        """The first of ``peers`` whose heartbeat has not moved for :data:`STALE_S`, and
-        for how long; peers without a heartbeat are never frozen."""
+        """The first of ``peers`` whose heartbeat has not moved for ``frozen_after``, and
+        for how long; peers without a heartbeat (or whose key holds anything but a
+        counter) are never frozen."""
         store, now = _store(), time.monotonic()
         if store is None:
             return None
@@ -200,9 +230,71 @@ class Watch:
                 counter = store.get(key)
             except RuntimeError:  # the store is gone: the wait fails by itself
                 return None
+            if not (counter.isdigit() and len(counter) <= _COUNTER_DIGITS):
+                self._seen.pop(peer, None)  # not a heartbeat's: judge nothing by it
+                continue
             seen = self._seen.get(peer)
             if seen is None or seen[0] != counter:
                 self._seen[peer] = (counter, now)
-            elif now - seen[1] >= STALE_S:
+            elif now - seen[1] >= self.frozen_after_s:
                 return peer, now - seen[1]
         return None
+
+
+def _silence(peer: int, silent_s: float) -> PeerFrozen:
+    """The error for ``peer``, silent for ``silent_s``: unreachable if this rank's own beats
+    stopped reaching the store or the peer runs on another host; otherwise frozen, saying
+    whether its process is stopped, hangs or has ended."""
+    own_silence = time.monotonic() - _last_beat[0]
+    if _beating is not None and own_silence >= min(silent_s, _OWN_SILENCE_S):
+        return PeerUnreachable(
+            peer,
+            silent_s,
+            f"rank {peer} is unreachable: neither its heartbeat nor this rank's has reached "
+            f"the store for {min(silent_s, own_silence):.1f} s (this host's network is down)",
+        )
+    host, pid = _where(peer)
+    if host is not None and host != socket.gethostname():
+        return PeerUnreachable(
+            peer,
+            silent_s,
+            f"rank {peer} on host {host} is unreachable: it has given no sign of life for "
+            f"{silent_s:.1f} s (the network to that host is down, or the host hangs)",
+        )
+    state = _process_state(pid) if pid is not None else None
+    how = {
+        "stopped": "its process is stopped, by a signal or a debugger",
+        "ended": "its process has ended",
+        "running": "its process runs but its heartbeat does not: it hangs",
+    }.get(state or "", "its process is stopped, by a signal or a debugger, or its machine hangs")
+    return PeerFrozen(
+        peer,
+        silent_s,
+        f"rank {peer} froze: it has given no sign of life for {silent_s:.1f} s ({how})",
+    )
+
+
+def _where(peer: int) -> tuple[str | None, int | None]:
+    """The host and process id ``peer``'s heartbeat published (``None`` where unknown)."""
+    store = _store()
+    key = f"{_KEY}{peer}{_WHERE}"
+    try:
+        if store is None or not store.check([key]):
+            return None, None
+        host, _, pid = store.get(key).decode("utf-8", "replace").partition(" ")
+    except RuntimeError:
+        return None, None
+    return host[:255] or None, int(pid) if pid.isdigit() and len(pid) < 10 else None
+
+
+def _process_state(pid: int) -> str | None:
+    """``stopped``, ``running`` or ``ended`` for process ``pid`` of this host (Linux);
+    ``None`` where that cannot be read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return "ended"
+    except OSError:
+        return None
+    state = stat.rsplit(")", 1)[1].split()[0]
+    return {"T": "stopped", "t": "stopped", "Z": "ended", "X": "ended"}.get(state, "running")

@@ -3,18 +3,19 @@
 No worker outlives the launcher: SIGINT, SIGTERM or SIGHUP of the launcher stops every
 worker before the launcher ends, and a worker whose launcher died (even by SIGKILL) ends
 at once (Linux) or within a quarter of a second (elsewhere). Workers report through pipes,
-not multiprocessing queues, so a launcher killed outright leaves no semaphore behind.
+not multiprocessing queues, so a launcher killed outright leaves no semaphore behind. The
+store and the workers' gloo sockets listen on loopback only, and the workers sign the
+failure records they leave in the store with a key that reaches them through their pipe.
 """
 
 from __future__ import annotations
 
-import ctypes
 import io
 import math
 import multiprocessing as mp
 import os
+import secrets
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -28,12 +29,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipetrain.distributed.failure import sign_records
 from pipetrain.distributed.heap import keep_freed_memory
 from pipetrain.distributed.heartbeat import stop_beating
 from pipetrain.distributed.io_threads import defer_gloo_io_threads
+from pipetrain.distributed.parent import end_with_parent
+from pipetrain.distributed.store import LOOPBACK, keep_gloo_on_loopback, local_store
 
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-_PARENT_POLL_S = 0.25
 _STOP_GRACE_S = 3.0  # a stopped worker's time to end on SIGTERM before SIGKILL
 _ORIGIN_GRACE_S = 1.0  # a worker another names as the origin of a failure: its time to report
 _FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP")
@@ -48,23 +50,6 @@ class LaunchError(RuntimeError):
         self.rank, self.worker_traceback = rank, worker_traceback
 
 
-def _end_with_parent(parent: int) -> None:
-    """End this process when process ``parent`` (the launcher) ends, however it ends."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    else:
-
-        def watch() -> None:
-            while os.getppid() == parent:
-                time.sleep(_PARENT_POLL_S)
-            os._exit(1)
-
-        threading.Thread(target=watch, name="pipetrain-parent-watch", daemon=True).start()
-    if os.getppid() != parent:  # the launcher died before the watch began
-        os._exit(1)
-
-
 def _worker(
     parent: int,
     rank: int,
@@ -76,20 +61,23 @@ def _worker(
     results: Connection,
     fn: Callable,
     args: tuple,
+    secret: str,
 ) -> None:
-    _end_with_parent(parent)
+    end_with_parent(parent)
     keep_freed_memory()
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(nprocs),
-        MASTER_ADDR="127.0.0.1",
+        MASTER_ADDR=LOOPBACK,
         MASTER_PORT=str(port),
     )
+    keep_gloo_on_loopback()  # every worker runs on this host
+    sign_records(secret)  # given through the pipe, never the store: no one else can sign
     torch.set_num_threads(threads)
     try:
         store = dist.TCPStore(
-            "127.0.0.1", port, nprocs, is_master=False, timeout=timedelta(seconds=timeout_s)
+            LOOPBACK, port, nprocs, is_master=False, timeout=timedelta(seconds=timeout_s)
         )
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=nprocs, timeout=timedelta(seconds=timeout_s)
@@ -128,14 +116,8 @@ def launch(
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
     threads = threads_per_worker or max(1, (os.cpu_count() or 1) // nprocs)
-    store = dist.TCPStore(
-        "127.0.0.1",
-        0,
-        nprocs,
-        is_master=True,
-        timeout=timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
+    store = local_store(nprocs, timedelta(seconds=timeout_s))  # on loopback only
+    secret = secrets.token_hex(16)
     context = mp.get_context("spawn")
     pipes = [context.Pipe(duplex=False) for _ in range(nprocs)]
     workers = [
@@ -152,6 +134,7 @@ def launch(
                 pipes[rank][1],
                 fn,
                 args,
+                secret,
             ),
             daemon=True,
         )

@@ -3,14 +3,15 @@
 Sends are asynchronous (``isend``); receives can be posted early and waited on later.
 Gloo cannot send from GPU memory, so under gloo a GPU stage's messages travel through
 pinned host buffers. Every wait, for a transfer or the transport's all-reduces, ends within
-the timeout, and well before it when the peer waited for has frozen
-(:mod:`pipetrain.distributed.heartbeat`).
+the timeout, and names the peer waited for when it froze or cannot be reached
+(:mod:`pipetrain.distributed.heartbeat`), before the timeout if ``frozen_after_s`` is shorter.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -32,16 +33,24 @@ class TorchTransport(FramedTransport):
     """Sends and receives stage tensors over a torch.distributed process group."""
 
     def __init__(
-        self, device: torch.device, group: dist.ProcessGroup | None = None, timeout_s: float = 300.0
+        self,
+        device: torch.device,
+        group: dist.ProcessGroup | None = None,
+        timeout_s: float = 300.0,
+        frozen_after_s: float | None = None,
     ) -> None:
         """Use ``group`` (the default group if ``None``); a wait longer than ``timeout_s``,
-        or for a peer whose heartbeat stopped, raises :class:`PeerError`."""
+        or for a peer whose heartbeat has stood still for ``frozen_after_s`` (by default
+        ``timeout_s``), raises :class:`PeerError`."""
         super().__init__(device, _wire_device(device, group), timeout_s)
         self.group = group
         self._pinned = self.wire_device != device  # host buffers that stage a GPU's data
         # NCCL's waits order GPU streams, which belong to the caller's thread, and NCCL
         # has a watchdog of its own: there the caller waits itself
-        self._watch = None if dist.get_backend(group) == "nccl" else Watch(self.timeout)
+        frozen_after = None if frozen_after_s is None else timedelta(seconds=frozen_after_s)
+        self._watch = (
+            None if dist.get_backend(group) == "nccl" else Watch(self.timeout, frozen_after)
+        )
         if self._watch is not None:
             beat()
         me = dist.get_rank()

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from pipetrain.model.layers import Layer
 from pipetrain.schedules import Schedule
 
-_LOCAL = ("device", "group", "timeout_s")  # may differ between ranks without harm
+_LOCAL = ("device", "group", "timeout_s", "frozen_after_s")  # may differ between ranks without harm
 _SHOWN = 120  # characters of a value shown in a message
 _PLAIN = (bool, int, float, str, type(None))
 

@@ -112,7 +112,7 @@ def assemble(
     if transport is None:
         device = indexed(runtime.device) if runtime.device is not None else None
         device = device or default_device(runtime.group)
-        transport = TorchTransport(device, runtime.group, runtime.timeout_s)
+        transport = TorchTransport(device, runtime.group, runtime.timeout_s, runtime.frozen_after_s)
     device = transport.device
     stages = _stage_modules(schedule, rank, front, balance, device, source or ModelSource())
     shared = shared_parameters(front, balance)

@@ -282,9 +282,11 @@ class RuntimeConfig:
 
     ``device``: where this rank computes (by default its GPU under NCCL, else the CPU).
     ``group``: the process group (the default one if ``None``). ``timeout_s``: how long any
-    transfer, and the loss and gradient-norm all-reduces, may wait; a peer that froze is
-    named within seconds instead (gloo; see :mod:`pipetrain.distributed.heartbeat`); the
-    other collectives wait as long as the process group's timeout. ``record``: record a
+    transfer, and the loss and gradient-norm all-reduces, may wait; the other collectives
+    wait as long as the process group's timeout. ``frozen_after_s``: a peer whose heartbeat
+    has stood still this long is named as frozen (its process stopped or hung) or
+    unreachable (on another host) (gloo; see :mod:`pipetrain.distributed.heartbeat`); by
+    default ``timeout_s``, so a stall the timeout allows is waited for. ``record``: record a
     measured timeline of every step. ``bucket_bytes``: a replicated stage all-reduces its
     gradients in buckets of up to this size, each started as soon as the update's last
     backward produced it (by default 4 MiB on GPUs and the whole stage on CPUs).
@@ -295,6 +297,7 @@ class RuntimeConfig:
     timeout_s: float = 300.0
     record: bool = False
     bucket_bytes: float | None = None
+    frozen_after_s: float | None = None
 
     def check(self) -> None:
         """Raise RuntimeError without a process group to run in, ValueError for a timeout or
@@ -306,6 +309,9 @@ class RuntimeConfig:
             )
         if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number, got {self.timeout_s!r}")
+        frozen = self.frozen_after_s
+        if frozen is not None and not (isinstance(frozen, (int, float)) and frozen > 0):
+            raise ValueError(f"frozen_after_s must be a positive number, got {frozen!r}")
         if self.bucket_bytes is not None and not self.bucket_bytes > 0:
             raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes!r}")
 

@@ -27,6 +27,7 @@ from pipetrain.schedules.actions import (
 from pipetrain.schedules.errors import ScheduleError
 from pipetrain.schedules.lower import forward_only, lower, with_targets_shipped
 from pipetrain.schedules.registry import (
+    MAX_RANK_MICROBATCHES,
     Generated,
     Option,
     ScheduleSpec,
@@ -45,6 +46,7 @@ micro-batch (on every stage)."""
 
 __all__ = [
     "COMPUTE_KINDS",
+    "MAX_RANK_MICROBATCHES",
     "RECOMPUTE_MODES",
     "RECV_KINDS",
     "SEND_KINDS",

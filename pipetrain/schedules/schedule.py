@@ -92,11 +92,14 @@ class Schedule:
         microbatches = (
             header[3] if header else 1 + max((a.microbatch or 0 for a in written), default=0)
         )
+        if max(stages, microbatches) > len(written):  # before anything is sized by them
+            _check_counts(stages, microbatches, written)
         if placement is None:
-            placement = tuple(
-                tuple(r for r, order in enumerate(orders) if any(a.stage == s for a in order))
-                for s in range(stages)
-            )
+            holders: dict[int, set[int]] = {}
+            for rank, order in enumerate(orders):
+                for action in order:
+                    holders.setdefault(action.stage, set()).add(rank)
+            placement = tuple(tuple(sorted(holders.get(s, ()))) for s in range(stages))
         if len(placement) != stages:
             raise ScheduleError(
                 f"placement lists {len(placement)} stages, but the schedule has {stages}"
@@ -106,6 +109,7 @@ class Schedule:
             raise ScheduleError(
                 f"stage {unheld[0]} is held by no rank: give it actions or a 'placement:' line"
             )
+        _check_counts(stages, microbatches, written)
         flags, options = facts
         if flags is None:
             flags = {"split_backward"} if any(a.kind is Kind.WEIGHT for a in written) else set()
@@ -123,6 +127,20 @@ class Schedule:
         )
         validate(schedule)
         return schedule
+
+
+def _check_counts(stages: int, microbatches: int, written: list[Action]) -> None:
+    """Refuse stage and micro-batch counts that the written forwards cannot cover (each
+    micro-batch needs a forward on each stage), before the validator's tables are sized by
+    them: what reading a schedule costs then follows the length of its text, not its
+    numbers."""
+    forwards = sum(1 for action in written if action.kind is Kind.FORWARD)
+    if stages * microbatches > forwards:
+        raise ScheduleError(
+            f"the schedule has {stages} stages and {microbatches} micro-batches, so it needs "
+            f"{stages * microbatches} forwards (each micro-batch on each stage), but "
+            f"{forwards} are written; number stages and micro-batches from 0 without gaps"
+        )
 
 
 def _option_text(value: object) -> str:

@@ -1,0 +1,59 @@
+"""Workers never outlive the process that started them.
+
+:func:`end_with_parent` is for the local launcher's workers: on Linux the kernel kills the
+worker the moment the launcher dies (``PR_SET_PDEATHSIG``), elsewhere a thread looks every
+quarter of a second. :func:`end_with_agent` is for workers that ``torchrun``'s agent
+started: a SIGKILLed agent leaves its workers training on (their connections to each other
+stay up) and writing checkpoints that a restarted job then shares; with it, a worker whose
+agent is gone ends within a quarter of a second, before it writes another checkpoint.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+PARENT_POLL_S = 0.25
+AGENT_ENV = "TORCHELASTIC_RUN_ID"  # set by torchrun's agent in every worker it starts
+
+
+def _watch(parent: int) -> None:
+    """End this process, at once and without cleanup, when ``parent`` is no longer its
+    parent (it died, and the process was handed to another)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="pipetrain-parent-watch", daemon=True).start()
+
+
+def end_with_parent(parent: int) -> None:
+    """End this process when process ``parent`` (the launcher) ends, however it ends."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    else:
+        _watch(parent)
+    if os.getppid() != parent:  # the launcher died before the watch began
+        os._exit(1)
+
+
+_watched: list[int] = []  # the agent watched for, once per process
+
+
+def end_with_agent() -> None:
+    """Under ``torchrun``: end this worker when its agent (its parent process) dies, even by
+    SIGKILL. A thread looks every :data:`PARENT_POLL_S` (the agent may start workers from
+    any of its threads, which the kernel's parent-death signal would take for the agent's
+    end). Elsewhere, and when called again, nothing happens."""
+    if AGENT_ENV not in os.environ or _watched:
+        return
+    _watched.append(os.getppid())
+    _watch(_watched[0])
