@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 
 _DECIMAL = (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3))
 _POWERS = {"": 0, "k": 1, "K": 1, "M": 2, "G": 3, "T": 4}
@@ -74,6 +75,14 @@ def parse_bandwidth(text: str) -> float:
         )
     per_byte = 1 if match["unit"] == "B/s" else 8  # every other unit counts bits
     return float(match["number"]) * 1000 ** _POWERS[match["prefix"]] / per_byte
+
+
+def abbreviated(values: Sequence[object], most: int = 8) -> str:
+    """``values`` as a list for a message: all of them if there are at most ``most``, else
+    the first ``most`` and how many more, so that a message stays one short line."""
+    if len(values) <= most:
+        return f"[{', '.join(map(str, values))}]"
+    return f"[{', '.join(map(str, values[:most]))}, ... {len(values) - most:,} more]"
 
 
 def counted(number: int, singular: str, plural: str | None = None) -> str:

@@ -14,6 +14,8 @@ from numbers import Integral
 
 from torch import Tensor, nn
 
+from pipetrain.units import abbreviated
+
 Layer = tuple[str, nn.Module]
 """One layer: its name in the full model and the module."""
 
@@ -92,7 +94,8 @@ def check_balance(balance: Sequence[int], num_layers: int) -> list[int]:
     total = sum(checked)
     if total != num_layers:
         raise ValueError(
-            f"balance {checked} sums to {total} but the model has {num_layers} layers; "
+            f"balance {abbreviated(checked)} sums to {total} but the model has {num_layers} "
+            "layers; "
             f"give layer counts per stage that add up to {num_layers}"
         )
     return checked

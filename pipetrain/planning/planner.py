@@ -47,6 +47,11 @@ four straight stages and one into three with a replicated middle were predicted 
 of each other, and which ran depended on the profile's noise."""
 
 
+MAX_LAYERS = 8192
+"""The most layers :func:`plan` takes: planning 16 workers takes 6 s and 0.2 GB for 4,000
+layers, 73 s and 2.8 GB for 16,000 on a 2-core machine, growing with the square."""
+
+
 def plan(
     profile: Profile,
     workers: int | None = None,
@@ -87,6 +92,12 @@ def plan(
         raise ValueError(f"shared_cores must be a positive integer or None, got {shared_cores!r}")
     if not isinstance(profile, Profile):
         raise TypeError(f"profile must be a pipetrain.Profile, got {type(profile).__name__}")
+    if len(profile) > MAX_LAYERS:
+        raise ValueError(
+            f"the profile has {len(profile):,} layers, more than the {MAX_LAYERS:,} the planner "
+            "takes (its partitioning costs time and memory with the square of the layer "
+            "count); profile the model in coarser layers, such as its blocks"
+        )
     topology = resolve(topology, workers)
     schedules = _checked_schedules(schedules)
     counts = _microbatch_counts(microbatches, batch_size)

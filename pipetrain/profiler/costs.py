@@ -21,6 +21,11 @@ FORMAT_VERSION = 1
 _TIME_FIELDS = ("forward_s", "backward_s", "weight_backward_s")
 _BATCH_BYTE_FIELDS = ("activation_bytes", "saved_bytes")
 _OPTIONAL_FIELDS = ("weight_backward_s", "saved_bytes")
+MAX_SECONDS = 1e6
+"""The largest time a profile may give one layer's pass, a message or a byte (11.6 days):
+no measurement, and sums of larger ones overflow the planner's predictions to infinity."""
+MAX_BYTES = 1e18
+"""The largest size a profile may give (an exabyte), for the same reason."""
 
 
 @dataclass
@@ -170,8 +175,10 @@ class Profile(JsonFile):
             _check_layer(index, layer)
         positive_int("microbatch_size", self.microbatch_size)
         non_negative_number("Profile.input_bytes", self.input_bytes)
+        _at_most("Profile.input_bytes", self.input_bytes, seconds=False)
         for name in ("message_s", "send_byte_s", "receive_byte_s", "weight_version_byte_s"):
             non_negative_number(f"Profile.{name}", getattr(self, name))
+            _at_most(f"Profile.{name}", getattr(self, name), seconds=True)
         non_negative_number("Profile.shared_cores_factor", self.shared_cores_factor)
         if self.shared_cores_factor < 1:
             raise ValueError(
@@ -350,11 +357,23 @@ def _check_layer(index: int, layer: object) -> None:
         if field.name == "name" or (field.name in _OPTIONAL_FIELDS and value is None):
             continue
         non_negative_number(f"{where}: {field.name}", value)
+        _at_most(f"{where}: {field.name}", value, field.name in (*_TIME_FIELDS, "optimizer_s"))
     if layer.weight_backward_s is not None and layer.weight_backward_s > layer.backward_s:
         raise ValueError(
             f"{where}: weight_backward_s = {layer.weight_backward_s} exceeds backward_s = "
             f"{layer.backward_s}; backward_s is the full backward, so its weight share "
             "cannot be larger"
+        )
+
+
+def _at_most(name: str, value: float, seconds: bool) -> None:
+    """Raise if ``value`` (seconds, or else bytes) is beyond :data:`MAX_SECONDS` or
+    :data:`MAX_BYTES`."""
+    limit = MAX_SECONDS if seconds else MAX_BYTES
+    if value > limit:
+        raise ValueError(
+            f"{name} = {value:g} exceeds {limit:g} {'seconds' if seconds else 'bytes'}: no "
+            "measurement is that large; give the measured value"
         )
 
 
