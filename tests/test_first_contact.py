@@ -288,3 +288,19 @@ def test_a_finished_run_restarted_still_prints_its_json(
         "steps": 20,
     }
     assert "had finished before this restart" in captured.err
+
+
+def test_plan_counts_ranks_as_train_does_and_still_reads_workers(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    profile = tmp_path / "profile.json"
+    Profile([LayerCost(1.0, 2.0) for _ in range(4)], model="mlp").save(profile)
+    plans = []
+    for flag in ("--ranks", "--workers"):
+        assert cli.main(["plan", "--profile", str(profile), flag, "2", "--json"]) == 0
+        plans.append(json.loads(capsys.readouterr().out))
+    assert plans[0] == plans[1] and plans[0]["workers"] == 2 and plans[0]["model"] == "mlp"
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--help"])
+    usage = capsys.readouterr().out
+    assert "--ranks N" in usage and "--workers" not in usage

@@ -90,8 +90,15 @@ def add_plan(commands: argparse._SubParsersAction) -> None:
         "--profile", required=True, metavar="FILE.json", help="a profile from pipetrain profile"
     )
     parser.add_argument(
-        "--workers", type=positive_int, metavar="N", help="workers (default: all of the topology)"
+        "--ranks",
+        dest="workers",
+        type=positive_int,
+        metavar="N",
+        help="worker processes to plan for, as train --ranks counts them (default: all of "
+        "the topology)",
     )
+    # its former name, still read: the plan's workers are the ranks train starts
+    parser.add_argument("--workers", dest="workers", type=positive_int, help=argparse.SUPPRESS)
     parser.add_argument(
         "--topology",
         metavar="LEVELS",
@@ -127,7 +134,7 @@ def run_plan(args: argparse.Namespace) -> None:
     from pipetrain.profiler import Profile
 
     if args.workers is None and args.topology is None:
-        raise ValueError("give --workers N or --topology LEVELS")
+        raise ValueError("give --ranks N or --topology LEVELS")
     chosen = plan(
         Profile.load(args.profile),
         workers=args.workers,
