@@ -49,6 +49,7 @@ NO_TORCH_ARGUMENTS = [
     ["train", "--model", "mlp", "--no-such-flag"],
     ["train", "--model", "mlp", "--steps", "zero"],
     ["train", "--model", "mlp", "--stages", "2"],
+    ["train", "--model", "mlp", "--save-every", "5"],
     ["simulate", "--schedule", "1f1b"],
 ]
 
@@ -69,8 +70,9 @@ def test_help_and_argument_errors_load_no_torch() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"
     # every one answered: --help with 0, the bad arguments with 2
-    assert re.findall(r"^status (\S+)$", done.stderr, re.M) == ["0"] * 3 + ["2"] * 4
+    assert re.findall(r"^status (\S+)$", done.stderr, re.M) == ["0"] * 3 + ["2"] * 5
     assert "--stages is now --ranks" in done.stderr
+    assert "--save-every needs --save-dir" in done.stderr
 
 
 # every package after `import pipetrain` --------------------------------------------------

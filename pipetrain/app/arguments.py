@@ -167,3 +167,19 @@ def ticking(
     finally:
         done.set()
         thread.join()
+
+
+def check_saving(
+    save_dir: str | None, save_every: int | None, accumulate: int, keep_checkpoints: int
+) -> None:
+    """Raise a ValueError, naming the flags, for save settings of ``pipetrain train`` that
+    cannot work (checked before torch loads, and again by the run's configuration)."""
+    if save_every is not None and save_dir is None:
+        raise ValueError("--save-every needs --save-dir DIR, the directory to save into")
+    if save_every is not None and (save_every < 1 or save_every % accumulate):
+        raise ValueError(
+            f"--save-every {save_every} must be a positive multiple of --accumulate "
+            f"{accumulate}: a checkpoint is taken after an update"
+        )
+    if keep_checkpoints < 1:
+        raise ValueError(f"--keep-checkpoints must be at least 1, got {keep_checkpoints}")

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from pipetrain.app.arguments import (
     add_model_argument,
     add_schedule_options,
+    check_saving,
     emit,
     non_negative_float,
     output_path,
@@ -221,7 +222,9 @@ def _positive_float(text: str) -> float:
 
 
 def run_train(args: argparse.Namespace) -> None:
-    refuse_stages(args)  # before torch loads: a renamed flag is answered at once
+    # before torch loads: a renamed flag and impossible save settings are answered at once
+    refuse_stages(args)
+    check_saving(args.save_dir, args.save_every, args.accumulate, args.keep_checkpoints)
     from pipetrain.app.train_config import TrainConfig
     from pipetrain.app.train_job import run_training
     from pipetrain.app.train_resume import RunFinished

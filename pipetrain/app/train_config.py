@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
+from pipetrain.app.arguments import check_saving
 from pipetrain.app.data import BatchStream
 from pipetrain.app.model_registry import model_spec
 from pipetrain.planning import Plan
@@ -185,17 +186,7 @@ class TrainConfig:
 
     def _check_saving(self) -> None:
         """Raise a ValueError for save settings that cannot work."""
-        if self.save_every is not None and self.save_dir is None:
-            raise ValueError("--save-every needs --save-dir DIR, the directory to save into")
-        if self.save_every is not None and (
-            self.save_every < 1 or self.save_every % self.accumulate
-        ):
-            raise ValueError(
-                f"--save-every {self.save_every} must be a positive multiple of --accumulate "
-                f"{self.accumulate}: a checkpoint is taken after an update"
-            )
-        if self.keep_checkpoints < 1:
-            raise ValueError(f"--keep-checkpoints must be at least 1, got {self.keep_checkpoints}")
+        check_saving(self.save_dir, self.save_every, self.accumulate, self.keep_checkpoints)
 
     def worker_pipeline(self) -> PipelineConfig:
         """The pipeline a worker trains with: the schedule built here, handed over as a
