@@ -104,7 +104,7 @@ def measured_noting_who_computes() -> tuple[Link, list[tuple[int, float]]]:
 def test_every_other_rank_computes_while_a_links_latency_is_timed() -> None:
     results = pipetrain.launch(measured_noting_who_computes, 3)
     assert results[0][0] == results[1][0] == results[2][0]
-    assert 0 < results[0][0].latency_s < 0.1
+    assert 0 < results[0][0].latency_s < 1.0  # generous: a loaded machine is slow
     # links 0 -> 1, 1 -> 2, 2 -> 0, one at a time: each rank is outside one of them, and
     # computes through its window after the links it is part of that come before it
     for rank, (_, noted) in enumerate(results):

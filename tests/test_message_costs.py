@@ -18,7 +18,7 @@ def test_every_rank_gets_the_pairs_costs_and_bytes_cost_more_than_a_few() -> Non
     assert all(isinstance(costs, MessageCosts) for costs in measured)
     assert measured[0] == measured[1] == measured[2]
     fixed_s, send_byte_s, receive_byte_s = measured[0]
-    assert 0 < fixed_s < 0.05
+    assert 0 < fixed_s < 0.5  # generous: a loaded machine is slow
     # pushing 4 MB through the kernel costs the sender well over a few bytes' worth
     assert send_byte_s * LARGE > 0.2 * fixed_s
     assert receive_byte_s >= 0
