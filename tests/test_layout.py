@@ -245,3 +245,17 @@ def test_the_pipeline_facade_stays_narrow() -> None:
     arguments = init.args
     assert len(arguments.args) - 1 + len(arguments.kwonlyargs) <= 15  # self left out
     assert init.end_lineno is not None and init.end_lineno - init.lineno + 1 <= 60
+
+
+def test_a_training_run_imports_checkpointing_and_sharding_only_when_used() -> None:
+    """torch.distributed.checkpoint and FSDP take seconds to import on every worker: a run
+    that neither saves nor shards does without them."""
+    code = (
+        "import sys; import pipetrain.app.train_job, pipetrain.runtime; "
+        "print(sorted(m for m in ('torch.distributed.checkpoint', 'torch.distributed.fsdp') "
+        "if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert result.stdout.strip() == "[]"

@@ -73,7 +73,7 @@ def test_a_schedule_value_is_checked_against_the_world_and_the_balance() -> None
         replace(config, balance=[2, 2, 1]).build(2, layers=5)
     with pytest.raises(ValueError, match="microbatches=4, but the given schedule runs 2"):
         replace(config, microbatches=4).build(2, layers=5)
-    with pytest.raises(ValueError, match="leave schedule_options and replicas out"):
+    with pytest.raises(ValueError, match="leave schedule_options, replicas and data_parallel out"):
         replace(config, schedule_options={"virtual": 2}).build(2, layers=5)
 
 

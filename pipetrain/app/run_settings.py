@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 from pipetrain.app.train_config import TrainConfig
 from pipetrain.checkpoint import latest
-from pipetrain.checkpoint.pipeline_state import saved_extra
 
 if TYPE_CHECKING:
     from pipetrain.runtime import Pipeline
@@ -79,6 +78,8 @@ def check_settings(config: TrainConfig) -> None:
     """
     if config.save_dir is None or latest(config.save_dir) is None:
         return
+    from pipetrain.checkpoint.pipeline_state import saved_extra  # loads DCP: only to resume
+
     found, extra = saved_extra(config.save_dir)
     saved = extra.get(SETTINGS) if isinstance(extra, dict) else None
     if not isinstance(saved, dict):
@@ -107,6 +108,8 @@ def apply_new_settings(pipe: Pipeline, config: TrainConfig) -> bool:
     nothing changes."""
     if not config.new_settings or config.save_dir is None or latest(config.save_dir) is None:
         return False
+    from pipetrain.checkpoint.pipeline_state import saved_extra  # loads DCP: only to resume
+
     found, extra = saved_extra(config.save_dir)
     saved = extra.get(SETTINGS) if isinstance(extra, dict) else None
     changed = differences(saved, config) if isinstance(saved, dict) else {}

@@ -17,9 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.checkpoint import Checkpoint, TrainingState
-from pipetrain.checkpoint import load as load_checkpoint
-from pipetrain.checkpoint import save as save_checkpoint
+import pipetrain.checkpoint as checkpoint  # its names import torch.distributed.checkpoint when used
+from pipetrain.checkpoint.state import TrainingState
 from pipetrain.model.frontend import FrontEnd, front_end
 from pipetrain.model.graph import GraphModel
 from pipetrain.runtime.agreement import check_agreement, settings_of
@@ -37,6 +36,7 @@ from pipetrain.schedules import Schedule
 from pipetrain.timeline import Timeline
 
 if TYPE_CHECKING:
+    from pipetrain.checkpoint import Checkpoint
     from pipetrain.planning import Plan
 
 
@@ -289,11 +289,11 @@ class Pipeline(HeldStages):
         keep: int | None = None,
     ) -> Path:
         """Save the training state as ``directory/step-NNNNNNNN``; see :func:`.checkpoint.save`."""
-        return save_checkpoint(self, directory, step=step, extra=extra, keep=keep)
+        return checkpoint.save(self, directory, step=step, extra=extra, keep=keep)
 
     def load(
         self, path: str | os.PathLike, *, weights_only: bool = False, trust: bool = False
     ) -> Checkpoint:
         """Load a checkpoint saved with any layout (``path``, or the newest complete one
         under it); see :func:`pipetrain.checkpoint.load`."""
-        return load_checkpoint(self, path, weights_only=weights_only, trust=trust)
+        return checkpoint.load(self, path, weights_only=weights_only, trust=trust)

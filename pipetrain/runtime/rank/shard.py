@@ -14,20 +14,25 @@ replica's micro-batch losses are already weighted by their share of the whole mi
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:  # FSDP takes seconds to import: a run that shards imports it
+    from torch.distributed.fsdp import FSDPModule
 
 
 def shard_stage(module: nn.Module, group: dist.ProcessGroup, device: torch.device) -> FSDPModule:
     """Wrap ``module`` (a stage's, on every rank of its replica ``group``) so that each replica
     holds a shard of its parameters; gradients wait unreduced until :class:`ShardedReducer`
     reduces them. Every replica must hold the same initial weights."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
     mesh = DeviceMesh.from_group(group, device.type)
     sharded: FSDPModule = fully_shard(module, mesh=mesh)
     sharded.set_gradient_divide_factor(1.0)  # replicas' weighted losses sum, as all-reduces do
@@ -52,6 +57,8 @@ class ShardedReducer:
         """Reduce-scatter every gradient accumulated since the last call into this rank's
         shard (``param.grad``), then free the gathered parameters; a replica that ran no
         micro-batch contributes zeros."""
+        from torch.distributed.fsdp import fully_shard
+
         module = self.module
         module.set_is_last_backward(True)
         module.set_reshard_after_backward(True)
@@ -71,4 +78,8 @@ class ShardedReducer:
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor``: its shard of a ``DTensor``, or the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    # no DTensor exists before its module is imported, and importing it costs seconds
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(tensor, dtensor.DTensor):
+        return tensor.to_local()
+    return tensor
