@@ -106,10 +106,12 @@ def test_the_readme_and_the_package_list_every_registered_schedule() -> None:
     listed = [
         token for token in re.findall(r"`([^`]+)`", paragraph) if re.fullmatch(r"[a-z0-9-]+", token)
     ]
-    assert sorted(listed) == sorted(names())
+    # pipetrain's own families (another test module registers one of its own on import)
+    builtin = [name for name in names() if spec(name).generate.__module__.startswith("pipetrain.")]
+    assert sorted(listed) == sorted(builtin)
     documented = re.findall(r"``([a-z0-9-]+)``", pipetrain.__doc__ or "")
-    assert set(names()) <= set(documented)
-    for name in names():  # the timelines table has a chart of each
+    assert set(builtin) <= set(documented)
+    for name in builtin:  # the timelines table has a chart of each
         assert f"docs/timelines/{name}.png" in README
 
 
