@@ -125,7 +125,8 @@ def stop_beating() -> None:
         return
     _, stop, beating = _beating
     stop.set()
-    beating.join(timeout=5 * BEAT_S + 1.0)  # one store call at most; never hang an exit on it
+    # one store call at most, which a busy machine can stretch to seconds; never hang an exit
+    beating.join(timeout=5 * BEAT_S + 10.0)
     _beating = None
 
 
