@@ -259,3 +259,17 @@ def test_a_training_run_imports_checkpointing_and_sharding_only_when_used() -> N
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_no_unit_test_bounds_wall_clock_time() -> None:
+    """A busy machine runs everything several times slower: a test's only time bound is its
+    own timeout, never an assertion on how long something took."""
+    clock = r"(monotonic|perf_counter|time\.time)\(\) *- *\w+"
+    timed = re.compile(rf"assert .*({clock}|\b(elapsed|took|duration)\w*) *<")
+    offenders = [
+        f"{path.name}:{number}"
+        for path in sorted((PACKAGE.parent / "tests").glob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if timed.search(line)
+    ]
+    assert offenders == []
