@@ -210,3 +210,19 @@ def split_graph() -> list[str]:
         timeout_s=60,
     )
     return sorted(name for name, _ in pipe.named_parameters())
+
+
+def evaluate_logits(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two eval_steps of ``name`` (every dropout on) captured on its token ids alone,
+    trained with a loss function of its own."""
+    model = hf_dropout_model(name)
+    ids = tokens(1)["input_ids"]
+    pipe = make_pipeline(
+        model,
+        example_inputs={"input_ids": ids[:2]},
+        microbatches=2,
+        loss_fn=lambda output, target: nn.functional.mse_loss(output.logits, target),
+        timeout_s=60,
+    )
+    first, second = pipe.eval_step({"input_ids": ids}), pipe.eval_step({"input_ids": ids})
+    return first.logits, second.logits

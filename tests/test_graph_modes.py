@@ -5,6 +5,8 @@ on input shapes kept, a model's own loss evaluated, split points of a captured m
 
 from __future__ import annotations
 
+import copy
+
 import graph_mode_cases as cases
 import pytest
 import torch
@@ -83,3 +85,29 @@ def test_split_points_recut_a_captured_model_without_capturing_again() -> None:
     assert "blocks.2.linear.weight" in per_rank[0]
     assert not any(name.startswith("blocks.3") for name in per_rank[0])
     assert "blocks.3.linear.weight" in per_rank[1] and "head.weight" in per_rank[1]
+
+
+def test_a_model_in_eval_mode_is_captured_in_training_mode_and_left_as_it_was() -> None:
+    model = cases.mode_net().eval()
+    x = cases.data(0)[0]
+    graph = GraphModel(model, x[:2])
+    assert not any(module.training for module in model.modules())
+    whole = graph.stage(0, len(graph.names))
+    training = copy.deepcopy(model).train()
+    torch.testing.assert_close(whole(x)[0], training(x))  # batch statistics, the 0.5 branch
+    for name, buffer in training.named_buffers():  # running statistics updated alike
+        torch.testing.assert_close(whole.get_buffer(name), buffer, msg=name)
+    whole.eval()
+    torch.testing.assert_close(whole(x)[0], training.eval()(x))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_eval_step_turns_sdpa_attention_dropout_off(name: str) -> None:
+    pytest.importorskip("transformers")
+    per_rank = pipetrain.launch(cases.evaluate_logits, 2, name, timeout_s=180)
+    model = cases.hf_dropout_model(name).eval()
+    with torch.no_grad():
+        expected = model(input_ids=cases.tokens(1)["input_ids"]).logits
+    for first, second in per_rank:
+        torch.testing.assert_close(first, expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(second, expected, rtol=1e-5, atol=1e-6)

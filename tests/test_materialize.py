@@ -144,6 +144,7 @@ def test_a_parameter_without_a_reset_method_names_its_module() -> None:
         materialize(built, "cpu")
     with torch.device("meta"):
         built = nn.Sequential(nn.Linear(3, 3), Scale())
+
     def init(module: nn.Module) -> None:  # init_fn sets every tensor
         module[0].reset_parameters()
         nn.init.ones_(module[1].gain)
@@ -366,3 +367,18 @@ def test_a_directory_without_weights_is_refused_naming_what_it_looked_for(tmp_pa
     save_file(model(seed=3).state_dict(), tmp_path / "model.safetensors")
     built = materialize(meta_model(), "cpu", weights=tmp_path)
     assert_equal_state(built, model(seed=3).state_dict())
+
+
+def test_the_readme_recipe_trains_a_meta_llama_with_its_rotary_tables() -> None:
+    pytest.importorskip("transformers")
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    expected = dict(LlamaForCausalLM(materialize_cases.llama_config()).named_buffers())
+    results = pipetrain.launch(materialize_cases.meta_llama_recipe, 2, timeout_s=120)
+    held = [name for result in results for name in result["buffers"]]
+    assert "model.rotary_emb.inv_freq" in held
+    for result in results:
+        assert all(loss == loss and 0 < loss < 10 for loss in result["losses"])
+        for name, value in result["buffers"].items():
+            torch.testing.assert_close(value, expected[name], msg=name)
