@@ -28,6 +28,7 @@ TRAIN = ["train", "--model", "mlp", "--json", *COMMON]
 # save is the first whose prune deletes one)
 KILLS = [
     ("clear", "after", 0, 2),
+    ("write", "before", 0, 2),
     ("write", "before", 1, 2),
     ("write", "after", 1, 2),
     ("write", "after", 0, 2),
