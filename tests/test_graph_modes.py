@@ -111,3 +111,17 @@ def test_eval_step_turns_sdpa_attention_dropout_off(name: str) -> None:
     for first, second in per_rank:
         torch.testing.assert_close(first, expected, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(second, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_sample_sliced_from_a_batch_guards_nothing_of_the_batch() -> None:
+    """Export guards a view's base; the capture's sample is copied first, so inputs that
+    are no slices run (as a profiler's do)."""
+    pytest.importorskip("transformers")
+    model = cases.hf_dropout_model("gpt2").eval()
+    stream = torch.randint(1, 32, (4, 9), generator=torch.Generator().manual_seed(0))
+    graph = GraphModel(model, stream[:2, :-1])  # a view, as a language model's inputs are
+    whole = graph.stage(0, len(graph.names)).eval()
+    fresh = stream[:, :-1].clone()
+    with torch.no_grad():
+        got = graph.outputs(whole(fresh), evaluation=True)
+        torch.testing.assert_close(got.logits, model(fresh).logits)

@@ -107,7 +107,9 @@ def capture(model: nn.Module, example_inputs: Inputs, training: bool = True) -> 
     Raises ValueError for a sample that would fix the batch size, and RuntimeError naming
     the model when export fails.
     """
-    args, kwargs = _arguments(example_inputs)
+    # fresh tensors: export guards a view's base (``x._base``), which inputs made
+    # otherwise (not slices of a batch) lack
+    args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, _arguments(example_inputs))
     if "use_cache" in inspect.signature(model.forward).parameters and "use_cache" not in kwargs:
         kwargs["use_cache"] = False
     tensors = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
