@@ -73,6 +73,7 @@ def test_a_sharded_checkpoint_loads_into_the_unpipelined_model(
             torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # 4 processes; the default suite keeps the exactness tests
 def test_sharding_refuses_what_it_cannot_run() -> None:
     messages = pipetrain.launch(shard_cases.refusals, 4, timeout_s=120)[0]
     assert "shards each stage over its replicas, and no stage has any" in messages[0]
@@ -81,6 +82,7 @@ def test_sharding_refuses_what_it_cannot_run() -> None:
     assert "a world size that 3 divides" in messages[3]
 
 
+@pytest.mark.slow  # 4 processes; the default suite keeps the exactness tests
 def test_fp16_on_sharded_replicas_skips_overflowing_updates_as_grad_scaler() -> None:
     expected = precision_cases.reference_loop("fp16", 4)
     assert any(expected["skipped"]) and not all(expected["skipped"])
@@ -94,6 +96,7 @@ def test_fp16_on_sharded_replicas_skips_overflowing_updates_as_grad_scaler() -> 
         torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow  # 4 processes; the default suite keeps the exactness tests
 def test_a_sharded_checkpoint_loads_on_another_mesh(
     runs: dict[str, list[dict[str, Any]]],
 ) -> None:
@@ -111,6 +114,7 @@ def test_a_sharded_checkpoint_loads_on_another_mesh(
         torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow  # 4 processes; the default suite keeps the exactness tests
 def test_a_parameter_two_sharded_stages_use_stays_one() -> None:
     expected = graph_cases.sequential_reference()
     state: dict[str, torch.Tensor] = {}
@@ -122,6 +126,7 @@ def test_a_parameter_two_sharded_stages_use_stays_one() -> None:
         torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow  # 4 processes; the default suite keeps the exactness tests
 def test_train_data_parallel_shard_from_the_command_line() -> None:
     done = run_cli(
         "train",
