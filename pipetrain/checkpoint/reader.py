@@ -1,14 +1,14 @@
 """Reading a checkpoint without running code from it.
 
-torch.distributed.checkpoint (DCP) unpickles ``.metadata`` with :func:`pickle.load` and
-every entry other than a tensor with ``torch.load(weights_only=False)``, either of which
-runs whatever code a crafted file names. :class:`CheckedReader` reads ``.metadata`` through
-an unpickler that builds only DCP's own metadata types, torch sizes, dtypes, layouts and
-memory formats, and plain containers, and reads only files the checkpoint's manifest lists,
-once their checksums match; :class:`CheckedPlanner` reads the other entries with
-``torch.load(weights_only=True)``. Either way, each tensor's chunks must cover it exactly
-and fit in the bytes stored for them, so no tensor keeps uninitialised memory. ``trust=True``
-restores DCP's own unpickling and skips the manifest.
+torch.distributed.checkpoint (DCP) unpickles ``.metadata`` and every entry other than a
+tensor without restriction (plain pickle, and ``torch.load`` with its weights-only check
+off), either of which runs whatever code a crafted file names. :class:`CheckedReader`
+reads ``.metadata`` through an unpickler that builds only DCP's own metadata types, torch
+sizes, dtypes, layouts and memory formats, and plain containers, and reads only files the
+checkpoint's manifest lists, once their checksums match; :class:`CheckedPlanner` reads the
+other entries with ``torch.load(weights_only=True)``. Either way, each tensor's chunks
+must cover it exactly and fit in the bytes stored for them, so no tensor keeps
+uninitialised memory. ``trust=True`` restores DCP's own unpickling and skips the manifest.
 """
 
 from __future__ import annotations
