@@ -31,7 +31,7 @@ import torch
 from pipetrain.runtime.rank.normalize import Normalizer, check_kinds
 from pipetrain.runtime.rank.precision import Precision
 from pipetrain.runtime.rank.reduce import Reducer, completing_passes
-from pipetrain.runtime.rank.stage import Loss
+from pipetrain.runtime.rank.stage import Loss, Stage
 from pipetrain.runtime.rank.weights import Weights
 from pipetrain.schedules import Action, Kind, Schedule
 
@@ -69,9 +69,7 @@ class UpdateCycle:
         accumulated ones aside so that only this call's are divided by its count; with
         ``update=False`` this call's gradients will wait for a later update."""
         if not self._accumulated:
-            for module in self._weights.modules.values():
-                for parameter in module.parameters():
-                    parameter.grad = None
+            self._clear_gradients()
             self._updater.start()
         else:
             self._normalizer.set_aside()
@@ -142,10 +140,13 @@ class UpdateCycle:
             for stash in self._weights.stashes.values():
                 stash.newest = progress[0]  # version v: the weights after v updates
         self.reset_weights()
+        self._clear_gradients()
+        self._accumulated = False
+
+    def _clear_gradients(self) -> None:
         for module in self._weights.modules.values():
             for parameter in module.parameters():
                 parameter.grad = None
-        self._accumulated = False
 
     def weight_versions(self) -> dict[int, tuple[int, list[int]]]:
         """Each held stage's newest weight version and every version stashed (asynchronous
@@ -178,14 +179,11 @@ class UpdateCycle:
         """The weight version a pass of ``stage`` runs on (see :meth:`Weights.version`)."""
         return self._weights.version(stage, scheduled)
 
-    def before_gradient_pass(
-        self, stage: int, microbatch: int, holders: Callable[[], list[torch.Tensor]]
-    ) -> None:
-        """Before a pass that may complete an update's gradients of a replicated stage: let
-        it start the all-reduce of each bucket it completes (``holders``: the tensors the
-        pass accumulates in)."""
-        if (stage, microbatch) in self._arming:
-            self._reducers[stage].arm(holders())
+    def before_gradient_pass(self, stage: Stage, microbatch: int) -> None:
+        """Before a pass of ``stage`` that may complete an update's gradients of a replicated
+        stage: let it start the all-reduce of each bucket it completes."""
+        if (stage.index, microbatch) in self._arming:
+            self._reducers[stage.index].arm(stage.gradient_holders(microbatch))
 
     def add_loss(self, loss: Loss) -> None:
         """Add a last-stage forward's loss (and count, for a pair-returning loss)."""

@@ -148,8 +148,7 @@ class Executor:
 
     def _arm(self, action: Action) -> None:
         """Before a gradient pass: it may complete a replicated stage's update."""
-        stage, mb = self.stages[action.stage], self._microbatch(action)
-        self.cycle.before_gradient_pass(action.stage, mb, lambda: stage.gradient_holders(mb))
+        self.cycle.before_gradient_pass(self.stages[action.stage], self._microbatch(action))
 
     def _backward(self, action: Action) -> None:
         stage, mb = self.stages[action.stage], self._microbatch(action)
