@@ -20,7 +20,7 @@ from pipetrain import checkpoint
 from pipetrain.checkpoint.directory import step_of
 
 STEPS, SAVE_EVERY = 3000, 20
-WAIT_S = 60.0  # for the first checkpoint, and for the workers to end: only stops a hang
+WAIT_S = 300.0  # for the first checkpoint, and for the workers to end: only stops a hang
 
 
 @pytest.mark.slow

@@ -117,7 +117,7 @@ def test_a_plan_of_100000_stages_is_refused_in_one_short_line(
         predicted_step_s=1.0,
         predicted_throughput=1.0,
         stage_memory_bytes=[1.0] * stages,
-        workers=stages,
+        ranks=stages,
         microbatch_size=8,
     ).save(written)
     status = cli.main(["train", "--model", "mlp", "--plan", str(written)])

@@ -590,7 +590,7 @@ def test_train_report_compares_a_plan_with_the_measured_step() -> None:
         predicted_step_s=6.0,
         predicted_throughput=4 / 6.0,
         stage_memory_bytes=[1.0, 1.0],
-        workers=2,
+        ranks=2,
         microbatch_size=4,
     )
     config = TrainConfig(model="mlp", steps=4, plan=plan).resolved()

@@ -74,14 +74,14 @@ def test_plan_prints_a_plan_and_saves_it(mlp_profile: Path, tmp_path: Path) -> N
     )
     assert done.returncode == 0, done.stderr
     plan = Plan.load(out)
-    assert plan.workers == 2 and sum(plan.balance) == 5 and plan.replicas == [1] * len(plan.stages)
+    assert plan.ranks == 2 and sum(plan.balance) == 5 and plan.replicas == [1] * len(plan.stages)
     assert f"predicted step {plan.predicted_step_s:.4g} s" in done.stdout
 
 
 def test_plan_memory_error_names_the_smallest_fit(mlp_profile: Path) -> None:
     done = run_cli("plan", "--profile", str(mlp_profile), "--workers", "2", "--memory", "1kB")
     assert done.returncode == 2
-    assert "no candidate plan fits a memory limit of 1 kB a worker" in done.stderr
+    assert "no candidate plan fits a memory limit of 1 kB a rank" in done.stderr
     assert "Traceback" not in done.stderr
 
 
@@ -245,7 +245,7 @@ def test_workers_profile_together_and_share_one_plan() -> None:
     [at_8] = pooled_profile.other_sizes
     assert at_8.microbatch_size == 8 and len(at_8.spread.forward_s) == 2 * 6
     plans = pipetrain.launch(plan_together, 2, "mlp", 32)
-    assert plans[0] == plans[1] and plans[0].workers == 2 and plans[0].batch_size == 32
+    assert plans[0] == plans[1] and plans[0].ranks == 2 and plans[0].batch_size == 32
 
 
 def test_a_plan_and_plan_auto_together_are_refused(mlp_profile: Path) -> None:

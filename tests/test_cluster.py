@@ -312,7 +312,7 @@ def test_ddp_over_two_hosts_trains_exactly_and_sends_its_gradients(runs: list[st
     out, err = finish(process, JOB_TIMEOUT_S + 20)
     assert process.returncode == 0, err[-3000:]
     report = json.loads(out)
-    assert report["schedule"] == "ddp" and report["workers"] == 2
+    assert report["schedule"] == "ddp" and report["ranks"] == 2
     assert report["losses"] == pytest.approx(
         unpipelined_losses("mlp", steps, report["batch_size"]), rel=1e-5
     )

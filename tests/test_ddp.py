@@ -15,7 +15,7 @@ def test_ddp_losses_equal_the_unpipelined_loop() -> None:
     done = run_cli("train", "--model", "mlp", "--ddp", "--ranks", "2", "--steps", "3", "--json")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    assert report["schedule"] == "ddp" and report["workers"] == 2
+    assert report["schedule"] == "ddp" and report["ranks"] == 2
     assert report["samples_per_s"] == pytest.approx(report["batch_size"] / report["step_s"])
     assert report["losses"] == pytest.approx(
         unpipelined_losses("mlp", 3, report["batch_size"]), rel=1e-5

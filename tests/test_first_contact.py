@@ -201,7 +201,7 @@ def a_plan(model: str) -> Plan:
         predicted_step_s=1.0,
         predicted_throughput=64.0,
         stage_memory_bytes=[0.0, 0.0],
-        workers=2,
+        ranks=2,
         microbatch_size=16,
         model=model,
     )
@@ -303,7 +303,7 @@ def test_plan_counts_ranks_as_train_does_and_still_reads_workers(
     for flag in ("--ranks", "--workers"):
         assert cli.main(["plan", "--profile", str(profile), flag, "2", "--json"]) == 0
         plans.append(json.loads(capsys.readouterr().out))
-    assert plans[0] == plans[1] and plans[0]["workers"] == 2 and plans[0]["model"] == "mlp"
+    assert plans[0] == plans[1] and plans[0]["ranks"] == 2 and plans[0]["model"] == "mlp"
     with pytest.raises(SystemExit):
         cli.main(["plan", "--help"])
     usage = capsys.readouterr().out

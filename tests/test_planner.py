@@ -211,7 +211,7 @@ def test_interleaving_wins_with_few_microbatches() -> None:
         microbatches=(4,),
         replication=False,
     )
-    assert (chosen.schedule, chosen.virtual, chosen.workers) == ("interleaved", 2, 4)
+    assert (chosen.schedule, chosen.virtual, chosen.ranks) == ("interleaved", 2, 4)
     assert chosen.balance == [1] * 8
     # bubble (p - 1) / (v·m + p - 1) with chunks of F = 1, B = 2
     assert chosen.predicted_step_s == pytest.approx(3 * (2 * 4 + 4 - 1))
@@ -397,7 +397,7 @@ def test_under_a_memory_limit_that_1f1b_exceeds_a_v_schedule_is_chosen() -> None
         rejected["v-min"],
     )
     text = under_1f1b.describe()
-    assert text.startswith("v-half: 8 stages on 4 workers, 2 chunks per worker")
+    assert text.startswith("v-half: 8 stages on 4 ranks, 2 chunks per rank")
     assert "rejected:\n  gpipe: " in text and f"  1f1b: {rejected['1f1b']}" in text
 
     under_v_half = planned(25_000)
@@ -444,7 +444,7 @@ def test_an_infeasible_limit_names_the_smallest_fit_and_the_knobs() -> None:
     with pytest.raises(ValueError) as error:
         plan(heavy_activations(), workers=4, memory_limit=1e6)
     message = str(error.value)
-    for knob in ("recomputation", "micro-batches", "workers"):
+    for knob in ("recomputation", "micro-batches", "ranks"):
         assert knob in message
     needed = int(re.search(r"smallest needs (\d+) bytes", message).group(1))
     assert needed > 1e6
@@ -472,7 +472,7 @@ def test_replication_false_gives_one_worker_per_stage() -> None:
         resnet_like_profile(), topology="8x300GB/s", replication=False, schedules=("1f1b",)
     )
     assert chosen.replicas == [1] * 8 and len(chosen.stages) == 8
-    with pytest.raises(ValueError, match="at least one layer per worker"):
+    with pytest.raises(ValueError, match="at least one layer per rank"):
         plan(uniform(3), workers=4, replication=False)
 
 
@@ -511,10 +511,17 @@ def test_plan_stage_accessors() -> None:
         predicted_step_s=1.0,
         predicted_throughput=4.0,
         stage_memory_bytes=[1.0, 1.0],
-        workers=3,
+        ranks=3,
         microbatch_size=1,
     )
     assert manual.balance == [3, 1] and manual.replicas == [2, 1] and manual.batch_size == 4
+
+
+def test_a_plan_saved_before_ranks_were_named_so_still_loads() -> None:
+    chosen = plan(uniform(4), workers=2, schedules=("1f1b",), microbatches=(4,))
+    older = {**chosen.to_dict(), "format_version": 3, "workers": chosen.ranks}
+    del older["ranks"]
+    assert Plan.from_dict(older) == chosen
 
 
 def test_progress_reports_layouts_and_candidates_and_changes_nothing() -> None:
@@ -539,7 +546,7 @@ def test_every_worker_keeps_plans_that_leave_workers_idle_out() -> None:
     idle = plan(profile, topology="5x1GB/s", microbatches=(1,))
     assert sum(idle.replicas) < 5
     busy = plan(profile, topology="5x1GB/s", microbatches=(1,), every_worker=True)
-    assert sum(busy.replicas) == busy.workers == 5
+    assert sum(busy.replicas) == busy.ranks == 5
     assert busy.predicted_step_s >= idle.predicted_step_s
 
 
@@ -571,7 +578,7 @@ def test_a_plan_says_which_replicas_get_no_micro_batch() -> None:
         predicted_step_s=0.1,
         predicted_throughput=640.0,
         stage_memory_bytes=[1e6],
-        workers=4,
+        ranks=4,
         microbatch_size=32,
     )
     assert (

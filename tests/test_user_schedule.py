@@ -137,7 +137,7 @@ def test_a_plan_sets_the_split_and_the_schedule_options() -> None:
         predicted_step_s=1.0,
         predicted_throughput=1.0,
         stage_memory_bytes=[0.0] * 4,
-        workers=2,
+        ranks=2,
         microbatch_size=2,
         virtual=2,
     )

@@ -131,7 +131,7 @@ class TrainConfig:
         return replace(
             self,
             plan=None,
-            ranks=plan.workers,
+            ranks=plan.ranks,
             pipeline=PipelineConfig.from_plan(plan, targets_on_first_stage=True),
             batch_size=self.batch_size or plan.batch_size,
             planned_step_s=plan.predicted_step_s

@@ -185,7 +185,6 @@ class DDPReport:
             "schedule": "ddp",
             "ddp": True,
             "ranks": config.ranks,
-            "workers": config.ranks,
         }
 
     def divergence(self) -> str | None:

@@ -224,11 +224,11 @@ def _fastest(
 
 
 def _summary(candidate: Candidate) -> str:
-    """``"1f1b, 8 stages on 64 workers, 16 micro-batches"``."""
+    """``"1f1b, 8 stages on 64 ranks, 16 micro-batches"``."""
     layout = candidate.layout
     return (
         f"{candidate.schedule}, {counted(len(layout.stages), 'stage')} on "
-        f"{counted(layout.workers, 'worker')}, "
+        f"{counted(layout.workers, 'rank')}, "
         f"{counted(candidate.microbatches, 'micro-batch', 'micro-batches')}"
     )
 
@@ -298,7 +298,7 @@ def _as_plan(
         predicted_throughput=processed * size / step_s if step_s > 0 else math.inf,
         steady_step_s=steady_step_s,
         stage_memory_bytes=memory,
-        workers=layout.workers,
+        ranks=layout.workers,
         microbatch_size=size,
         virtual=layout.virtual,
         stage_compute_s=[f + b + w for f, b, w in zip(forward, backward, weight)],
@@ -317,21 +317,22 @@ def _no_fit_message(
     need, candidate = smallest
     if candidate is None:
         reason = (
-            "replication=False needs at least one layer per worker"
+            "replication=False needs at least one layer per rank"
             if not replication
             else "no schedule can run it"
         )
         return (
-            f"no candidate plan for {len(profile.layers)} layers on {topology.workers} workers: "
-            f"{reason}; use fewer workers, replication=True, or other schedules"
+            f"no candidate plan for {len(profile.layers)} layers on "
+            f"{counted(topology.workers, 'rank')}: {reason}; use fewer ranks, replication=True, "
+            "or other schedules"
         )
     return (
-        f"no candidate plan fits a memory limit of {format_bytes(memory_limit or 0.0)} a worker "
+        f"no candidate plan fits a memory limit of {format_bytes(memory_limit or 0.0)} a rank "
         f"(memory_limit, pipetrain plan --memory); the smallest needs {math.ceil(need)} bytes "
         f"({format_bytes(need)}: {candidate.schedule}, "
         f"{counted(candidate.microbatches, 'micro-batch', 'micro-batches')}, recomputation "
         f"{candidate.recompute}, the cheapest that fits it). Raise the limit to at least that, "
-        "or make each worker hold less: more micro-batches for the same batch size (smaller "
-        "micro-batches hold less activation memory), or more workers (fewer layers and weights "
+        "or make each rank hold less: more micro-batches for the same batch size (smaller "
+        "micro-batches hold less activation memory), or more ranks (fewer layers and weights "
         "each)."
     )

@@ -12,13 +12,14 @@ from pipetrain.planning.topology import Topology
 from pipetrain.schedules import spec
 from pipetrain.units import counted, format_bytes
 
-FORMAT_VERSION = 3
-"""Version of the JSON layout written by :meth:`Plan.save`."""
+FORMAT_VERSION = 4
+"""Version of the JSON layout written by :meth:`Plan.save` (4: ``ranks``, which version 3
+called ``workers``; version 3 files are still read)."""
 
 
 @dataclass
 class PlanStage:
-    """Layers ``start..stop-1`` on ``replicas`` workers."""
+    """Layers ``start..stop-1`` on ``replicas`` ranks."""
 
     start: int
     stop: int
@@ -29,10 +30,10 @@ class PlanStage:
 class Plan(JsonFile):
     """A chosen pipeline configuration and its predicted speed and memory.
 
-    ``stages`` are in pipeline order (for a schedule with chunks, the ``virtual · workers``
-    model chunks, each on the rank its schedule's placement gives: ``c mod workers`` for
-    ``interleaved``, a V for ``zb-v``; ``virtual`` is the chunks per worker).
-    ``stage_memory_bytes[i]`` is the predicted peak on a worker holding stage ``i`` and
+    ``stages`` are in pipeline order (for a schedule with chunks, the ``virtual · ranks``
+    model chunks, each on the rank its schedule's placement gives: ``c mod ranks`` for
+    ``interleaved``, a V for ``zb-v``; ``virtual`` is the chunks per rank).
+    ``stage_memory_bytes[i]`` is the predicted peak on a rank holding stage ``i`` and
     ``stage_compute_s[i]`` its forward and backward time for one micro-batch (recomputation
     included). ``predicted_step_s`` covers one training step of ``batch_size`` samples
     (one optimizer step of ``microbatches`` micro-batches of ``microbatch_size`` samples;
@@ -53,7 +54,7 @@ class Plan(JsonFile):
     predicted_step_s: float
     predicted_throughput: float
     stage_memory_bytes: list[float]
-    workers: int
+    ranks: int
     microbatch_size: int
     virtual: int = 1
     stage_compute_s: list[float] = field(default_factory=list)
@@ -69,7 +70,7 @@ class Plan(JsonFile):
 
     @property
     def replicas(self) -> list[int]:
-        """Workers per stage."""
+        """Ranks per stage."""
         return [stage.replicas for stage in self.stages]
 
     @property
@@ -86,7 +87,11 @@ class Plan(JsonFile):
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
         """Rebuild a plan from :meth:`to_dict` output; raise ValueError on another format."""
-        fields = unversioned(data, "plan", FORMAT_VERSION, "Run pipetrain.plan() again.")
+        advice = "Make it again with `pipetrain plan` (or pipetrain.plan())."
+        if isinstance(data, dict) and data.get("format_version") == 3:
+            data = {**data, "format_version": FORMAT_VERSION, "ranks": data.get("workers")}
+            data.pop("workers")
+        fields = unversioned(data, "plan", FORMAT_VERSION, advice)
         try:
             fields["stages"] = [PlanStage(**stage) for stage in fields["stages"]]
             return cls(**fields)
@@ -95,19 +100,19 @@ class Plan(JsonFile):
 
     def describe(self) -> str:
         """A readable summary, one table row per stage, and the schedules rejected and why."""
-        chunks = f", {self.virtual} chunks per worker" if self.virtual > 1 else ""
+        chunks = f", {self.virtual} chunks per rank" if self.virtual > 1 else ""
         network = f" ({self.topology})" if self.topology and _has_links(self.topology) else ""
         updates = self.batch_size // (self.microbatches * self.microbatch_size)
         per_update = f" per update, {updates} updates a step" if updates > 1 else ""
         lines = [
             f"{self.schedule}: {counted(len(self.stages), 'stage')} on "
-            f"{counted(self.workers, 'worker')}{network}{chunks}, "
+            f"{counted(self.ranks, 'rank')}{network}{chunks}, "
             f"{counted(self.microbatches, 'micro-batch', 'micro-batches')} of "
             f"{self.microbatch_size}{per_update}, recomputation {self.recompute}",
             f"predicted step {self.predicted_step_s:.4g} s, "
             f"{self.predicted_throughput:.4g} samples/s{self._steady()}",
             f"{'stage':>5}  {'layers':>11}  {'count':>5}  {'replicas':>8}  "
-            f"{'compute/mb':>10}  {'memory/worker':>13}",
+            f"{'compute/mb':>10}  {'memory/rank':>13}",
         ]
         computes = self.stage_compute_s or [math.nan] * len(self.stages)
         for index, (stage, compute, memory) in enumerate(
