@@ -5,7 +5,8 @@ A run that resumes with other settings than those saved is refused, naming each 
 it says ``--new-settings``; then the new ones apply: the restored optimizer's learning rate
 (and its scheduler's base) becomes the new one, a new seed starts a new data order, and a
 new batch size or accumulation takes effect from the next step. The model, the
-learning-rate schedule and the precision cannot change in a resumed run.
+learning-rate schedule, the precision and a corpus of one's own (``--data``, its tokenizer
+and ``--seq-len-max``) cannot change in a resumed run.
 """
 
 from __future__ import annotations
@@ -31,10 +32,14 @@ FLAGS = {
     "accumulate": "--accumulate",
     "max_grad_norm": "--max-grad-norm",
     "precision": "--precision",
+    "data": "--data",
+    "tokenizer": "--tokenizer",
+    "seq_len_max": "--seq-len-max",
+    "microbatch_tokens": "--microbatch-tokens",
 }
 """The settings compared, by name, with the flag that gives each."""
 
-FIXED = ("model", "lr_schedule", "precision")
+FIXED = ("model", "lr_schedule", "precision", "data", "tokenizer", "seq_len_max")
 """Settings a resumed run cannot change: the checkpoint's state is made for them."""
 
 
@@ -49,6 +54,11 @@ def run_settings(config: TrainConfig) -> dict[str, Any]:
         "accumulate": config.accumulate,
         "max_grad_norm": config.update.max_grad_norm,
         "precision": config.update.precision,
+        # a corpus's reading position and the GPT's vocabulary and context are its own
+        "data": None if config.data is None else config.data.path,
+        "tokenizer": None if config.data is None else config.data.tokenizer,
+        "seq_len_max": None if config.data is None else config.data.seq_len_max,
+        "microbatch_tokens": config.pipeline.microbatch_tokens,
     }
 
 

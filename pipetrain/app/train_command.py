@@ -17,6 +17,7 @@ from pipetrain.app.arguments import (
     positive_int,
     schedule_options,
 )
+from pipetrain.app.data_arguments import add_data_arguments, check_data_flags, corpus_settings
 from pipetrain.schedules import RECOMPUTE_MODES, names, spec
 
 if TYPE_CHECKING:
@@ -208,6 +209,7 @@ def add_train(commands: argparse._SubParsersAction) -> None:
         "of --ranks workers, each on an equal share of every batch",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_data_arguments(parser)
 
 
 def _balance(text: str) -> tuple[int, ...]:
@@ -225,6 +227,7 @@ def run_train(args: argparse.Namespace) -> None:
     # before torch loads: a renamed flag and impossible save settings are answered at once
     refuse_stages(args)
     check_saving(args.save_dir, args.save_every, args.accumulate, args.keep_checkpoints)
+    check_data_flags(args)
     from pipetrain.app.train_config import TrainConfig
     from pipetrain.app.train_job import run_training
     from pipetrain.app.train_resume import RunFinished
@@ -239,7 +242,9 @@ def run_train(args: argparse.Namespace) -> None:
         shard=args.shard,
         balance=args.balance,
         recompute=args.recompute,
-        targets_on_first_stage=True,
+        # only the input stage reads the built-in data; a corpus is read by the last stage too
+        targets_on_first_stage=args.data is None,
+        microbatch_tokens=args.microbatch_tokens,
     )
     update = UpdateConfig(max_grad_norm=args.max_grad_norm, precision=args.precision)
     plan_auto = args.plan == "auto"
@@ -264,6 +269,7 @@ def run_train(args: argparse.Namespace) -> None:
         keep_checkpoints=args.keep_checkpoints,
         timeout_s=args.timeout,
         new_settings=args.new_settings,
+        data=corpus_settings(args),
     )
     if args.ddp:
         _run_ddp(args, config)

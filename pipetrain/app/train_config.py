@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from pipetrain.app.arguments import check_saving
+from pipetrain.app.corpus_stream import CorpusSettings
 from pipetrain.app.data import BatchStream
 from pipetrain.app.model_registry import model_spec
 from pipetrain.planning import Plan
@@ -44,8 +45,10 @@ class TrainConfig:
     steps (a multiple of ``accumulate``) and at its last, keeping the ``keep_checkpoints``
     newest, and starts from the newest one there, whose saved settings must be the run's
     unless ``new_settings`` (see :mod:`pipetrain.app.run_settings`); every receive and
-    collective waits at most ``timeout_s``. :meth:`resolved` fills the defaults in and builds
-    ``schedule``, the schedule the run plays, once."""
+    collective waits at most ``timeout_s``. With ``data``, the built-in GPT trains on that
+    corpus (see :mod:`pipetrain.app.corpus_stream`) with a token-mean loss, and a
+    ``pipeline.microbatch_tokens`` budget forms each step's micro-batches. :meth:`resolved`
+    fills the defaults in and builds ``schedule``, the schedule the run plays, once."""
 
     model: str
     pipeline: PipelineConfig = field(default_factory=_default_pipeline)
@@ -70,6 +73,7 @@ class TrainConfig:
     timeout_s: float = 300.0
     schedule: Schedule | None = None
     new_settings: bool = False
+    data: CorpusSettings | None = None
 
     def resolved(self, world_size: int | None = None) -> TrainConfig:
         """The configuration with defaults filled in, checked, and its schedule built;
@@ -172,8 +176,7 @@ class TrainConfig:
             raise ValueError(
                 f"--timeout must be a positive number of seconds, got {self.timeout_s}"
             )
-        # the data set must hold a batch (a plan may ask for more than it has)
-        BatchStream(self.model, self.samples, seed=self.seed)
+        self._check_data()
         schedule = self.pipeline.build(self.workers, model_spec(self.model).layers)
         if schedule.asynchronous and self.accumulate > 1:
             raise ValueError(
@@ -184,13 +187,42 @@ class TrainConfig:
         self.update.check(schedule, True)
         return schedule
 
+    def _check_data(self) -> None:
+        """Raise a ValueError for data settings that cannot work."""
+        if self.data is None:
+            if self.pipeline.microbatch_tokens is not None:
+                raise ValueError(
+                    "--microbatch-tokens forms micro-batches from documents of their own "
+                    "lengths; give the corpus with --data"
+                )
+            # the data set must hold a batch (a plan may ask for more than it has)
+            BatchStream(self.model, self.samples, seed=self.seed)
+            return
+        spec = model_spec(self.model)
+        if not spec.text or spec.captured:
+            raise ValueError(
+                f"--data trains the built-in gpt (--model {self.model} "
+                + ("is captured at one sequence length" if spec.captured else "reads images")
+                + "); give --model gpt"
+            )
+        if self.pipeline.targets_on_first_stage:
+            raise ValueError(
+                "data from --data reaches the last stage's ranks too (targets of every length "
+                "are not sent as one tensor); build the pipeline with targets_on_first_stage "
+                "off"
+            )
+
     def _check_saving(self) -> None:
         """Raise a ValueError for save settings that cannot work."""
         check_saving(self.save_dir, self.save_every, self.accumulate, self.keep_checkpoints)
 
     def worker_pipeline(self) -> PipelineConfig:
         """The pipeline a worker trains with: the schedule built here, handed over as a
-        value, with the split, recomputation, sharding and the targets' transfer."""
+        value, with the split, recomputation, sharding and the targets' transfer. With a
+        token budget the count changes from step to step: the family is given by name and
+        the workers build the schedule of each count."""
+        if self.pipeline.microbatch_tokens is not None:
+            return self.pipeline
         return PipelineConfig(
             schedule=self.built,
             microbatches=self.built.microbatches,
@@ -212,10 +244,14 @@ class TrainConfig:
         """The learning rate's factor at each update (``None``: constant)."""
         return None if self.lr_schedule == "constant" else warmup_cosine(self.updates())
 
-    def schedule_for(self) -> Schedule:
+    def schedule_for(self, microbatches: int | None = None) -> Schedule:
         """The schedule this run executes, the targets' transfer included, as the Pipeline
-        plays it (so a simulation of it has the recorded timeline's actions)."""
+        plays it (so a simulation of it has the recorded timeline's actions); with a token
+        budget, the one of a step of ``microbatches`` micro-batches."""
         built = self.built
+        if microbatches is not None and microbatches != built.microbatches:
+            counted_again = replace(self.pipeline, microbatches=microbatches)
+            built = counted_again.build(self.workers, model_spec(self.model).layers)
         if not self.pipeline.targets_on_first_stage:
             return built
         return replace(built, ranks=with_targets_shipped(built.ranks, built.stage_ranks))

@@ -137,7 +137,7 @@ def ddp_worker(config: TrainConfig) -> dict[str, Any] | None:
                 with torch.no_grad():
                     outputs = model.eval()(held[0])
                 model.train()
-                evaluations.append({"step": step + 1, **held_out(config.model, outputs, held[1])})
+                evaluations.append({"step": step + 1, **held_out(config, outputs, held[1])})
                 if progress is not None:
                     progress.evaluation(step + 1, evaluations[-1])
             # rank 0 evaluates alone: the others would wait for it inside the next step,

@@ -26,9 +26,11 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
 from pipetrain.app.arguments import say, ticking
+from pipetrain.app.corpus_stream import CorpusStream, scanned
 from pipetrain.app.data import BatchStream
 from pipetrain.app.model_registry import model_spec
 from pipetrain.app.models import build_model, example_inputs, loss_function
+from pipetrain.app.models.gpt import gpt_token_loss
 from pipetrain.app.plan_job import plan_together
 from pipetrain.app.run_settings import apply_new_settings, check_settings
 from pipetrain.app.traffic import interface_bytes_sent, sent_since
@@ -39,7 +41,8 @@ from pipetrain.distributed.heartbeat import stop_beating
 from pipetrain.distributed.io_threads import defer_gloo_io_threads
 from pipetrain.distributed.parent import end_with_agent
 from pipetrain.distributed.store import join_group
-from pipetrain.runtime import ModelSource, Pipeline, RuntimeConfig, launch
+from pipetrain.runtime import ModelSource, Pipeline, RuntimeConfig, Sequences, launch
+from pipetrain.runtime.rank.batch import Data
 from pipetrain.units import counted, format_seconds
 
 
@@ -83,10 +86,14 @@ class Progress:
         self.stream.flush()
 
 
-def held_out(model_name: str, outputs: Any, targets: torch.Tensor) -> dict[str, float]:
-    """Held-out loss, and for the digits classifiers the accuracy (a fraction)."""
-    metrics = {"loss": float(loss_function(model_name)(outputs, targets))}
-    if not model_spec(model_name).text:
+def held_out(config: TrainConfig, outputs: Any, targets: torch.Tensor) -> dict[str, float]:
+    """Held-out loss (a token mean on a corpus of one's own), and for the digits
+    classifiers the accuracy (a fraction)."""
+    total, count = _loss(config)(outputs, targets), 1
+    if isinstance(total, tuple):
+        total, count = total
+    metrics = {"loss": float(total / count)}
+    if not model_spec(config.model).text:
         metrics["accuracy"] = float((outputs.argmax(dim=1) == targets).float().mean())
     return metrics
 
@@ -127,21 +134,25 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
         pipe = _pipeline(config)
     if pipe.rank == 0:
         say(f"pipeline ready in {format_seconds(time.perf_counter() - built_at)}; training ...")
-    # only the input stage's ranks load data; the targets travel to the last stage
-    batches = (
-        BatchStream(config.model, config.samples, seed=config.seed) if 0 in pipe.stages else None
-    )
+    batches = _stream(config, pipe)
     # a fixed held-out batch, read where the inputs are (and on rank 0, which reports)
     held = batches.eval_set() if batches is not None and config.eval_every else None
     history = resume(pipe, config, batches)  # from the newest checkpoint, if there is one
-    if apply_new_settings(pipe, config) and batches is not None:  # a new seed: a new order
+    new_seed = apply_new_settings(pipe, config)
+    if new_seed and batches is not None and config.data is None:  # a new order
         batches = BatchStream(config.model, config.samples, seed=config.seed)
     progress = (
         Progress(config.steps, config.samples, start=history.steps) if pipe.rank == 0 else None
     )
     sent_before = interface_bytes_sent()
+    tokens: list[int] = []  # counted in each step's targets, for a corpus of one's own
     for step in range(history.steps, config.steps):
-        inputs, targets = next(batches) if batches is not None else (None, None)
+        inputs: Data | None = None
+        targets: Data | None = None
+        if batches is not None:
+            inputs, targets = batches.__next__()
+            if isinstance(batches, CorpusStream) and isinstance(targets, Sequences):
+                tokens.append(batches.tokens(targets))
         # recording costs a barrier per step, so only the last step is recorded
         pipe.recorder.enabled = step == config.steps - 1
         start = time.perf_counter()
@@ -156,7 +167,7 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
             outputs = pipe.eval_step(None if held is None else held[0], to=0)
             pipe.recorder.enabled = recording
             if held is not None and outputs is not None:
-                metrics = held_out(config.model, outputs, held[1])
+                metrics = held_out(config, outputs, held[1])
                 history.evaluations.append({"step": step + 1, **metrics})
                 if progress is not None:
                     progress.evaluation(step + 1, history.evaluations[-1])
@@ -178,15 +189,38 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
         "timeline": timeline.to_dict(),
         "eval": history.evaluations,
         "bytes_sent": sent,
+        "tokens": tokens,
     }
+
+
+def _stream(config: TrainConfig, pipe: Pipeline) -> BatchStream | CorpusStream | None:
+    """This rank's training data: the input stage's ranks read it, and, for a corpus of
+    one's own (targets of every length stay where they are read), the last stage's too."""
+    if config.data is None:
+        # the targets travel from the input stage to the last
+        return (
+            BatchStream(config.model, config.samples, seed=config.seed)
+            if 0 in pipe.stages
+            else None
+        )
+    if 0 in pipe.stages or pipe.schedule.stages - 1 in pipe.stages:
+        return CorpusStream(config.data, config.samples)
+    return None
+
+
+def _loss(config: TrainConfig) -> Callable[..., Any]:
+    return loss_function(config.model) if config.data is None else gpt_token_loss
 
 
 def _pipeline(config: TrainConfig) -> Pipeline:
     """This rank's pipeline of ``config``'s model, as ``pipetrain train`` trains it."""
     factor = config.lr_factor()
+    data = config.data
+    # the GPT's vocabulary and context are the corpus's
+    shape = {} if data is None else {"vocab": data.vocabulary(), "context": data.seq_len_max}
     return Pipeline(
-        build_model(config.model, seed=config.seed),
-        loss_fn=loss_function(config.model),
+        build_model(config.model, seed=config.seed, **shape),
+        loss_fn=_loss(config),
         optimizer=partial(torch.optim.Adam, lr=config.learning_rate),
         config=config.worker_pipeline(),
         update=replace(
@@ -273,6 +307,15 @@ def _ready(config: TrainConfig, world_size: int | None) -> TrainConfig:
     config = config.resolved(world_size=world_size)
     check_resumable(config)
     check_settings(config)
+    if config.data is not None:  # bad data is named before any worker starts
+        say(f"reading {config.data.path} once to check it ...")
+        with ticking("checking the corpus"):
+            summary = scanned(config.data)
+        say(
+            f"{counted(summary.training, 'training document')} and "
+            f"{summary.held_out} held out, {counted(summary.tokens, 'token')}, the longest "
+            f"{summary.longest}" + (f" ({summary.truncated} cut)" if summary.truncated else "")
+        )
     return config
 
 

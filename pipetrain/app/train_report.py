@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipetrain.app.train_config import WARMUP_STEPS, TrainConfig
+from pipetrain.schedules import Schedule
 from pipetrain.simulation import Costs, measured_costs, simulate
 from pipetrain.timeline import Timeline, format_seconds, plot_timelines
 from pipetrain.units import counted
@@ -103,12 +104,17 @@ class TrainReport:
     costs: Costs
     evaluations: list[dict[str, float]] = field(default_factory=list)
     bytes_sent: list[int] = field(default_factory=list)
+    last_schedule: Schedule | None = None
+    tokens: list[int] = field(default_factory=list)
 
     @classmethod
     def build(cls, config: TrainConfig, result: dict[str, Any]) -> TrainReport:
         """Combine rank 0's result with the simulator's prediction on the measured costs."""
         measured = Timeline.from_dict(result["timeline"])
-        schedule = config.schedule_for()
+        # with a token budget the last step's micro-batch count is its own
+        played = {e.microbatch for e in measured.events if e.microbatch is not None}
+        budgeted = config.pipeline.microbatch_tokens is not None
+        schedule = config.schedule_for(len(played) if budgeted else None)
         costs = measured_costs(measured, schedule.stages)
         predicted = simulate(schedule, costs)
         return cls(
@@ -120,6 +126,8 @@ class TrainReport:
             costs,
             result.get("eval", []),
             result.get("bytes_sent", []),
+            schedule,
+            result.get("tokens", []),
         )
 
     @property
@@ -132,6 +140,12 @@ class TrainReport:
     def samples_per_s(self) -> float:
         """Training samples per second at the median step time."""
         return self.config.samples / self.step_s
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """For a corpus of one's own, the mean counted tokens of a step over the median
+        step time (``None`` otherwise)."""
+        return statistics.mean(self.tokens) / self.step_s if self.tokens else None
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object printed by ``pipetrain train --json``."""
@@ -158,7 +172,13 @@ class TrainReport:
             "planned_topology": config.planned_topology,
             "balance": _listed(config.pipeline.balance),
             "replicas": _listed(config.pipeline.replicas),
+            "microbatch_tokens": config.pipeline.microbatch_tokens,
+            "last_step_microbatches": self._last().microbatches,
+            "tokens_per_s": self.tokens_per_s,
         }
+
+    def _last(self) -> Schedule:
+        return self.last_schedule or self.config.built
 
     def divergence(self) -> str | None:
         """Why the run counts as diverged (see :func:`divergence`), or ``None``."""
@@ -175,6 +195,18 @@ class TrainReport:
         # an asynchronous step may hold several updates of ``microbatches`` each
         in_step, microbatches = config.built.microbatches, config.pipeline.microbatches
         per_update = "" if in_step == microbatches else f", {microbatches} an update"
+        split = split_sizes(config.samples, in_step)
+        budget = config.pipeline.microbatch_tokens
+        if budget is not None:
+            per_update = ""
+            split = (
+                f"micro-batches of at most {budget} tokens "
+                f"({self._last().microbatches} in the last step)"
+            )
+        tokens = self.tokens_per_s
+        throughput = f"{self.samples_per_s:,.0f} samples/s" + (
+            "" if tokens is None else f", {tokens:,.0f} tokens/s"
+        )
         stage_costs = " | ".join(
             f"{name} " + ", ".join(format_seconds(v) for v in getattr(self.costs, field))
             for name, field in (("F", "forward_s"), ("B", "backward_s"), ("W", "weight_s"))
@@ -202,13 +234,12 @@ class TrainReport:
         return "\n".join(
             [
                 f"{config.model} on {_placement(config)}, {config.built.name}, "
-                f"{split_sizes(config.samples, in_step)}"
-                f"{per_update}, {counted(config.steps, 'step')} "
+                f"{split}{per_update}, {counted(config.steps, 'step')} "
                 f"(Adam, lr {config.lr:g}{schedule}{precision})",
                 f"  loss              {self.losses[0]:.4f} -> {self.losses[-1]:.4f}",
                 *held,
                 f"  step time         {format_seconds(self.step_s)} (median of {steady})",
-                f"  throughput        {self.samples_per_s:,.0f} samples/s",
+                f"  throughput        {throughput}",
                 f"  last step         measured {format_seconds(measured.makespan)}, "
                 f"bubble {measured.bubble_fraction:.1%}",
                 f"  predicted         {format_seconds(predicted.makespan)}, "

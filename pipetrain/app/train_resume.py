@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
-from pipetrain.app.data import BatchStream
 from pipetrain.app.run_settings import SETTINGS, run_settings
 from pipetrain.app.train_config import TrainConfig
 from pipetrain.checkpoint import latest
@@ -18,6 +18,16 @@ from pipetrain.checkpoint.directory import step_of
 
 if TYPE_CHECKING:
     from pipetrain.runtime import Pipeline
+
+
+class Positioned(Protocol):
+    """Training data whose reading position is saved with a checkpoint."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last batch read."""
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Go on from a saved position."""
 
 
 @dataclass
@@ -70,7 +80,7 @@ def check_resumable(config: TrainConfig) -> None:
     )
 
 
-def resume(pipe: Pipeline, config: TrainConfig, batches: BatchStream | None) -> History:
+def resume(pipe: Pipeline, config: TrainConfig, batches: Positioned | None) -> History:
     """Load the newest checkpoint in the save directory into ``pipe`` and ``batches`` and
     return the history saved with it; an empty history if there is none."""
     if config.save_dir is None or latest(config.save_dir) is None:
@@ -95,7 +105,7 @@ _SAVED = ("data", "losses", "step_times_s", "evaluations")
 
 
 def save_if_due(
-    pipe: Pipeline, config: TrainConfig, batches: BatchStream | None, history: History
+    pipe: Pipeline, config: TrainConfig, batches: Positioned | None, history: History
 ) -> None:
     """Save the run after its latest step if that is a multiple of ``save_every`` or the
     last; rank 0's data position and history travel with the checkpoint."""

@@ -1,4 +1,4 @@
-"""A small byte-level GPT: token ids (B, T) in 0..255 -> logits (B, T, 256).
+"""A small GPT: token ids (B, T) -> logits (B, T, vocab), bytes (a vocabulary of 256) by default.
 
 Built as an ``nn.Sequential`` of an embedding entry, one entry per transformer block and a
 head entry, so every block is one pipeline layer.
@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipetrain.checks import positive_int
+from pipetrain.data.batches import IGNORE_INDEX
 
 VOCAB_SIZE = 256
 
@@ -18,11 +19,12 @@ VOCAB_SIZE = 256
 class Embedding(nn.Module):
     """Token embedding plus learned positional embedding (and optional dropout)."""
 
-    def __init__(self, d_model: int, context: int, dropout: float) -> None:
-        """Embed bytes into ``d_model`` dimensions for sequences of at most ``context`` tokens."""
+    def __init__(self, d_model: int, context: int, dropout: float, vocab: int = VOCAB_SIZE) -> None:
+        """Embed ``vocab`` token ids into ``d_model`` dimensions for sequences of at most
+        ``context`` tokens."""
         super().__init__()
         self.context = context
-        self.token = nn.Embedding(VOCAB_SIZE, d_model)
+        self.token = nn.Embedding(vocab, d_model)
         self.position = nn.Embedding(context, d_model)
         self.dropout = nn.Dropout(dropout)
 
@@ -87,14 +89,14 @@ class Block(nn.Module):
 class Head(nn.Module):
     """Final LayerNorm and the projection to byte logits."""
 
-    def __init__(self, d_model: int) -> None:
-        """Project ``d_model`` features to 256 byte logits."""
+    def __init__(self, d_model: int, vocab: int = VOCAB_SIZE) -> None:
+        """Project ``d_model`` features to ``vocab`` logits."""
         super().__init__()
         self.ln = nn.LayerNorm(d_model)
-        self.out = nn.Linear(d_model, VOCAB_SIZE)
+        self.out = nn.Linear(d_model, vocab)
 
     def forward(self, x: Tensor) -> Tensor:
-        """(B, T, d_model) -> logits (B, T, 256)."""
+        """(B, T, d_model) -> logits (B, T, vocab)."""
         return self.out(self.ln(x))
 
 
@@ -104,18 +106,35 @@ def build_gpt(
     n_layers: int = 4,
     context: int = 64,
     dropout: float = 0.0,
+    vocab: int = VOCAB_SIZE,
 ) -> nn.Sequential:
-    """A GPT as ``nn.Sequential(Embedding, Block * n_layers, Head)`` (``n_layers + 2`` entries)."""
+    """A GPT as ``nn.Sequential(Embedding, Block * n_layers, Head)`` (``n_layers + 2``
+    entries) over a vocabulary of ``vocab`` token ids (bytes by default)."""
     if d_model < 1 or heads < 1 or d_model % heads != 0:
         raise ValueError(f"gpt d_model {d_model} must be a positive multiple of heads {heads}")
     positive_int("gpt n_layers", n_layers)
     positive_int("gpt context", context)
+    positive_int("gpt vocab", vocab)
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"gpt dropout {dropout} must be in [0, 1)")
     blocks = [Block(d_model, heads, dropout) for _ in range(n_layers)]
-    return nn.Sequential(Embedding(d_model, context, dropout), *blocks, Head(d_model))
+    return nn.Sequential(Embedding(d_model, context, dropout, vocab), *blocks, Head(d_model, vocab))
 
 
 def gpt_loss(logits: Tensor, targets: Tensor) -> Tensor:
     """Mean cross-entropy of logits (B, T, 256) against byte targets (B, T)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def gpt_token_loss(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """The summed cross-entropy of logits (B, T, vocab) against next-token targets (B, T)
+    and the count of tokens it covers: targets of ``IGNORE_INDEX`` (padding) are not counted, so the
+    pipeline's loss is the mean over a step's real tokens."""
+    flat = targets.reshape(-1)
+    total = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(),
+        flat,
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    return total, (flat != IGNORE_INDEX).sum()

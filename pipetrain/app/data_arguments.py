@@ -1,0 +1,102 @@
+"""``pipetrain train``'s corpus flags (``--data`` and what reads it), without torch."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from pipetrain.app.arguments import positive_int
+
+if TYPE_CHECKING:
+    from pipetrain.app.corpus_stream import CorpusSettings
+
+SEQ_LEN_MAX = 256
+EVAL_FRACTION = 0.05
+
+
+def add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that train the built-in GPT on a user's corpus."""
+    group = parser.add_argument_group("a corpus of your own (with --model gpt)")
+    group.add_argument(
+        "--data",
+        metavar="PATH",
+        help="train on this corpus instead of the built-in one: a text file (documents "
+        "split at blank lines), a directory of documents, or JSONL with a text or input_ids "
+        "field; read as a stream, so it may be larger than memory",
+    )
+    group.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="a local Hugging Face tokenizer directory (save_pretrained); default: bytes",
+    )
+    group.add_argument(
+        "--seq-len-max",
+        type=positive_int,
+        default=SEQ_LEN_MAX,
+        metavar="N",
+        help=f"tokens a document keeps at most, the GPT's context (default {SEQ_LEN_MAX})",
+    )
+    group.add_argument(
+        "--long-documents",
+        choices=("truncate", "refuse"),
+        default="truncate",
+        help="a document over --seq-len-max: cut to its start (default) or refused, naming it",
+    )
+    group.add_argument(
+        "--eval-fraction",
+        type=_fraction,
+        default=EVAL_FRACTION,
+        metavar="F",
+        help=f"documents held out for --eval-every (default {EVAL_FRACTION})",
+    )
+    group.add_argument(
+        "--microbatch-tokens",
+        type=positive_int,
+        metavar="K",
+        help="form each step's micro-batches by a budget of K padded tokens (rows x their "
+        "longest) instead of --microbatches, so their count follows the documents' lengths "
+        "(synchronous schedules)",
+    )
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def check_data_flags(args: argparse.Namespace) -> None:
+    """Before torch loads: corpus flags given without ``--data``, or ``--data`` with
+    ``--ddp``, are refused naming the flag."""
+    if args.data is None:
+        given = [
+            flag
+            for flag, value, default in (
+                ("--tokenizer", args.tokenizer, None),
+                ("--seq-len-max", args.seq_len_max, SEQ_LEN_MAX),
+                ("--long-documents", args.long_documents, "truncate"),
+                ("--eval-fraction", args.eval_fraction, EVAL_FRACTION),
+                ("--microbatch-tokens", args.microbatch_tokens, None),
+            )
+            if value != default
+        ]
+        if given:
+            raise ValueError(f"{given[0]} reads a corpus of your own: give it with --data PATH")
+        return
+    if args.ddp:
+        raise ValueError("--data trains a pipeline; leave out --ddp")
+
+
+def corpus_settings(args: argparse.Namespace) -> CorpusSettings | None:
+    """The corpus ``--data`` names, read as the other flags say; ``None`` without it."""
+    if args.data is None:
+        return None
+    from pipetrain.app.corpus_stream import CorpusSettings
+
+    return CorpusSettings(
+        args.data, args.tokenizer, args.seq_len_max, args.long_documents, args.eval_fraction
+    )

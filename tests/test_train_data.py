@@ -1,0 +1,142 @@
+"""``pipetrain train --data``: the built-in GPT on a corpus of one's own, documents of
+every length, micro-batches by count or token budget, bad data named before any worker
+starts, and a resume that goes on with the same batches."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipetrain.app import cli
+from pipetrain.app.corpus_stream import CorpusSettings, CorpusStream
+from pipetrain.app.models import build_model
+from pipetrain.app.models.gpt import gpt_token_loss
+
+LENGTHS = (8, 30, 120, 400, 1024)  # bytes: documents of very different lengths
+STEPS, BATCH, SEQ_LEN_MAX = 4, 6, 1024
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """JSONL of 120 documents of 8 to 1024 bytes."""
+    chance = random.Random(0)
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    words = [
+        "pipeline",
+        "stage",
+        "micro",
+        "batch",
+        "gradient",
+        "schedule",
+        "rank",
+        "token",
+        "of",
+        "the",
+    ]
+    with path.open("w") as out:
+        for _ in range(120):
+            text = " ".join(chance.choice(words) for _ in range(200))[: chance.choice(LENGTHS)]
+            out.write(json.dumps({"text": text}) + "\n")
+    return path
+
+
+def refused(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """The error of ``pipetrain train ARGS``: exit status 2, and no worker started."""
+    try:
+        status = cli.main(["train", *args])
+    except SystemExit as stop:  # argparse's refusals
+        status = int(stop.code or 0)
+    captured = capsys.readouterr()
+    assert status == 2, captured.err
+    assert "starting" not in captured.err, "no worker may start"
+    return captured.err
+
+
+def test_corpus_flags_without_data_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    error = refused(capsys, "--model", "gpt", "--microbatch-tokens", "64")
+    assert "--microbatch-tokens reads a corpus of your own: give it with --data PATH" in error
+    error = refused(capsys, "--model", "gpt", "--tokenizer", "somewhere")
+    assert "--tokenizer reads a corpus" in error
+
+
+def test_data_for_a_model_that_cannot_read_it_is_refused(
+    capsys: pytest.CaptureFixture[str], corpus: Path
+) -> None:
+    assert "give --model gpt" in refused(capsys, "--model", "mlp", "--data", str(corpus))
+    error = refused(capsys, "--model", "hf-llama", "--data", str(corpus))
+    assert "captured at one sequence length" in error
+
+
+def test_bad_data_is_named_before_any_worker_starts(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    missing = tmp_path / "nowhere.jsonl"
+    assert str(missing) in refused(capsys, "--model", "gpt", "--data", str(missing))
+    fieldless = tmp_path / "bad.jsonl"
+    fieldless.write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    error = refused(capsys, "--model", "gpt", "--data", str(fieldless))
+    assert f"{fieldless} line 2: no 'text' or 'input_ids' field" in error
+    long = tmp_path / "long.txt"
+    long.write_text("x" * 50)
+    error = refused(
+        capsys,
+        "--model", "gpt", "--data", str(long), "--seq-len-max", "20",
+        "--long-documents", "refuse",
+    )  # fmt: skip
+    assert "50 tokens is longer than seq_len_max 20" in error
+    error = refused(capsys, "--model", "gpt", "--data", str(long), "--tokenizer", str(tmp_path))
+    assert "does not load" in error
+
+
+def unpipelined_losses(corpus: Path) -> list[float]:
+    """The same GPT, batches and Adam updates in one process, each step's loss the mean
+    over every counted token of its batch padded whole."""
+    model = build_model("gpt", seed=0, vocab=256, context=SEQ_LEN_MAX)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    stream = CorpusStream(CorpusSettings(str(corpus), seq_len_max=SEQ_LEN_MAX), BATCH)
+    losses = []
+    for _ in range(STEPS):
+        inputs, targets = next(stream)
+        pad = torch.nn.utils.rnn.pad_sequence
+        total, count = gpt_token_loss(
+            model(pad(list(inputs), batch_first=True)),
+            pad(list(targets), batch_first=True, padding_value=-100),
+        )
+        loss = total / count
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def trained(capsys: pytest.CaptureFixture[str], corpus: Path, *flags: str) -> dict:
+    """The JSON report of ``pipetrain train --model gpt --data CORPUS`` with ``flags``."""
+    args = ["train", "--model", "gpt", "--data", str(corpus), "--batch-size", str(BATCH)]
+    args += ["--seq-len-max", str(SEQ_LEN_MAX), "--json", *flags]
+    assert cli.main(args) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.slow
+def test_every_formation_equals_the_unpipelined_model_and_resumes_with_the_same_batches(
+    capsys: pytest.CaptureFixture[str], corpus: Path, tmp_path: Path
+) -> None:
+    expected = unpipelined_losses(corpus)
+    steps = ("--steps", str(STEPS))
+    by_count = trained(capsys, corpus, *steps, "--microbatches", "3", "--schedule", "1f1b")
+    by_budget = trained(
+        capsys, corpus, *steps, "--microbatch-tokens", "1500", "--schedule", "gpipe"
+    )
+    for report in (by_count, by_budget):
+        torch.testing.assert_close(report["losses"], expected, rtol=1e-4, atol=0)
+    assert by_budget["microbatch_tokens"] == 1500 and by_budget["tokens_per_s"] > 0
+    # stopped after two steps, then resumed from its checkpoint to the fourth
+    save = ("--save-dir", str(tmp_path / "run"), "--schedule", "zb-h1", "--microbatches", "2")
+    trained(capsys, corpus, "--steps", "2", *save)
+    resumed = trained(capsys, corpus, *steps, *save)
+    torch.testing.assert_close(resumed["losses"], expected, rtol=1e-4, atol=0)
