@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from pipetrain.app import cli
-from pipetrain.app.corpus_stream import CorpusSettings, CorpusStream
+from pipetrain.app.corpus_stream import CorpusSettings, CorpusStream, next_token_pair
 from pipetrain.app.models import build_model
 from pipetrain.app.models.gpt import gpt_token_loss
+from pipetrain.data.batches import pack_groups, packed
 
 LENGTHS = (8, 30, 120, 400, 1024)  # bytes: documents of very different lengths
 STEPS, BATCH, SEQ_LEN_MAX = 4, 6, 1024
@@ -90,6 +91,44 @@ def test_bad_data_is_named_before_any_worker_starts(
     assert "50 tokens is longer than seq_len_max 20" in error
     error = refused(capsys, "--model", "gpt", "--data", str(long), "--tokenizer", str(tmp_path))
     assert "does not load" in error
+
+
+def layer_by_layer(model: torch.nn.Sequential, *inputs: torch.Tensor) -> torch.Tensor:
+    """The model's layers in turn, a tuple of outputs unpacked as the pipeline does."""
+    out: torch.Tensor | tuple[torch.Tensor, ...] = inputs
+    for layer in model:
+        out = layer(*out) if isinstance(out, tuple) else layer(out)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+def test_packed_rows_compute_what_their_documents_do_one_by_one() -> None:
+    model = build_model("gpt", seed=0, context=128)
+    chance = random.Random(1)
+    documents = [
+        [chance.randrange(256) for _ in range(chance.choice([1, 2, 5, 30, 60, 100]))]
+        for _ in range(16)
+    ]
+    pairs = [next_token_pair(d) for d in documents]
+    (tokens, numbers), targets = packed(pairs, 128, rows=3)
+    assert tokens.shape[0] >= 3 and tokens.shape[1] <= 128
+    total, count = gpt_token_loss(layer_by_layer(model, tokens, numbers), targets)
+    alone = [gpt_token_loss(model(x[None]), y[None]) for x, y in pairs]
+    torch.testing.assert_close(total, sum(t for t, _ in alone), rtol=1e-5, atol=0)
+    assert count == sum(c for _, c in alone)
+
+
+def test_packing_places_every_document_once_within_the_row_length() -> None:
+    chance = random.Random(2)
+    for _ in range(200):
+        lengths = [chance.randint(1, 50) for _ in range(chance.randint(4, 30))]
+        rows = chance.randint(1, 4)
+        groups = pack_groups(lengths, 60, rows)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        assert len(groups) >= rows
+        assert all(sum(lengths[i] for i in g) <= 60 for g in groups)
+        # the same lengths always give the same rows
+        assert groups == pack_groups(lengths, 60, rows)
 
 
 def unpipelined_losses(corpus: Path) -> list[float]:

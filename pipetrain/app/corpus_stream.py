@@ -4,12 +4,14 @@ Each step takes ``batch_size`` documents in the corpus's order; a document's tok
 last are the inputs and its tokens but its first the targets (a one-token document has a
 target of ``IGNORE_INDEX``, which no loss counts). A step is given as
 :class:`~pipetrain.runtime.Sequences`, so the pipeline forms the micro-batches: a fixed
-count padded each to its own longest, or by a token budget (``--microbatch-tokens``).
+count padded each to its own longest, or by a token budget (``--microbatch-tokens``); or,
+with ``pack``, as rows of several documents each (:func:`pipetrain.data.batches.packed`),
+``((tokens, documents), targets)``, split into the fixed count of micro-batches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +20,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
 from pipetrain.data import Corpus, Summary
-from pipetrain.data.batches import IGNORE_INDEX
+from pipetrain.data.batches import IGNORE_INDEX, packed
 from pipetrain.runtime import Sequences
 
 EVAL_DOCUMENTS = 64  # the held-out batch's documents, at most
@@ -30,13 +32,15 @@ class CorpusSettings:
     documents, or JSONL), ``tokenizer`` (a local Hugging Face tokenizer directory, ``None``
     for bytes), ``seq_len_max`` tokens a document at most, longer ones cut
     (``long_documents="truncate"``) or refused (``"refuse"``), and the held-out
-    ``eval_fraction`` of the documents."""
+    ``eval_fraction`` of the documents; with ``pack``, each step's documents are packed
+    into rows of at most ``seq_len_max`` tokens."""
 
     path: str
     tokenizer: str | None = None
     seq_len_max: int = 256
     long_documents: str = "truncate"
     eval_fraction: float = 0.05
+    pack: bool = False
 
     def open(self) -> Corpus:
         """The corpus (DataError for a missing path or a tokenizer that does not load)."""
@@ -67,13 +71,18 @@ def next_token_pair(ids: list[int]) -> tuple[Tensor, Tensor]:
     return tokens[:-1], tokens[1:]
 
 
+Step = tuple[Sequences, Sequences] | tuple[tuple[Tensor, Tensor], Tensor]
+
+
 class CorpusStream:
     """An endless iterator of ``(inputs, targets)`` steps of ``batch_size`` documents, each
-    a :class:`~pipetrain.runtime.Sequences`; :meth:`state_dict` is the reading position
-    (plain data, saved with a checkpoint) and :meth:`eval_set` a fixed held-out batch."""
+    a :class:`~pipetrain.runtime.Sequences`, or packed into at least ``rows`` rows (one per
+    micro-batch); :meth:`state_dict` is the reading position (plain data, saved with a
+    checkpoint) and :meth:`eval_set` a fixed held-out batch."""
 
-    def __init__(self, settings: CorpusSettings, batch_size: int) -> None:
+    def __init__(self, settings: CorpusSettings, batch_size: int, rows: int = 1) -> None:
         """Read ``settings``'s corpus from its start."""
+        self.settings, self.rows = settings, rows
         self.corpus = settings.open()
         self.batches = self.corpus.batches(batch_size)
 
@@ -81,14 +90,17 @@ class CorpusStream:
         """The stream is its own iterator."""
         return self
 
-    def __next__(self) -> tuple[Sequences, Sequences]:
-        """The next step's documents as input and target rows."""
+    def __next__(self) -> Step:
+        """The next step's documents as input and target rows, or packed."""
         pairs = [next_token_pair(ids) for ids in next(self.batches)]
+        if self.settings.pack:
+            return packed(pairs, self.settings.seq_len_max, self.rows)
         return Sequences([x for x, _ in pairs]), Sequences([y for _, y in pairs])
 
-    def tokens(self, targets: Sequences) -> int:
+    def tokens(self, targets: Tensor | Sequence[Tensor]) -> int:
         """The tokens a step's targets count (its padding and one-token documents not)."""
-        return sum(int((row != IGNORE_INDEX).sum()) for row in targets)
+        rows = [targets] if isinstance(targets, Tensor) else targets
+        return sum(int((row != IGNORE_INDEX).sum()) for row in rows)
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the last step returned."""

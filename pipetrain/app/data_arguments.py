@@ -50,6 +50,13 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"documents held out for --eval-every (default {EVAL_FRACTION})",
     )
     group.add_argument(
+        "--pack",
+        action="store_true",
+        help="pack each step's documents into rows of at most --seq-len-max tokens, several "
+        "to a row (attention and positions stay within each document), split into "
+        "--microbatches micro-batches",
+    )
+    group.add_argument(
         "--microbatch-tokens",
         type=positive_int,
         metavar="K",
@@ -70,8 +77,8 @@ def _fraction(text: str) -> float:
 
 
 def check_data_flags(args: argparse.Namespace) -> None:
-    """Before torch loads: corpus flags given without ``--data``, or ``--data`` with
-    ``--ddp``, are refused naming the flag."""
+    """Before torch loads: corpus flags given without ``--data``, ``--data`` with
+    ``--ddp``, and ``--pack`` with ``--microbatch-tokens`` are refused naming the flags."""
     if args.data is None:
         given = [
             flag
@@ -81,6 +88,7 @@ def check_data_flags(args: argparse.Namespace) -> None:
                 ("--long-documents", args.long_documents, "truncate"),
                 ("--eval-fraction", args.eval_fraction, EVAL_FRACTION),
                 ("--microbatch-tokens", args.microbatch_tokens, None),
+                ("--pack", args.pack, False),
             )
             if value != default
         ]
@@ -89,6 +97,11 @@ def check_data_flags(args: argparse.Namespace) -> None:
         return
     if args.ddp:
         raise ValueError("--data trains a pipeline; leave out --ddp")
+    if args.pack and args.microbatch_tokens is not None:
+        raise ValueError(
+            "--pack fills rows of --seq-len-max tokens and --microbatch-tokens groups documents "
+            "of their own lengths; give one of them"
+        )
 
 
 def corpus_settings(args: argparse.Namespace) -> CorpusSettings | None:
@@ -98,5 +111,10 @@ def corpus_settings(args: argparse.Namespace) -> CorpusSettings | None:
     from pipetrain.app.corpus_stream import CorpusSettings
 
     return CorpusSettings(
-        args.data, args.tokenizer, args.seq_len_max, args.long_documents, args.eval_fraction
+        args.data,
+        args.tokenizer,
+        args.seq_len_max,
+        args.long_documents,
+        args.eval_fraction,
+        args.pack,
     )

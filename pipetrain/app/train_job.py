@@ -41,7 +41,7 @@ from pipetrain.distributed.heartbeat import stop_beating
 from pipetrain.distributed.io_threads import defer_gloo_io_threads
 from pipetrain.distributed.parent import end_with_agent
 from pipetrain.distributed.store import join_group
-from pipetrain.runtime import ModelSource, Pipeline, RuntimeConfig, Sequences, launch
+from pipetrain.runtime import ModelSource, Pipeline, RuntimeConfig, launch
 from pipetrain.runtime.rank.batch import Data
 from pipetrain.units import counted, format_seconds
 
@@ -151,7 +151,7 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
         targets: Data | None = None
         if batches is not None:
             inputs, targets = batches.__next__()
-            if isinstance(batches, CorpusStream) and isinstance(targets, Sequences):
+            if isinstance(batches, CorpusStream):
                 tokens.append(batches.tokens(targets))
         # recording costs a barrier per step, so only the last step is recorded
         pipe.recorder.enabled = step == config.steps - 1
@@ -204,7 +204,7 @@ def _stream(config: TrainConfig, pipe: Pipeline) -> BatchStream | CorpusStream |
             else None
         )
     if 0 in pipe.stages or pipe.schedule.stages - 1 in pipe.stages:
-        return CorpusStream(config.data, config.samples)
+        return CorpusStream(config.data, config.samples, config.pipeline.microbatches)
     return None
 
 

@@ -197,6 +197,12 @@ class TrainReport:
         per_update = "" if in_step == microbatches else f", {microbatches} an update"
         split = split_sizes(config.samples, in_step)
         budget = config.pipeline.microbatch_tokens
+        if config.data is not None and config.data.pack:
+            split = (
+                f"{config.samples} documents packed into rows of at most "
+                f"{config.data.seq_len_max} tokens, "
+                f"{counted(in_step, 'micro-batch', 'micro-batches')}"
+            )
         if budget is not None:
             per_update = ""
             split = (

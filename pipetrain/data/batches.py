@@ -7,6 +7,8 @@ padded on the right under causal attention, changes no real token's output.
 
 Micro-batches are formed either as a fixed count of consecutive groups, or by a token
 budget (:func:`token_budget_groups`): then their number follows the batch's lengths.
+Documents can also be packed several to a row (:func:`packed`), each position labelled
+with its document so that a model keeps attention and positions within it.
 """
 
 from __future__ import annotations
@@ -84,3 +86,56 @@ def microbatches(
         assert budget is not None
         groups = token_budget_groups([len(d) for d in documents], budget)
     return [padded([documents[i] for i in group], pad_id) for group in groups]
+
+
+def pack_groups(lengths: Sequence[int], capacity: int, rows: int = 1) -> list[list[int]]:
+    """Indices of ``lengths`` packed into rows of at most ``capacity`` tokens, first fit in
+    order of decreasing length (a document longer than ``capacity`` takes a row alone); the
+    row of most documents is halved until there are at least ``rows``. The same lengths
+    always give the same rows. ValueError when too few documents make ``rows`` rows."""
+    positive_int("capacity", capacity)
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    packed: list[list[int]] = []
+    room: list[int] = []
+    for index in order:
+        fits = next((r for r, left in enumerate(room) if lengths[index] <= left), None)
+        if fits is None:
+            packed.append([index])
+            room.append(capacity - lengths[index])
+        else:
+            packed[fits].append(index)
+            room[fits] -= lengths[index]
+    while len(packed) < rows:
+        fullest = max(range(len(packed)), key=lambda r: (len(packed[r]), -r))
+        if len(packed[fullest]) < 2:
+            raise ValueError(
+                f"{len(lengths)} documents make {len(packed)} packed rows, fewer than the "
+                f"{rows} micro-batches; give a larger batch or fewer micro-batches"
+            )
+        half = len(packed[fullest]) // 2
+        packed[fullest : fullest + 1] = [packed[fullest][:half], packed[fullest][half:]]
+    return packed
+
+
+def packed(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], capacity: int, rows: int = 1
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Documents given as ``(inputs, targets)`` 1-D pairs, packed into rows of at most
+    ``capacity`` tokens (:func:`pack_groups`): ``((tokens, documents), targets)``, each
+    ``[rows, longest row]``. ``documents`` numbers each position's document within its row
+    (-1 on padding), for a model to restart positions and keep attention inside a
+    document; padding has token 0 and target ``IGNORE_INDEX``."""
+    groups = pack_groups([len(x) for x, _ in pairs], capacity, rows)
+    width = max(sum(len(pairs[i][0]) for i in group) for group in groups)
+    tokens = torch.zeros(len(groups), width, dtype=torch.int64)
+    documents = torch.full((len(groups), width), -1, dtype=torch.int64)
+    targets = torch.full((len(groups), width), IGNORE_INDEX, dtype=torch.int64)
+    for row, group in enumerate(groups):
+        start = 0
+        for number, index in enumerate(group):
+            inputs, wanted = pairs[index]
+            stop = start + len(inputs)
+            tokens[row, start:stop], targets[row, start:stop] = inputs, wanted
+            documents[row, start:stop] = number
+            start = stop
+    return (tokens, documents), targets

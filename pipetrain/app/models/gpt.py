@@ -1,5 +1,11 @@
 """A small GPT: token ids (B, T) -> logits (B, T, vocab), bytes (a vocabulary of 256) by default.
 
+Packed rows (several documents to a row) come as ``(tokens, documents)``: ``documents``
+(B, T) numbers each position's document within its row (:func:`pipetrain.data.batches.packed`);
+positions then restart at each document and attention stays inside it, so a packed row
+computes what its documents would one by one. The document numbers travel beside the
+activations from layer to layer.
+
 Built as an ``nn.Sequential`` of an embedding entry, one entry per transformer block and a
 head entry, so every block is one pipeline layer.
 """
@@ -28,8 +34,11 @@ class Embedding(nn.Module):
         self.position = nn.Embedding(context, d_model)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        """Map int64 token ids (B, T) to embeddings (B, T, d_model)."""
+    def forward(
+        self, tokens: Tensor, documents: Tensor | None = None
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Map int64 token ids (B, T) to embeddings (B, T, d_model); with ``documents``,
+        positions count from each document's start and the documents go on beside them."""
         length = tokens.shape[1]
         if length > self.context:
             raise ValueError(
@@ -37,7 +46,13 @@ class Embedding(nn.Module):
                 f"build the model with context >= {length} or use shorter sequences"
             )
         positions = torch.arange(length, device=tokens.device)
-        return self.dropout(self.token(tokens) + self.position(positions))
+        if documents is None:
+            return self.dropout(self.token(tokens) + self.position(positions))
+        starts = torch.ones_like(documents, dtype=torch.bool)
+        starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+        first = torch.where(starts, positions, 0).cummax(dim=1).values
+        embedded = self.token(tokens) + self.position(positions - first)
+        return self.dropout(embedded), documents
 
 
 class CausalSelfAttention(nn.Module):
@@ -52,13 +67,24 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(d_model, d_model)
         self.proj_dropout = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """Attend each position to itself and earlier positions: (B, T, C) -> (B, T, C)."""
+    def forward(self, x: Tensor, documents: Tensor | None = None) -> Tensor:
+        """Attend each position to itself and earlier positions (of its own document, with
+        ``documents``): (B, T, C) -> (B, T, C)."""
         batch, length, channels = x.shape
         q, k, v = self.qkv(x).split(channels, dim=2)
         q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        mask = None
+        if documents is not None:
+            earlier = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+            mask = (documents[:, :, None] == documents[:, None, :]) & earlier
+            mask = mask[:, None]  # one mask for every head
         attended = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=mask is None,
         )
         merged = attended.transpose(1, 2).reshape(batch, length, channels)
         return self.proj_dropout(self.proj(merged))
@@ -80,10 +106,11 @@ class Block(nn.Module):
             nn.Dropout(dropout),
         )
 
-    def forward(self, x: Tensor) -> Tensor:
-        """Apply attention and the MLP with residual connections."""
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+    def forward(self, x: Tensor, documents: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """Apply attention and the MLP with residual connections (the documents go on)."""
+        x = x + self.attn(self.ln1(x), documents)
+        x = x + self.mlp(self.ln2(x))
+        return x if documents is None else (x, documents)
 
 
 class Head(nn.Module):
@@ -95,8 +122,8 @@ class Head(nn.Module):
         self.ln = nn.LayerNorm(d_model)
         self.out = nn.Linear(d_model, vocab)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """(B, T, d_model) -> logits (B, T, vocab)."""
+    def forward(self, x: Tensor, documents: Tensor | None = None) -> Tensor:
+        """(B, T, d_model) -> logits (B, T, vocab); the document numbers end here."""
         return self.out(self.ln(x))
 
 
