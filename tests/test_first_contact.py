@@ -11,6 +11,7 @@ import pkgutil
 import re
 import subprocess
 import sys
+import threading
 import traceback
 from pathlib import Path
 from pickle import UnpicklingError
@@ -308,3 +309,35 @@ def test_plan_counts_ranks_as_train_does_and_still_reads_workers(
         cli.main(["plan", "--help"])
     usage = capsys.readouterr().out
     assert "--ranks N" in usage and "--workers" not in usage
+
+
+def test_the_launcher_ticks_while_the_ranks_start_and_end_but_not_while_rank_0_talks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    phases = []
+    asked = threading.Event()
+
+    def phase() -> str | None:
+        said = train_job._launch_phase(str(tmp_path))
+        phases.append(said)
+        if len(phases) >= 3:
+            asked.set()
+        return said
+
+    def through(event: str | None) -> None:
+        phases.clear()
+        asked.clear()
+        if event is not None:
+            (tmp_path / event).touch()
+        with arguments.ticking(phase, every_s=0.01):
+            assert asked.wait(600)  # only stops a hang
+
+    through(None)
+    assert set(phases) == {"starting"}
+    through("started")
+    assert set(phases) == {None}
+    through("finished")
+    assert set(phases) == {"ending the ranks"}
+    lines = capsys.readouterr().err.splitlines()
+    assert any(line.startswith("starting: ") for line in lines)
+    assert any(line.startswith("ending the ranks: ") for line in lines)

@@ -147,18 +147,18 @@ def progress_printer(quiet_s: float = 0.0, every_s: float = 1.0) -> Callable[[st
 
 
 @contextlib.contextmanager
-def ticking(
-    label: str, every_s: float = 4.0, until: Callable[[], bool] = lambda: False
-) -> Iterator[None]:
+def ticking(label: str | Callable[[], str | None], every_s: float = 4.0) -> Iterator[None]:
     """While the block runs, say ``label: N s ...`` every ``every_s`` seconds, so that a long
-    phase does not look like a hang; stop early once ``until()`` is true (another process
-    has taken over the talking)."""
+    phase does not look like a hang. A callable ``label`` is asked at every tick: ``None``
+    keeps quiet then (another process is talking)."""
     done = threading.Event()
     start = time.monotonic()
 
     def tick() -> None:
-        while not done.wait(every_s) and not until():
-            say(f"{label}: {time.monotonic() - start:.0f} s ...")
+        while not done.wait(every_s):
+            now = label() if callable(label) else label
+            if now is not None:
+                say(f"{now}: {time.monotonic() - start:.0f} s ...")
 
     thread = threading.Thread(target=tick, name="pipetrain-progress", daemon=True)
     thread.start()

@@ -27,7 +27,7 @@ from pipetrain.app.model_registry import model_spec
 from pipetrain.app.models import build_model, loss_function
 from pipetrain.app.traffic import interface_bytes_sent, sent_since
 from pipetrain.app.train_config import DEFAULT_RANKS, WARMUP_STEPS, TrainConfig, warmup_cosine
-from pipetrain.app.train_job import Progress, announce_started, held_out, run_on_workers
+from pipetrain.app.train_job import Progress, announce, held_out, run_on_workers
 from pipetrain.app.train_report import divergence, run_keys
 from pipetrain.units import counted, format_seconds
 
@@ -86,7 +86,7 @@ def ddp_worker(config: TrainConfig) -> dict[str, Any] | None:
     other ranks ``None``."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
-        announce_started()
+        announce("started")
     model = build_model(config.model, seed=config.seed)
     replica = DistributedDataParallel(model)
     optimizer = torch.optim.Adam(replica.parameters(), lr=config.learning_rate)
@@ -146,6 +146,7 @@ def ddp_worker(config: TrainConfig) -> dict[str, Any] | None:
     sent = sent_since(sent_before)
     if rank != 0:
         return None
+    announce("finished")
     return {"losses": losses, "step_times_s": step_times, "eval": evaluations, "bytes_sent": sent}
 
 

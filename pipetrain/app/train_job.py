@@ -103,7 +103,7 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
     (with the plan's settings, for ``plan_auto``), losses, step times and the last step's
     timeline (as a dict), other ranks ``None``."""
     if dist.get_rank() == 0:
-        announce_started()
+        announce("started")
     if config.plan_auto:
         if dist.get_rank() == 0:
             say(
@@ -182,6 +182,7 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
         timeline = pipe.timeline()
     if timeline is None:
         return None
+    announce("finished")
     return {
         "config": config,
         "losses": history.losses,
@@ -237,18 +238,28 @@ def _quiet() -> contextlib.AbstractContextManager[None]:
     return contextlib.nullcontext()
 
 
-_STARTED_FILE = "PIPETRAIN_STARTED_FILE"
-"""The environment variable naming the file that rank 0 of local workers creates once it
-runs, so that the launching process stops saying that the ranks are starting."""
+_TALK_DIRECTORY = "PIPETRAIN_TALK_DIRECTORY"
+"""The environment variable naming the directory where rank 0 of local workers marks when
+it starts talking (``started``) and when it is done (``finished``), so that the launching
+process says what happens while rank 0 does not: the ranks starting, then ending."""
 
 
-def announce_started() -> None:
-    """Tell the launching process (if it is listening) that rank 0 is running, and so
-    talking: called by rank 0 of every worker function given to :func:`run_on_workers`."""
-    path = os.environ.get(_STARTED_FILE)
-    if path:
+def announce(event: str) -> None:
+    """Tell the launching process (if it is listening) that rank 0 has ``"started"``
+    (and so talks) or ``"finished"`` (and the ranks end): called by rank 0 of every worker
+    function given to :func:`run_on_workers`."""
+    directory = os.environ.get(_TALK_DIRECTORY)
+    if directory:
         with contextlib.suppress(OSError):
-            open(path, "x").close()
+            open(os.path.join(directory, event), "x").close()
+
+
+def _launch_phase(directory: str) -> str | None:
+    """What the launching process says while local workers run: ``None`` while rank 0
+    talks."""
+    if os.path.exists(os.path.join(directory, "finished")):
+        return "ending the ranks"
+    return None if os.path.exists(os.path.join(directory, "started")) else "starting"
 
 
 def run_on_workers(
@@ -274,10 +285,9 @@ def run_on_workers(
             "torch and joins the process group) ..."
         )
         with tempfile.TemporaryDirectory(prefix="pipetrain-") as directory:
-            started = os.path.join(directory, "started")
-            os.environ[_STARTED_FILE] = started  # the workers inherit it
+            os.environ[_TALK_DIRECTORY] = directory  # the workers inherit it
             try:
-                with ticking("starting", until=lambda: os.path.exists(started)):
+                with ticking(partial(_launch_phase, directory)):
                     result = launch(
                         worker,
                         config.workers,
@@ -286,7 +296,7 @@ def run_on_workers(
                         timeout_s=config.timeout_s,
                     )[0]
             finally:
-                del os.environ[_STARTED_FILE]
+                del os.environ[_TALK_DIRECTORY]
         return config, result
     end_with_agent()  # a SIGKILLed torchrun agent must not leave this worker training
     started_group = not dist.is_initialized()

@@ -1,0 +1,154 @@
+"""Documents of every length: tokens per second and time to a held-out loss, by how each
+step's documents are formed into micro-batches.
+
+The corpus is the standard library's sources (``pipetrain.app.data.stdlib_corpus``) as a
+text file whose documents are split at blank lines (bytes; median 151, mean 230, the
+longest cut at ``--seq-len-max`` 1024): a skewed distribution. The built-in GPT trains on
+``--ranks`` gloo workers (1F1B, Adam), each step ``--batch`` documents in corpus order,
+formed four ways:
+
+- ``pad-longest``: the step padded to its longest document, ``--microbatches`` equal parts;
+- ``pack``: documents packed several to a row of ``--seq-len-max`` tokens (positions and
+  attention kept within each document), split into ``--microbatches``;
+- ``pad-each``: ``--microbatches`` consecutive groups, each padded to its own longest;
+- ``token-budget``: ``microbatch_tokens=--budget``, longest first, the count per step free.
+
+Every formation computes the same token-mean loss on the same documents, so their losses
+agree step for step (checked) and reach a held-out loss at the same step: time to it is
+the step times summed to there. Tokens per second counts real tokens (no padding) over the
+measured steps' total time; the first ``WARMUP`` steps of each are left out.
+
+    python benchmarks/bench_lengths.py [--steps 60] [--ranks 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from functools import partial
+from typing import Any
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+import pipetrain
+from pipetrain.app.corpus_stream import CorpusSettings, CorpusStream, next_token_pair
+from pipetrain.app.data import stdlib_corpus
+from pipetrain.app.models.gpt import build_gpt, gpt_token_loss
+from pipetrain.data.batches import IGNORE_INDEX, packed
+from pipetrain.runtime import Sequences
+
+FORMATIONS = ("pad-longest", "pack", "pad-each", "token-budget")
+WARMUP, EVAL_EVERY = 3, 10
+
+
+def steps_of(settings: CorpusSettings, batch: int, steps: int) -> list[list[torch.Tensor]]:
+    """Each step's documents as (inputs, targets) pairs, read before any timing."""
+    stream = CorpusStream(settings, batch)
+    return [[next_token_pair(ids) for ids in next(stream.batches)] for _ in range(steps)]
+
+
+def formed(formation: str, pairs: list[Any], microbatches: int, seq_len_max: int) -> Any:
+    """A step's ``(inputs, targets)`` as ``formation`` gives them to ``train_step``."""
+    inputs, targets = [x for x, _ in pairs], [y for _, y in pairs]
+    if formation == "pad-longest":
+        return (
+            pad_sequence(inputs, batch_first=True),
+            pad_sequence(targets, batch_first=True, padding_value=IGNORE_INDEX),
+        )
+    if formation == "pack":
+        return packed(pairs, seq_len_max, microbatches)
+    return Sequences(inputs), Sequences(targets)
+
+
+def run(
+    formation: str, args: argparse.Namespace, path: str, held: tuple[torch.Tensor, torch.Tensor]
+) -> dict[str, Any]:
+    """Worker: train ``--steps`` steps formed as ``formation``; rank 0's losses, step
+    times, tokens and (for the first formation) held-out losses."""
+    settings = CorpusSettings(path, seq_len_max=args.seq_len_max, eval_fraction=0.02)
+    torch.manual_seed(0)
+    model = build_gpt(d_model=args.d_model, heads=4, n_layers=args.layers, context=args.seq_len_max)
+    budget = args.budget if formation == "token-budget" else None
+    pipe = pipetrain.Pipeline(
+        model,
+        loss_fn=gpt_token_loss,
+        optimizer=partial(torch.optim.Adam, lr=3e-3),
+        config=pipetrain.PipelineConfig(
+            schedule="1f1b", microbatches=args.microbatches, microbatch_tokens=budget
+        ),
+    )
+    losses, times, tokens, evaluations = [], [], [], []
+    for step, pairs in enumerate(steps_of(settings, args.batch, args.steps)):
+        inputs, targets = formed(formation, pairs, args.microbatches, args.seq_len_max)
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        losses.append(pipe.train_step(inputs, targets))
+        times.append(time.perf_counter() - start)
+        tokens.append(sum(int((y != IGNORE_INDEX).sum()) for _, y in pairs))
+        if formation == FORMATIONS[0] and (step + 1) % EVAL_EVERY == 0:
+            logits = pipe.eval_step(held[0], to=0)
+            if logits is not None:
+                total, count = gpt_token_loss(logits, held[1])
+                evaluations.append((step + 1, float(total / count)))
+    return {"losses": losses, "times": times, "tokens": tokens, "eval": evaluations}
+
+
+def held_out(path: str, seq_len_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    settings = CorpusSettings(path, seq_len_max=seq_len_max, eval_fraction=0.02)
+    return CorpusStream(settings, 1).eval_set()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--budget", type=int, default=2048)
+    parser.add_argument("--seq-len-max", type=int, default=1024)
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=4)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as directory:
+        path = f"{directory}/stdlib.txt"
+        with open(path, "wb") as out:
+            out.write(bytes(stdlib_corpus(2_000_000).numpy()))
+        held = held_out(path, args.seq_len_max)
+        results = {}
+        for formation in FORMATIONS:
+            results[formation] = pipetrain.launch(
+                run, args.ranks, formation, args, path, held, timeout_s=1800
+            )[0]
+            print(f"{formation}: done", flush=True)
+    report(results)
+
+
+def report(results: dict[str, dict[str, Any]]) -> None:
+    baseline = results[FORMATIONS[0]]
+    for name, result in results.items():
+        drift = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], baseline["losses"]))
+        assert drift < 1e-3, f"{name}'s losses differ from {FORMATIONS[0]}'s by {drift:.2e}"
+    target_step, target = baseline["eval"][-1]
+    print(
+        f"held-out loss {baseline['eval'][0][1]:.3f} at step {baseline['eval'][0][0]} -> "
+        f"{target:.3f} at step {target_step} (the target; the same step for every formation)"
+    )
+    speed = {}
+    print("| formation | tokens/s | × pad-longest | median step | time to target |")
+    print("|---|---|---|---|---|")
+    for name, result in results.items():
+        times = result["times"][WARMUP:]
+        speed[name] = sum(result["tokens"][WARMUP:]) / sum(times)
+        median = sorted(times)[len(times) // 2]
+        to_target = sum(result["times"][:target_step])
+        print(
+            f"| {name} | {speed[name]:,.0f} | {speed[name] / speed[FORMATIONS[0]]:.2f} | "
+            f"{median * 1e3:.0f} ms | {to_target:.1f} s |"
+        )
+    print(f"token-budget / pack: {speed['token-budget'] / speed['pack']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
