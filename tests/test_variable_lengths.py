@@ -98,3 +98,13 @@ def test_a_token_budget_refuses_what_cannot_change_its_count() -> None:
         PipelineConfig("pipedream", 2, microbatch_tokens=64).build(2, 4)
     with pytest.raises(ValueError, match="microbatch_tokens must be a positive"):
         PipelineConfig("gpipe", 2, microbatch_tokens=0).build(2, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [None, cases.LLAMA_BUDGET])
+def test_a_captured_llama_takes_rows_of_every_length_without_capturing_again(
+    budget: int | None,
+) -> None:
+    schedules = ["gpipe", "1f1b", "zb-h1"]
+    per_rank = pipetrain.launch(cases.llama_runs, 2, schedules, budget, timeout_s=240)
+    assert_like_the_unpipelined(merged(per_rank), cases.llama_reference(budget))

@@ -196,3 +196,74 @@ def budget_runs(schedules: list[str]) -> list[dict[str, Any]]:
         state = {k: v.clone() for k, v in pipe.state_dict().items()}
         results.append({"schedule": schedule, "losses": losses, "state": state})
     return results
+
+
+LLAMA_MICROBATCHES, LLAMA_BUDGET = 4, 120
+
+
+def llama_steps(seed: int = 2) -> list[list[torch.Tensor]]:
+    """Each step's rows for the captured Llama: 8 documents of 3 to 40 tokens (ids 1-63)."""
+    chance = random.Random(seed)
+    return [
+        [
+            torch.tensor([chance.randrange(1, 64) for _ in range(chance.choice([3, 7, 16, 40]))])
+            for _ in range(8)
+        ]
+        for _ in range(STEPS)
+    ]
+
+
+def llama_groups(rows: list[torch.Tensor], budget: int | None) -> list[list[int]]:
+    """The micro-batches of a step: a fixed count of consecutive rows, or a token budget."""
+    from pipetrain.data.batches import fixed_groups, token_budget_groups
+
+    if budget is None:
+        return fixed_groups(len(rows), LLAMA_MICROBATCHES)
+    return token_budget_groups([len(r) for r in rows], budget)
+
+
+def llama_reference(budget: int | None) -> dict[str, Any]:
+    """The unpipelined Llama on the same micro-batches, each padded to its own longest:
+    each step's loss is the token mean over all of them."""
+    from graph_cases import hf_model
+
+    from pipetrain.data.batches import padded
+
+    model = hf_model("llama")
+    optimizer = sgd(model.parameters())
+    losses = []
+    for rows in llama_steps():
+        optimizer.zero_grad()
+        documents = [r.tolist() for r in rows]
+        pairs = []
+        for group in llama_groups(rows, budget):
+            x, y = padded([documents[i] for i in group])
+            pairs.append(pipetrain.causal_lm_loss(model(x), y))
+        loss = sum(t for t, _ in pairs) / sum(c for _, c in pairs)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return {"losses": losses, "state": model.state_dict()}
+
+
+def llama_runs(schedules: list[str], budget: int | None) -> list[dict[str, Any]]:
+    """One capture of the stock Llama (tied embeddings) on 2 x 8 tokens, then each
+    schedule on rows of every length from the same initial weights: by a fixed count of
+    micro-batches, or by a token budget. Its losses and this rank's weights."""
+    from graph_cases import hf_model
+
+    from pipetrain.model.graph import GraphModel
+    from pipetrain.runtime import PipelineConfig, Sequences
+
+    model = hf_model("llama")
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    graph = GraphModel(model, torch.randint(1, 64, (2, 8)))
+    results = []
+    for schedule in schedules:
+        model.load_state_dict(initial)
+        config = PipelineConfig(schedule, LLAMA_MICROBATCHES, microbatch_tokens=budget)
+        pipe = make_pipeline(graph, loss_fn=pipetrain.causal_lm_loss, optimizer=sgd, config=config)
+        losses = [pipe.train_step(Sequences(rows), Sequences(rows)) for rows in llama_steps()]
+        state = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
+        results.append({"schedule": schedule, "losses": losses, "state": state})
+    return results

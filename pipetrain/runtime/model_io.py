@@ -21,9 +21,10 @@ from pipetrain.distributed.transport import Transport
 from pipetrain.model.capture import Inputs
 from pipetrain.model.frontend import FrontEnd
 from pipetrain.model.graph import GraphModel
-from pipetrain.runtime.rank.batch import Data
+from pipetrain.runtime.rank.batch import Data, MicroBatches
 from pipetrain.runtime.rank.stage import LossFn
 from pipetrain.runtime.steps import Outputs
+from pipetrain.runtime.token_budget import Sequences
 from pipetrain.schedules import Schedule
 
 
@@ -62,8 +63,13 @@ class ModelIO:
         self.chooses = rank == schedule.stage_ranks[0][0]  # the inputs evaluated
 
     def inputs(self, inputs: Inputs | None) -> Data | None:
-        """A step's inputs as the first stage takes them."""
-        return None if inputs is None else self.front.inputs(inputs)
+        """A step's inputs as the first stage takes them: micro-batches given one by one
+        each so, rows of their own lengths as they are (formed into micro-batches later)."""
+        if inputs is None or isinstance(inputs, Sequences):
+            return inputs
+        if isinstance(inputs, MicroBatches):
+            return MicroBatches([self.front.inputs(piece) for piece in inputs.pieces])
+        return self.front.inputs(inputs)
 
     def evaluation_inputs(self, inputs: Inputs | None) -> Data | None:
         """An evaluation's inputs as the first stage takes them. A captured model trained
