@@ -108,3 +108,10 @@ def test_a_captured_llama_takes_rows_of_every_length_without_capturing_again(
     schedules = ["gpipe", "1f1b", "zb-h1"]
     per_rank = pipetrain.launch(cases.llama_runs, 2, schedules, budget, timeout_s=240)
     assert_like_the_unpipelined(merged(per_rank), cases.llama_reference(budget))
+
+
+@pytest.mark.slow
+def test_packed_rows_under_every_family_on_two_ranks() -> None:
+    schedules = ["gpipe", "1f1b", "zb-h1", "interleaved", "zb-v"]
+    per_rank = pipetrain.launch(cases.packed_runs, 2, schedules, timeout_s=240)
+    assert_like_the_unpipelined(merged(per_rank), cases.packed_reference())

@@ -267,3 +267,56 @@ def llama_runs(schedules: list[str], budget: int | None) -> list[dict[str, Any]]
         state = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
         results.append({"schedule": schedule, "losses": losses, "state": state})
     return results
+
+
+def packed_steps(seed: int = 3) -> list[Any]:
+    """Each step's documents (3 to 60 bytes) packed into rows of at most 64 tokens, at
+    least 4 rows: ``((tokens, documents), targets)``."""
+    from pipetrain.app.corpus_stream import next_token_pair
+    from pipetrain.data.batches import packed
+
+    chance = random.Random(seed)
+    steps = []
+    for _ in range(STEPS):
+        documents = [
+            [chance.randrange(256) for _ in range(chance.choice([3, 9, 20, 41, 60]))]
+            for _ in range(12)
+        ]
+        steps.append(packed([next_token_pair(d) for d in documents], 64, rows=4))
+    return steps
+
+
+def packed_reference() -> dict[str, Any]:
+    """The unpipelined GPT on the packed rows, layer by layer (document numbers beside the
+    activations): each step's loss is the token mean over every row."""
+    from pipetrain.app.models.gpt import gpt_token_loss
+
+    model = gpt()
+    optimizer = sgd(model.parameters())
+    losses = []
+    for (tokens, documents), targets in packed_steps():
+        optimizer.zero_grad()
+        out: Any = (tokens, documents)
+        for layer in model:
+            out = layer(*out) if isinstance(out, tuple) else layer(out)
+        total, count = gpt_token_loss(out, targets)
+        loss = total / count
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return {"losses": losses, "state": model.state_dict()}
+
+
+def packed_runs(schedules: list[str]) -> list[dict[str, Any]]:
+    """Each schedule on the packed rows (4 micro-batches): losses and this rank's weights."""
+    from pipetrain.app.models.gpt import gpt_token_loss
+
+    results = []
+    for schedule in schedules:
+        pipe = make_pipeline(
+            gpt(), microbatches=4, schedule=schedule, loss_fn=gpt_token_loss, optimizer=sgd
+        )
+        losses = [pipe.train_step(inputs, targets) for inputs, targets in packed_steps()]
+        state = {k: v.clone() for k, v in pipe.state_dict().items()}
+        results.append({"schedule": schedule, "losses": losses, "state": state})
+    return results
