@@ -383,3 +383,24 @@ def test_variation_is_checked() -> None:
         simulate(schedule, Costs(1, 1), Variation([[1.0], []], [[1.0], [1.0]]))
     with pytest.raises(ValueError, match="runs must be a positive integer"):
         median_makespan(schedule, Costs(1, 1), Variation([[1.0]] * 2, [[1.0]] * 2), runs=0)
+
+
+def test_micro_batches_of_their_own_sizes_cost_their_own_times() -> None:
+    alone = build("gpipe", 1, 3)
+    scaled = Costs(forward_s=1.0, backward_s=2.0, compute_scale=[1.0, 0.5, 3.0])
+    assert simulate(alone, scaled).makespan == pytest.approx(3 * (1.0 + 0.5 + 3.0))
+    # every micro-batch twice as costly, compute and bytes: as if every cost doubled
+    pipeline = build("1f1b", 4, 8)
+    base = dict(forward_s=[1.0, 2.0, 1.5, 1.0], backward_s=2.0, activation_bytes=100.0)
+    doubled = Costs(
+        **base, bandwidth=50.0, send_byte_s=0.001, compute_scale=[2.0] * 8, bytes_scale=[2.0] * 8
+    )
+    by_hand = Costs(
+        forward_s=[2.0, 4.0, 3.0, 2.0], backward_s=4.0, activation_bytes=200.0, bandwidth=50.0,
+        send_byte_s=0.001,
+    )  # fmt: skip
+    assert simulate(pipeline, doubled).makespan == pytest.approx(
+        simulate(pipeline, by_hand).makespan
+    )
+    with pytest.raises(ValueError, match="compute_scale has 2 micro-batches"):
+        simulate(pipeline, Costs(forward_s=1.0, backward_s=1.0, compute_scale=[1.0, 1.0]))

@@ -31,6 +31,10 @@ class Costs:
     kernel's and the transport's time on both sides).
     ``overlap`` is the share of the shorter pass of an overlapped forward-and-backward pair
     (``OVERLAP``) that the longer one hides: 0 runs them back to back, 1 hides it entirely.
+    Micro-batches of different sizes (sequences of different lengths) cost differently:
+    ``compute_scale[m]`` multiplies micro-batch ``m``'s forward, backward and weight times
+    (a float, or one value per stage) and ``bytes_scale[m]`` its activation and gradient
+    bytes; empty, every micro-batch costs the same.
     """
 
     forward_s: PerStage
@@ -47,6 +51,8 @@ class Costs:
     receive_byte_s: float = 0.0
     loss_s: float = 0.0
     overlap: float = 0.0
+    compute_scale: Sequence[PerStage] = ()
+    bytes_scale: Sequence[float] = ()
 
     def per_stage(self, field: str, count: int) -> list[float]:
         """The named field expanded to ``count`` values, checked for length and sign."""
@@ -61,6 +67,30 @@ class Costs:
         if any(v < 0 or math.isnan(v) for v in values):
             raise ValueError(f"Costs.{field} must be non-negative, got {values}")
         return values
+
+    def microbatch_scales(
+        self, stages: int, microbatches: int
+    ) -> tuple[list[list[float]], list[float]]:
+        """``compute_scale`` as ``[micro-batch][stage]`` and ``bytes_scale`` per micro-batch,
+        each at least ``microbatches`` long (all ones where they are empty); ValueError
+        names a missing or negative one."""
+        compute = [
+            [float(v)] * stages if isinstance(v, (int, float)) else [float(x) for x in v]
+            for v in self.compute_scale
+        ] or [[1.0] * stages] * microbatches
+        sizes = [float(v) for v in self.bytes_scale] or [1.0] * microbatches
+        for name, given in (("compute_scale", compute), ("bytes_scale", sizes)):
+            if len(given) < microbatches:
+                raise ValueError(
+                    f"Costs.{name} has {len(given)} micro-batches, the schedule plays "
+                    f"{microbatches}"
+                )
+        if any(len(row) != stages or min(row) < 0 for row in compute) or min(sizes) < 0:
+            raise ValueError(
+                f"Costs.compute_scale needs non-negative factors for each of {stages} stages "
+                "and Costs.bytes_scale non-negative factors"
+            )
+        return compute, sizes
 
     def send_busy_s(self, message_bytes: float) -> float:
         """How long a send of ``message_bytes`` keeps the sending rank busy."""

@@ -77,10 +77,12 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
             Kind.WEIGHT: variation.backward,
         }
     latency = costs.latency_s
-    wire_s = [size / speed for size, speed in zip(activation, bandwidth)]
-    # a rank's busy time per message across each boundary; whole-step ones carry no bytes
-    send_s = [costs.send_busy_s(size) for size in activation]
-    receive_s = [costs.receive_busy_s(size) for size in activation]
+    compute_scale, bytes_scale = costs.microbatch_scales(stages, schedule.microbatches)
+    uniform = not costs.compute_scale and not costs.bytes_scale
+    # a message's wire and busy times per (micro-batch, boundary); whole-step ones carry no bytes
+    wire_s = [[size * k / speed for size, speed in zip(activation, bandwidth)] for k in bytes_scale]
+    send_s = [[costs.send_busy_s(size * k) for size in activation] for k in bytes_scale]
+    receive_s = [[costs.receive_busy_s(size * k) for size in activation] for k in bytes_scale]
     small_send_s, small_receive_s = costs.send_s, costs.receive_s
     collective_s = {
         Kind.ALLREDUCE: costs.per_stage("allreduce_s", stages),
@@ -115,6 +117,8 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
             spans = duration.get(kind)
             if spans is not None:
                 cost = spans[stage]
+                if not uniform and mb is not None:
+                    cost *= compute_scale[mb][stage]
                 if scales:
                     cost *= scales.get((rank, index), 1.0)
                 if kind in factors:
@@ -127,12 +131,12 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
                 boundary = 0 if whole_step else stage + offset
                 key = (peer, family, boundary, mb)
                 # the sender packs the message, then the link carries it without the sender
-                busy = small_send_s if whole_step else send_s[boundary]
+                busy = small_send_s if whole_step else send_s[mb or 0][boundary]
                 events.append(make((rank, names[kind], stage, mb, now, now + busy)))
                 now += busy
                 # the bytes cross both ranks' links; the latency follows them off, so
                 # messages sent back to back overlap their latencies
-                wire = 0.0 if whole_step else wire_s[boundary]
+                wire = 0.0 if whole_step else wire_s[mb or 0][boundary]
                 if wire > 0:
                     ports.carry(rank, peer, now, wire, key)
                 else:
@@ -151,7 +155,8 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
                         waiting_on[key] = rank
                         break
                     landed = last_byte + latency
-                end = max(now, landed) + (small_receive_s if whole_step else receive_s[boundary])
+                busy = small_receive_s if whole_step else receive_s[mb or 0][boundary]
+                end = max(now, landed) + busy
                 events.append(make((rank, names[kind], stage, mb, now, end)))
                 now = end
             elif kind is Kind.OVERLAP:  # a marker: its pair's passes follow, scaled
