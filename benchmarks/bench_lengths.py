@@ -18,12 +18,19 @@ agree step for step (checked) and reach a held-out loss at the same step: time t
 the step times summed to there. Tokens per second counts real tokens (no padding) over the
 measured steps' total time; the first ``WARMUP`` steps of each are left out.
 
+Each step is also predicted: the GPT's layers are profiled alone at five shapes and fitted
+(:func:`pipetrain.profiler.lengths.measure_lengths`), each step's micro-batch shapes give
+its costs (messages as measured in the formation's last step), and the simulator, with
+the ranks sharing the cores, plays the step; the table gives the median of
+|predicted − measured| / measured over the steps.
+
     python benchmarks/bench_lengths.py [--steps 60] [--ranks 4]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from functools import partial
@@ -36,11 +43,24 @@ import pipetrain
 from pipetrain.app.corpus_stream import CorpusSettings, CorpusStream, next_token_pair
 from pipetrain.app.data import stdlib_corpus
 from pipetrain.app.models.gpt import build_gpt, gpt_token_loss
-from pipetrain.data.batches import IGNORE_INDEX, packed
+from pipetrain.data.batches import (
+    IGNORE_INDEX,
+    fixed_groups,
+    pack_groups,
+    packed,
+    token_budget_groups,
+)
+from pipetrain.planning.sharing import shared_cores_stretch
+from pipetrain.profiler import profile
+from pipetrain.profiler.lengths import LengthCosts, Shape, measure_lengths
 from pipetrain.runtime import Sequences
+from pipetrain.schedules import build
+from pipetrain.simulation import measured_costs, simulate
+from pipetrain.timeline import Timeline
 
 FORMATIONS = ("pad-longest", "pack", "pad-each", "token-budget")
 WARMUP, EVAL_EVERY = 3, 10
+PROFILED: list[Shape] = [(2, 64), (2, 256), (2, 1024), (8, 128), (4, 512)]
 
 
 def steps_of(settings: CorpusSettings, batch: int, steps: int) -> list[list[torch.Tensor]]:
@@ -68,8 +88,7 @@ def run(
     """Worker: train ``--steps`` steps formed as ``formation``; rank 0's losses, step
     times, tokens and (for the first formation) held-out losses."""
     settings = CorpusSettings(path, seq_len_max=args.seq_len_max, eval_fraction=0.02)
-    torch.manual_seed(0)
-    model = build_gpt(d_model=args.d_model, heads=4, n_layers=args.layers, context=args.seq_len_max)
+    model = gpt(args)
     budget = args.budget if formation == "token-budget" else None
     pipe = pipetrain.Pipeline(
         model,
@@ -82,6 +101,7 @@ def run(
     losses, times, tokens, evaluations = [], [], [], []
     for step, pairs in enumerate(steps_of(settings, args.batch, args.steps)):
         inputs, targets = formed(formation, pairs, args.microbatches, args.seq_len_max)
+        pipe.recorder.enabled = step == args.steps - 1
         torch.distributed.barrier()
         start = time.perf_counter()
         losses.append(pipe.train_step(inputs, targets))
@@ -92,7 +112,67 @@ def run(
             if logits is not None:
                 total, count = gpt_token_loss(logits, held[1])
                 evaluations.append((step + 1, float(total / count)))
-    return {"losses": losses, "times": times, "tokens": tokens, "eval": evaluations}
+    timeline = pipe.timeline()
+    return {
+        "losses": losses,
+        "times": times,
+        "tokens": tokens,
+        "eval": evaluations,
+        "balance": list(pipe.balance),
+        "timeline": None if timeline is None else timeline.to_dict(),
+    }
+
+
+def gpt(args: argparse.Namespace) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return build_gpt(d_model=args.d_model, heads=4, n_layers=args.layers, context=args.seq_len_max)
+
+
+def length_costs(args: argparse.Namespace) -> LengthCosts:
+    """The GPT's layers profiled alone at :data:`PROFILED` shapes, fitted."""
+    model = gpt(args)
+
+    def at(shape: Shape) -> pipetrain.Profile:
+        tokens = torch.randint(0, 256, shape)
+        return profile(
+            list(model), tokens, tokens, lambda out, y: gpt_token_loss(out, y)[0], repeats=3
+        )
+
+    return measure_lengths(at, PROFILED)
+
+
+def shapes_of(formation: str, pairs: list[Any], args: argparse.Namespace) -> list[Shape]:
+    """The ``(rows, length)`` of each micro-batch a step's documents form."""
+    lengths = [len(x) for x, _ in pairs]
+    if formation == "pack":
+        groups = pack_groups(lengths, args.seq_len_max, args.microbatches)
+        width = max(sum(lengths[i] for i in g) for g in groups)
+        return [(len(part), width) for part in fixed_groups(len(groups), args.microbatches)]
+    if formation == "token-budget":
+        groups = token_budget_groups(lengths, args.budget)
+    else:
+        groups = fixed_groups(len(lengths), args.microbatches)
+    if formation == "pad-longest":
+        return [(len(g), max(lengths)) for g in groups]
+    return [(len(g), max(lengths[i] for i in g)) for g in groups]
+
+
+def predicted(
+    result: dict[str, Any], shapes: list[list[Shape]], fitted: LengthCosts, ranks: int
+) -> list[float]:
+    """Each step's simulated time on the fitted costs, the ranks sharing the cores."""
+    stages = len(result["balance"])
+    base = measured_costs(Timeline.from_dict(result["timeline"]), stages)
+    cores = min(ranks, len(os.sched_getaffinity(0)))
+    times = []
+    for step in shapes:
+        schedule = build("1f1b", ranks, len(step))
+        costs = fitted.costs(result["balance"], step, base)
+        _, timeline = shared_cores_stretch(
+            lambda c, s=schedule: simulate(s, c), costs, stages, ranks, cores
+        )
+        times.append(timeline.makespan)
+    return times
 
 
 def held_out(path: str, seq_len_max: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,11 +196,18 @@ def main() -> None:
         with open(path, "wb") as out:
             out.write(bytes(stdlib_corpus(2_000_000).numpy()))
         held = held_out(path, args.seq_len_max)
+        settings = CorpusSettings(path, seq_len_max=args.seq_len_max, eval_fraction=0.02)
+        steps = steps_of(settings, args.batch, args.steps)
+        fitted = length_costs(args)
         results = {}
         for formation in FORMATIONS:
             results[formation] = pipetrain.launch(
                 run, args.ranks, formation, args, path, held, timeout_s=1800
             )[0]
+            shapes = [shapes_of(formation, pairs, args) for pairs in steps]
+            results[formation]["predicted"] = predicted(
+                results[formation], shapes, fitted, args.ranks
+            )
             print(f"{formation}: done", flush=True)
     report(results)
 
@@ -136,16 +223,23 @@ def report(results: dict[str, dict[str, Any]]) -> None:
         f"{target:.3f} at step {target_step} (the target; the same step for every formation)"
     )
     speed = {}
-    print("| formation | tokens/s | × pad-longest | median step | time to target |")
-    print("|---|---|---|---|---|")
+    print(
+        "| formation | tokens/s | × pad-longest | median step | time to target "
+        "| predicted: median step, median error a step |"
+    )
+    print("|---|---|---|---|---|---|")
     for name, result in results.items():
         times = result["times"][WARMUP:]
         speed[name] = sum(result["tokens"][WARMUP:]) / sum(times)
         median = sorted(times)[len(times) // 2]
         to_target = sum(result["times"][:target_step])
+        guesses = result["predicted"][WARMUP:]
+        errors = sorted(abs(p - m) / m for p, m in zip(guesses, times))
         print(
             f"| {name} | {speed[name]:,.0f} | {speed[name] / speed[FORMATIONS[0]]:.2f} | "
-            f"{median * 1e3:.0f} ms | {to_target:.1f} s |"
+            f"{median * 1e3:.0f} ms | {to_target:.1f} s | "
+            f"{sorted(guesses)[len(guesses) // 2] * 1e3:.0f} ms, "
+            f"{errors[len(errors) // 2]:.0%} |"
         )
     print(f"token-budget / pack: {speed['token-budget'] / speed['pack']:.2f}")
 

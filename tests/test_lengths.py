@@ -1,0 +1,75 @@
+"""The length-aware cost model: coefficients fitted exactly where the times follow the
+model, never negative, and a step's micro-batch shapes turned into simulator costs whose
+one-rank makespan is the sum of the predicted times."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pipetrain.profiler import LayerCost, Profile
+from pipetrain.profiler.lengths import LengthCosts, features, fit, measure_lengths
+from pipetrain.schedules import build
+from pipetrain.simulation import Costs, simulate
+
+SHAPES = [(2, 64), (2, 256), (2, 1024), (8, 128), (4, 512)]
+
+
+def test_times_that_follow_the_model_are_fitted_exactly() -> None:
+    chance = random.Random(0)
+    for _ in range(50):
+        truth = [chance.choice([0.0, chance.uniform(1e-4, 1e-2)]) for _ in range(3)]
+        truth[1] *= 1e-4
+        truth[2] *= 1e-7
+        seconds = [sum(k * f for k, f in zip(truth, features(*s))) for s in SHAPES]
+        assert fit(SHAPES, seconds) == pytest.approx(truth, rel=1e-6, abs=1e-15)
+
+
+def test_a_fit_never_goes_negative() -> None:
+    # times that fall with the length: the best non-negative fit is a constant
+    coefficients = fit(SHAPES, [5.0, 4.0, 3.0, 4.5, 3.5])
+    assert min(coefficients) >= 0
+    assert coefficients[1] == coefficients[2] == 0
+    assert coefficients[0] == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="one time for each shape"):
+        fit(SHAPES, [1.0])
+
+
+def test_measured_profiles_fit_per_layer_and_predict_every_shape() -> None:
+    truth = [(1e-3, 2e-6, 0.0), (5e-4, 1e-6, 3e-9)]
+
+    def profile_at(shape: tuple[int, int]) -> Profile:
+        layers = [
+            LayerCost(forward_s=sum(k * f for k, f in zip(c, features(*shape))),
+                      backward_s=2 * sum(k * f for k, f in zip(c, features(*shape))))
+            for c in truth
+        ]  # fmt: skip
+        return Profile(layers)
+
+    fitted = measure_lengths(profile_at, SHAPES)
+    for got, want in zip(fitted.forward, truth):
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-15)
+    forward, backward = fitted.layer_seconds((3, 300))
+    expected = [sum(k * f for k, f in zip(c, features(3, 300))) for c in truth]
+    assert forward == pytest.approx(expected) and backward == pytest.approx(
+        [2 * e for e in expected]
+    )
+    with pytest.raises(ValueError, match="at least 3 shapes"):
+        measure_lengths(profile_at, SHAPES[:2])
+
+
+def test_a_steps_shapes_become_costs_each_micro_batch_its_own() -> None:
+    fitted = LengthCosts(forward=[(1e-3, 1e-6, 1e-9)] * 3, backward=[(2e-3, 2e-6, 2e-9)] * 3)
+    shapes = [(4, 30), (1, 500), (2, 120)]
+    costs = fitted.costs([2, 1], shapes, Costs(forward_s=0.0, backward_s=0.0))
+    # one rank: the step is every micro-batch's predicted forward and backward, in turn
+    by_hand = sum(
+        sum(f) + sum(b) for f, b in (fitted.stage_seconds([2, 1], shape) for shape in shapes)
+    )
+    alone = fitted.costs([3], shapes, Costs(forward_s=0.0, backward_s=0.0))
+    assert simulate(build("gpipe", 1, 3), alone).makespan == pytest.approx(by_hand)
+    mean_tokens = (120 + 500 + 240) / 3
+    assert costs.bytes_scale == pytest.approx([t / mean_tokens for t in (120, 500, 240)])
+    with pytest.raises(ValueError, match="covers 4 layers"):
+        fitted.stage_seconds([2, 2], (1, 10))
