@@ -171,11 +171,44 @@ def test_every_formation_equals_the_unpipelined_model_and_resumes_with_the_same_
     by_budget = trained(
         capsys, corpus, *steps, "--microbatch-tokens", "1500", "--schedule", "gpipe"
     )
-    for report in (by_count, by_budget):
+    by_packing = trained(capsys, corpus, *steps, "--pack", "--microbatches", "2")
+    adaptive = trained(capsys, corpus, *steps, "--adaptive", "--microbatch-tokens", "1500")
+    for report in (by_count, by_budget, by_packing, adaptive):
         torch.testing.assert_close(report["losses"], expected, rtol=1e-4, atol=0)
     assert by_budget["microbatch_tokens"] == 1500 and by_budget["tokens_per_s"] > 0
+    # every step predicted from the profiled GPT, and the adaptive run's choice of each
+    assert len(by_count["step_predicted_s"]) == STEPS and by_count["step_prediction_error"] >= 0
+    assert len(adaptive["adaptive_choices"]) == STEPS
+    assert all(c["predicted_gain"] >= 1 for c in adaptive["adaptive_choices"])
     # stopped after two steps, then resumed from its checkpoint to the fourth
     save = ("--save-dir", str(tmp_path / "run"), "--schedule", "zb-h1", "--microbatches", "2")
     trained(capsys, corpus, "--steps", "2", *save)
     resumed = trained(capsys, corpus, *steps, *save)
     torch.testing.assert_close(resumed["losses"], expected, rtol=1e-4, atol=0)
+
+
+def test_the_adaptive_choice_is_the_fastest_candidate_simulated() -> None:
+    from pipetrain.app.step_costs import StepPricer, candidates, shapes_of
+    from pipetrain.profiler.lengths import LengthCosts
+
+    fitted = LengthCosts(forward=[(1e-4, 1e-6, 1e-8)] * 6, backward=[(2e-4, 2e-6, 2e-8)] * 6)
+    pricer = StepPricer(fitted, "1f1b", 2, [3, 3])
+    chance = random.Random(4)
+    for _ in range(20):
+        lengths = [chance.choice([5, 40, 300, 1000]) for _ in range(12)]
+        name, groups, best, plain = pricer.choose(lengths, 4, 1200)
+        every = {
+            n: pricer.step_s(shapes_of(lengths, g)) for n, g in candidates(lengths, 4, 1200).items()
+        }
+        assert best == min(every.values()) == every[name] and plain == every["consecutive"]
+        assert sorted(i for g in groups for i in g) == list(range(12))
+
+
+def test_groups_given_with_the_rows_take_every_row_once() -> None:
+    from pipetrain.runtime import Sequences
+
+    rows = [torch.ones(3), torch.ones(5), torch.ones(2)]
+    assert Sequences(rows, [[2, 0], [1]]).groups == [[2, 0], [1]]
+    for bad in ([[0, 1]], [[0, 1], [1, 2]], [[0, 1, 2], []]):
+        with pytest.raises(ValueError, match="take each of the 3 rows once"):
+            Sequences(rows, bad)

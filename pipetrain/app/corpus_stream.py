@@ -19,8 +19,10 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
+from pipetrain.app.step_costs import StepPricer, shapes_of
 from pipetrain.data import Corpus, Summary
-from pipetrain.data.batches import IGNORE_INDEX, packed
+from pipetrain.data.batches import IGNORE_INDEX, fixed_groups, packed, token_budget_groups
+from pipetrain.profiler.lengths import Shape
 from pipetrain.runtime import Sequences
 
 EVAL_DOCUMENTS = 64  # the held-out batch's documents, at most
@@ -76,15 +78,28 @@ Step = tuple[Sequences, Sequences] | tuple[tuple[Tensor, Tensor], Tensor]
 
 class CorpusStream:
     """An endless iterator of ``(inputs, targets)`` steps of ``batch_size`` documents, each
-    a :class:`~pipetrain.runtime.Sequences`, or packed into at least ``rows`` rows (one per
-    micro-batch); :meth:`state_dict` is the reading position (plain data, saved with a
-    checkpoint) and :meth:`eval_set` a fixed held-out batch."""
+    a :class:`~pipetrain.runtime.Sequences` grouped into ``count`` micro-batches, or within
+    ``budget`` tokens, or as the ``pricer`` finds fastest (``--adaptive``); or packed into
+    rows split into ``count`` micro-batches. ``shapes`` keeps each step's micro-batch
+    shapes and ``choices`` the adaptive choice of each step; :meth:`state_dict` is the
+    reading position (plain data, saved with a checkpoint) and :meth:`eval_set` a fixed
+    held-out batch."""
 
-    def __init__(self, settings: CorpusSettings, batch_size: int, rows: int = 1) -> None:
+    def __init__(
+        self,
+        settings: CorpusSettings,
+        batch_size: int,
+        count: int = 1,
+        *,
+        budget: int | None = None,
+        pricer: StepPricer | None = None,
+    ) -> None:
         """Read ``settings``'s corpus from its start."""
-        self.settings, self.rows = settings, rows
+        self.settings, self.count, self.budget, self.pricer = settings, count, budget, pricer
         self.corpus = settings.open()
         self.batches = self.corpus.batches(batch_size)
+        self.shapes: list[list[Shape]] = []
+        self.choices: list[dict[str, Any]] = []
 
     def __iter__(self) -> CorpusStream:
         """The stream is its own iterator."""
@@ -94,8 +109,28 @@ class CorpusStream:
         """The next step's documents as input and target rows, or packed."""
         pairs = [next_token_pair(ids) for ids in next(self.batches)]
         if self.settings.pack:
-            return packed(pairs, self.settings.seq_len_max, self.rows)
-        return Sequences([x for x, _ in pairs]), Sequences([y for _, y in pairs])
+            (tokens, documents), targets = packed(pairs, self.settings.seq_len_max, self.count)
+            rows, width = tokens.shape
+            self.shapes.append([(len(g), width) for g in fixed_groups(rows, self.count)])
+            return (tokens, documents), targets
+        lengths = [len(x) for x, _ in pairs]
+        if self.pricer is not None:
+            name, groups, predicted_s, plain_s = self.pricer.choose(
+                lengths, self.count, self.budget
+            )
+            self.choices.append(
+                {
+                    "formation": name,
+                    "predicted_s": predicted_s,
+                    "predicted_gain": plain_s / predicted_s,
+                }
+            )
+        elif self.budget is not None:
+            groups = token_budget_groups(lengths, self.budget)
+        else:
+            groups = fixed_groups(len(lengths), self.count)
+        self.shapes.append(shapes_of(lengths, groups))
+        return Sequences([x for x, _ in pairs], groups), Sequences([y for _, y in pairs], groups)
 
     def tokens(self, targets: Tensor | Sequence[Tensor]) -> int:
         """The tokens a step's targets count (its padding and one-token documents not)."""

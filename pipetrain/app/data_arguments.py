@@ -57,6 +57,13 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
         "--microbatches micro-batches",
     )
     group.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="each step, simulate how its documents could form micro-batches (consecutive, "
+        "by length, within half, once or twice the token budget) on the GPT profiled at "
+        "several lengths, and take the fastest (default budget: 4 x --seq-len-max)",
+    )
+    group.add_argument(
         "--microbatch-tokens",
         type=positive_int,
         metavar="K",
@@ -89,6 +96,7 @@ def check_data_flags(args: argparse.Namespace) -> None:
                 ("--eval-fraction", args.eval_fraction, EVAL_FRACTION),
                 ("--microbatch-tokens", args.microbatch_tokens, None),
                 ("--pack", args.pack, False),
+                ("--adaptive", args.adaptive, False),
             )
             if value != default
         ]
@@ -118,3 +126,10 @@ def corpus_settings(args: argparse.Namespace) -> CorpusSettings | None:
         args.eval_fraction,
         args.pack,
     )
+
+
+def microbatch_tokens(args: argparse.Namespace) -> int | None:
+    """The token budget: ``--microbatch-tokens``, or with ``--adaptive`` 4 x ``--seq-len-max``."""
+    if args.microbatch_tokens is None and args.adaptive:
+        return 4 * args.seq_len_max
+    return args.microbatch_tokens

@@ -17,7 +17,12 @@ from pipetrain.app.arguments import (
     positive_int,
     schedule_options,
 )
-from pipetrain.app.data_arguments import add_data_arguments, check_data_flags, corpus_settings
+from pipetrain.app.data_arguments import (
+    add_data_arguments,
+    check_data_flags,
+    corpus_settings,
+    microbatch_tokens,
+)
 from pipetrain.schedules import RECOMPUTE_MODES, names, spec
 
 if TYPE_CHECKING:
@@ -244,7 +249,7 @@ def run_train(args: argparse.Namespace) -> None:
         recompute=args.recompute,
         # only the input stage reads the built-in data; a corpus is read by the last stage too
         targets_on_first_stage=args.data is None,
-        microbatch_tokens=args.microbatch_tokens,
+        microbatch_tokens=microbatch_tokens(args),
     )
     update = UpdateConfig(max_grad_norm=args.max_grad_norm, precision=args.precision)
     plan_auto = args.plan == "auto"
@@ -270,6 +275,7 @@ def run_train(args: argparse.Namespace) -> None:
         timeout_s=args.timeout,
         new_settings=args.new_settings,
         data=corpus_settings(args),
+        adaptive=args.adaptive,
     )
     if args.ddp:
         _run_ddp(args, config)

@@ -14,6 +14,7 @@ from pipetrain.app.corpus_stream import CorpusSettings
 from pipetrain.app.data import BatchStream
 from pipetrain.app.model_registry import model_spec
 from pipetrain.planning import Plan
+from pipetrain.profiler.lengths import LengthCosts
 from pipetrain.runtime import PipelineConfig
 from pipetrain.runtime.rank.update_config import UpdateConfig
 from pipetrain.schedules import Schedule, with_targets_shipped
@@ -47,7 +48,9 @@ class TrainConfig:
     unless ``new_settings`` (see :mod:`pipetrain.app.run_settings`); every receive and
     collective waits at most ``timeout_s``. With ``data``, the built-in GPT trains on that
     corpus (see :mod:`pipetrain.app.corpus_stream`) with a token-mean loss, and a
-    ``pipeline.microbatch_tokens`` budget forms each step's micro-batches. :meth:`resolved`
+    ``pipeline.microbatch_tokens`` budget forms each step's micro-batches; ``length_costs``
+    (the GPT profiled at several lengths, filled in before the workers start) predicts each
+    step, and with ``adaptive`` picks each step's formation. :meth:`resolved`
     fills the defaults in and builds ``schedule``, the schedule the run plays, once."""
 
     model: str
@@ -74,6 +77,8 @@ class TrainConfig:
     schedule: Schedule | None = None
     new_settings: bool = False
     data: CorpusSettings | None = None
+    adaptive: bool = False
+    length_costs: LengthCosts | None = None
 
     def resolved(self, world_size: int | None = None) -> TrainConfig:
         """The configuration with defaults filled in, checked, and its schedule built;
@@ -190,6 +195,8 @@ class TrainConfig:
     def _check_data(self) -> None:
         """Raise a ValueError for data settings that cannot work."""
         if self.data is None:
+            if self.adaptive:
+                raise ValueError("--adaptive chooses how documents form micro-batches: give --data")
             if self.pipeline.microbatch_tokens is not None:
                 raise ValueError(
                     "--microbatch-tokens forms micro-batches from documents of their own "
@@ -204,6 +211,11 @@ class TrainConfig:
                 f"--data trains the built-in gpt (--model {self.model} "
                 + ("is captured at one sequence length" if spec.captured else "reads images")
                 + "); give --model gpt"
+            )
+        if self.adaptive and (self.data.pack or self.pipeline.microbatch_tokens is None):
+            raise ValueError(
+                "--adaptive changes the micro-batch count from step to step: give it "
+                "--microbatch-tokens (the budget it varies) and leave out --pack"
             )
         if self.pipeline.targets_on_first_stage:
             raise ValueError(

@@ -33,6 +33,7 @@ from pipetrain.app.models import build_model, example_inputs, loss_function
 from pipetrain.app.models.gpt import gpt_token_loss
 from pipetrain.app.plan_job import plan_together
 from pipetrain.app.run_settings import apply_new_settings, check_settings
+from pipetrain.app.step_costs import agreed, pricer_for, profiled_gpt
 from pipetrain.app.traffic import interface_bytes_sent, sent_since
 from pipetrain.app.train_config import TrainConfig
 from pipetrain.app.train_report import TrainReport
@@ -191,6 +192,8 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
         "eval": history.evaluations,
         "bytes_sent": sent,
         "tokens": tokens,
+        "shapes": batches.shapes if isinstance(batches, CorpusStream) else [],
+        "choices": batches.choices if isinstance(batches, CorpusStream) else [],
     }
 
 
@@ -204,8 +207,17 @@ def _stream(config: TrainConfig, pipe: Pipeline) -> BatchStream | CorpusStream |
             if 0 in pipe.stages
             else None
         )
+    data = config.data
+    if config.length_costs is not None:  # under torchrun every rank profiled its own
+        config = replace(config, length_costs=agreed(config.length_costs))
     if 0 in pipe.stages or pipe.schedule.stages - 1 in pipe.stages:
-        return CorpusStream(config.data, config.samples, config.pipeline.microbatches)
+        return CorpusStream(
+            data,
+            config.samples,
+            config.pipeline.microbatches,
+            budget=config.pipeline.microbatch_tokens,
+            pricer=pricer_for(config) if config.adaptive else None,
+        )
     return None
 
 
@@ -326,6 +338,10 @@ def _ready(config: TrainConfig, world_size: int | None) -> TrainConfig:
             f"{summary.held_out} held out, {counted(summary.tokens, 'token')}, the longest "
             f"{summary.longest}" + (f" ({summary.truncated} cut)" if summary.truncated else "")
         )
+        say("profiling the GPT at 5 sequence lengths for the step cost model ...")
+        with ticking("profiling"):
+            fitted = profiled_gpt(config.data, config.seed, config.threads)
+        config = replace(config, length_costs=fitted)
     return config
 
 

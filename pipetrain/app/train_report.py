@@ -3,11 +3,13 @@ beside the simulator's prediction on the costs measured in it."""
 
 from __future__ import annotations
 
+import collections
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipetrain.app.step_costs import predicted_steps
 from pipetrain.app.train_config import WARMUP_STEPS, TrainConfig
 from pipetrain.schedules import Schedule
 from pipetrain.simulation import Costs, measured_costs, simulate
@@ -106,6 +108,8 @@ class TrainReport:
     bytes_sent: list[int] = field(default_factory=list)
     last_schedule: Schedule | None = None
     tokens: list[int] = field(default_factory=list)
+    step_predicted_s: list[float] = field(default_factory=list)
+    choices: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def build(cls, config: TrainConfig, result: dict[str, Any]) -> TrainReport:
@@ -117,6 +121,8 @@ class TrainReport:
         schedule = config.schedule_for(len(played) if budgeted else None)
         costs = measured_costs(measured, schedule.stages)
         predicted = simulate(schedule, costs)
+        shapes = result.get("shapes", [])
+        per_step = predicted_steps(config, shapes, costs) if shapes else []
         return cls(
             config,
             result["losses"],
@@ -128,6 +134,8 @@ class TrainReport:
             result.get("bytes_sent", []),
             schedule,
             result.get("tokens", []),
+            per_step,
+            result.get("choices", []),
         )
 
     @property
@@ -175,7 +183,23 @@ class TrainReport:
             "microbatch_tokens": config.pipeline.microbatch_tokens,
             "last_step_microbatches": self._last().microbatches,
             "tokens_per_s": self.tokens_per_s,
+            "step_predicted_s": self.step_predicted_s,
+            "step_prediction_error": self._prediction_error(),
+            "adaptive_choices": self.choices,
         }
+
+    def _steady_pairs(self) -> list[tuple[float, float]]:
+        """(predicted, measured) of the steps this run made after its warm-up steps."""
+        made = self.step_times_s[-len(self.step_predicted_s) :] if self.step_predicted_s else []
+        pairs = list(zip(self.step_predicted_s, made))
+        return pairs[WARMUP_STEPS:] or pairs
+
+    def _prediction_error(self) -> float | None:
+        """The median over steps of |predicted − measured| / measured."""
+        pairs = self._steady_pairs()
+        if not pairs:
+            return None
+        return statistics.median(abs(p - m) / m for p, m in pairs)
 
     def _last(self) -> Schedule:
         return self.last_schedule or self.config.built
@@ -205,10 +229,12 @@ class TrainReport:
             )
         if budget is not None:
             per_update = ""
-            split = (
-                f"micro-batches of at most {budget} tokens "
-                f"({self._last().microbatches} in the last step)"
+            how = (
+                f"as each step's simulation found fastest, budgets around {budget} tokens"
+                if config.adaptive
+                else f"of at most {budget} tokens"
             )
+            split = f"micro-batches {how} ({self._last().microbatches} in the last step)"
         tokens = self.tokens_per_s
         throughput = f"{self.samples_per_s:,.0f} samples/s" + (
             "" if tokens is None else f", {tokens:,.0f} tokens/s"
@@ -256,8 +282,31 @@ class TrainReport:
                 f"receive {format_seconds(self.costs.receive_s)} (shortest), "
                 f"latency {format_seconds(self.costs.latency_s)}",
                 *planned,
+                *self._length_lines(),
             ]
         )
+
+    def _length_lines(self) -> list[str]:
+        """For a corpus of one's own: the steps predicted one by one, and what
+        ``--adaptive`` chose."""
+        pairs = self._steady_pairs()
+        lines = []
+        if pairs:
+            lines.append(
+                f"  per step          predicted median "
+                f"{format_seconds(statistics.median(p for p, _ in pairs))}, measured "
+                f"{format_seconds(statistics.median(m for _, m in pairs))}; median error "
+                f"{self._prediction_error():.0%} (sequence lengths priced by the profiled GPT)"
+            )
+        if self.choices:
+            counts = collections.Counter(choice["formation"] for choice in self.choices)
+            gain = statistics.median(choice["predicted_gain"] for choice in self.choices)
+            lines.append(
+                "  adaptive          "
+                + ", ".join(f"{name} {count}" for name, count in counts.most_common())
+                + f" steps; predicted {gain:.2f}x the consecutive micro-batches (median)"
+            )
+        return lines
 
     def write_trace(self, path: str) -> None:
         """Write the last step: a PNG of predicted above measured, or the measured Chrome trace."""

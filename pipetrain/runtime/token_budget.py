@@ -25,15 +25,31 @@ from pipetrain.runtime.rank.batch import MicroBatches
 
 class Sequences(tuple[torch.Tensor, ...]):
     """A step's rows as 1-D tensors, each of its own length; give the inputs and the
-    targets (rows of the same lengths) this way, and every rank with data the same rows."""
+    targets (rows of the same lengths) this way, and every rank with data the same rows.
+    ``groups``, lists of row indices that take in every row once, forms the micro-batches
+    the caller chose (the same on every rank); by default the pipeline forms them."""
 
-    def __new__(cls, rows: Sequence[torch.Tensor]) -> Sequences:
-        """The step's ``rows``, in order."""
+    groups: list[list[int]] | None
+
+    def __new__(
+        cls, rows: Sequence[torch.Tensor], groups: Sequence[Sequence[int]] | None = None
+    ) -> Sequences:
+        """The step's ``rows``, in order, and how they form micro-batches, if chosen."""
         if not rows or any(not isinstance(r, torch.Tensor) or r.dim() != 1 for r in rows):
             raise ValueError("Sequences needs at least one row, each a 1-D tensor")
         if any(len(r) == 0 for r in rows):
             raise ValueError("Sequences rows must hold at least one value each")
-        return super().__new__(cls, rows)
+        made = super().__new__(cls, rows)
+        made.groups = None if groups is None else [list(g) for g in groups]
+        if made.groups is not None and (
+            sorted(i for g in made.groups for i in g) != list(range(len(rows)))
+            or not all(made.groups)
+        ):
+            raise ValueError(
+                f"Sequences groups must take each of the {len(rows)} rows once, in groups "
+                f"of at least one; got {made.groups}"
+            )
+        return made
 
 
 def _grouped(rows: Sequences, groups: list[list[int]], pad: int) -> MicroBatches:
@@ -79,10 +95,19 @@ def formed(
     groups = None
     if rows is not None:
         lengths = [len(r) for r in rows]
-        if budget is None:
+        if rows.groups is not None:
+            groups = rows.groups
+            if budget is None and len(groups) != count:
+                raise ValueError(
+                    f"the step's rows come in {len(groups)} groups but the schedule plays "
+                    f"{count} micro-batches; give {count} groups, or microbatch_tokens for "
+                    "a count that changes"
+                )
+        elif budget is None:
             groups = fixed_groups(len(rows), count)
         else:
             groups = token_budget_groups(lengths, budget)
+        if budget is not None:
             groups = split_to(groups, runnable(len(groups)))
     if budget is not None:
         agreed = torch.tensor([len(groups) if chooses and groups else 0], device=transport.device)
