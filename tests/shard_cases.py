@@ -109,3 +109,19 @@ def tied_on_sharded_replicas() -> dict[str, Any]:
         "state": {k: _full(v).clone() for k, v in results[0]["state"].items()},
         "shared": results[0]["shared"],
     }
+
+
+def llama_on_sharded_replicas(schedules: list[str]) -> list[dict[str, Any]]:
+    """The stock Llama with tied embeddings, captured, on 2 stages x 2 sharded replicas
+    under each schedule (padded batches, ``causal_lm_loss``): every rank's losses and its
+    stage's weights gathered whole."""
+    configs = [{"schedule": s, "data_parallel": 2, "shard": True} for s in schedules]
+    results = graph_cases.train("llama", configs, padded=True)
+    return [
+        {
+            "losses": result["losses"],
+            "state": {k: _full(v).clone() for k, v in result["state"].items()},
+            "shared": result["shared"],
+        }
+        for result in results
+    ]

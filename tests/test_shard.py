@@ -153,3 +153,14 @@ def test_the_train_command_hands_its_workers_the_sharding() -> None:
     assert config.workers == 4  # 2 stages x 2 replicas by default
     worker = config.worker_pipeline()
     assert worker.shard and worker.build(4, layers=5).stage_ranks == ((0, 1), (2, 3))
+
+
+@pytest.mark.slow  # 4 processes capturing and training a Hugging Face model
+def test_a_captured_llama_with_tied_embeddings_on_sharded_replicas() -> None:
+    from test_graph import _aliases, assert_same_training
+
+    schedules = ["gpipe", "1f1b"]
+    per_rank = pipetrain.launch(shard_cases.llama_on_sharded_replicas, 4, schedules, timeout_s=300)
+    assert all(result["shared"] for rank in per_rank for result in rank)  # tied across stages
+    configs = [{"schedule": s} for s in schedules]
+    assert_same_training(graph_cases.reference("llama", True), per_rank, _aliases("llama"), configs)
