@@ -58,7 +58,7 @@ def refusals() -> list[str]:
     messages = []
     for settings in (
         {"shard": True},
-        {"shard": True, "data_parallel": 2, "balance": [2, 3], "schedule": "zb-h1"},
+        {"shard": True, "data_parallel": 2, "balance": [2, 3], "schedule": "pipedream"},
         {"shard": True, "data_parallel": 2, "balance": [2, 3], "microbatches": 1},
         {"data_parallel": 3},
     ):
@@ -125,3 +125,28 @@ def llama_on_sharded_replicas(schedules: list[str]) -> list[dict[str, Any]]:
         }
         for result in results
     ]
+
+
+def copied_loop(
+    schedule: str, options: dict[str, Any], balance: list[int], shard: bool
+) -> dict[str, Any]:
+    """The reference loop on 2 copies of a 2-rank ``schedule`` pipeline (data parallelism
+    outside the schedule), its stages' replicas sharded or whole: every call's loss and the
+    whole weights this rank's stages end with."""
+    pipe = cases.loop_pipeline(
+        schedule=schedule,
+        schedule_options=options,
+        microbatches=4,
+        balance=balance,
+        data_parallel=2,
+        shard=shard,
+    )
+    losses = []
+    for k, (x, y) in enumerate(cases.calls()):
+        update = k % cases.ACCUMULATE == cases.ACCUMULATE - 1
+        losses.append(pipe.train_step(x, y, update=update))
+    return {
+        "losses": losses,
+        "state": {name: _full(t).clone() for name, t in pipe.state_dict().items()},
+        "updates": pipe.updates,
+    }

@@ -384,3 +384,38 @@ def test_pipedream_replicas_need_whole_rounds_and_no_vertical_sync() -> None:
         ValueError, match="vertical_sync needs every stage to update once per mini-batch"
     ):
         build("pipedream", 3, 4, replicas=[1, 2], vertical_sync=True)
+
+
+@pytest.mark.parametrize(
+    ("name", "options"), [("zb-h1", {}), ("interleaved", {"virtual": 2}), ("zb-v", {})]
+)
+def test_copies_of_a_pipeline_split_its_micro_batches_and_reduce_before_the_step(
+    name: str, options: dict[str, int]
+) -> None:
+    from pipetrain.schedules.copies import data_parallel_copies
+
+    single = build(name, 2, 4, **options)
+    copied = data_parallel_copies(single, 3)
+    assert copied.num_ranks == 6 and copied.microbatches == 12
+    for stage, ranks in enumerate(single.stage_ranks):
+        assert copied.stage_ranks[stage] == tuple(3 * ranks[0] + d for d in range(3))
+    for rank, actions in enumerate(copied.ranks):
+        copy, origin = rank % 3, rank // 3
+        computed = [
+            (a.kind, a.stage, a.microbatch)
+            for a in actions
+            if a.kind in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT)
+        ]
+        # copy d plays rank r's own work on micro-batches k·3 + d, in the same order
+        expected = [
+            (a.kind, a.stage, a.microbatch * 3 + copy)
+            for a in single.ranks[origin]
+            if a.kind in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT)
+        ]
+        assert computed == expected
+        kinds = [a.kind for a in actions]
+        for index, kind in enumerate(kinds):
+            if kind is Kind.STEP:
+                assert kinds[index - 1] is Kind.ALLREDUCE
+    with pytest.raises(ValueError, match="updates inside the step"):
+        data_parallel_copies(build("pipedream", 2, 4), 2)

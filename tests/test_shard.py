@@ -77,7 +77,7 @@ def test_a_sharded_checkpoint_loads_into_the_unpipelined_model(
 def test_sharding_refuses_what_it_cannot_run() -> None:
     messages = pipetrain.launch(shard_cases.refusals, 4, timeout_s=120)[0]
     assert "shards each stage over its replicas, and no stage has any" in messages[0]
-    assert "zb-h1" in messages[1]
+    assert "pipedream updates inside the step" in messages[1]
     assert "give at least 2 micro-batches" in messages[2]
     assert "a world size that 3 divides" in messages[3]
 
@@ -164,3 +164,29 @@ def test_a_captured_llama_with_tied_embeddings_on_sharded_replicas() -> None:
     assert all(result["shared"] for rank in per_rank for result in rank)  # tied across stages
     configs = [{"schedule": s} for s in schedules]
     assert_same_training(graph_cases.reference("llama", True), per_rank, _aliases("llama"), configs)
+
+
+COPIED = [
+    ("zb-h1", {}, [2, 3]),
+    ("interleaved", {"virtual": 2}, [1, 1, 1, 2]),
+]
+
+
+@pytest.mark.slow  # 4 processes a case
+@pytest.mark.parametrize("shard", [False, True])
+@pytest.mark.parametrize(("schedule", "options", "balance"), COPIED)
+def test_copies_of_a_split_backward_or_interleaved_pipeline_train_as_the_unpipelined_model(
+    schedule: str, options: dict[str, Any], balance: list[int], shard: bool
+) -> None:
+    expected = cases.reference_loop()
+    per_rank = pipetrain.launch(
+        shard_cases.copied_loop, 4, schedule, options, balance, shard, timeout_s=300
+    )
+    state: dict[str, torch.Tensor] = {}
+    for result in per_rank:
+        assert result["losses"] == pytest.approx(expected["losses"], rel=1e-5)
+        assert result["updates"] == cases.UPDATES
+        state.update(result["state"])
+    assert sorted(state) == sorted(expected["state"])
+    for name, value in expected["state"].items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)

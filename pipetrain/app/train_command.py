@@ -144,14 +144,16 @@ def add_train(commands: argparse._SubParsersAction) -> None:
         type=positive_int,
         default=1,
         metavar="N",
-        help="run every stage on N ranks, each taking every N-th micro-batch (gpipe, 1f1b, "
-        "pipedream; --ranks is then N times the stages)",
+        help="run every stage on N ranks, each taking every N-th micro-batch (gpipe, 1f1b and "
+        "pipedream replicate stages; the other families run N copies of the pipeline; "
+        "--ranks is then N times a pipeline's)",
     )
     parser.add_argument(
         "--shard",
         action="store_true",
         help="with --data-parallel: each of a stage's N ranks holds a shard of its "
-        "parameters, gradients and optimizer state instead of a whole copy (gpipe, 1f1b)",
+        "parameters, gradients and optimizer state instead of a whole copy (synchronous "
+        "schedules)",
     )
     parser.add_argument(
         "--plan",

@@ -23,6 +23,7 @@ from pipetrain.model.materialize import InitFn
 from pipetrain.model.weights_source import WeightsArg
 from pipetrain.runtime.rank.recompute import check_mode
 from pipetrain.schedules import Kind, Schedule, ScheduleSpec, build, spec, validate
+from pipetrain.schedules.copies import data_parallel_copies
 
 if TYPE_CHECKING:
     from pipetrain.planning import Plan
@@ -157,6 +158,8 @@ class PipelineConfig:
         positive_int("microbatches", self.microbatches)
         options = family.resolve(self.schedule_options)
         replicas = None if self.replicas is None else list(self.replicas)
+        if self.data_parallel != 1 and (not family.replicable or family.chunks(options) != 1):
+            return self._copied(family, world, layers, options)
         if self.data_parallel != 1:
             replicas = self._data_parallel_replicas(family, world, options)
         if replicas is None:
@@ -171,6 +174,30 @@ class PipelineConfig:
                     f"to the {world} ranks of the process group"
                 )
         return build(family.name, world, self.microbatches, replicas=replicas, **options)
+
+    def _copied(
+        self,
+        family: ScheduleSpec,
+        world: int,
+        layers: int | None,
+        options: Mapping[str, int | bool],
+    ) -> Schedule:
+        """``data_parallel`` copies of ``family``'s pipeline side by side, each on its share
+        of the ranks and of the micro-batches, for a family that does not replicate stages
+        inside its schedule (see :mod:`pipetrain.schedules.copies`)."""
+        dp = positive_int("data_parallel", self.data_parallel)
+        if self.replicas is not None or world % dp or self.microbatches % dp:
+            raise ValueError(
+                f"data_parallel={dp} runs {dp} copies of a {family.name} pipeline, each on "
+                f"1/{dp} of the ranks and of the micro-batches: give a world size and "
+                f"microbatches that {dp} divides (not {world} and {self.microbatches}), and "
+                "no replicas"
+            )
+        pipeline = build(
+            family.name, world // dp, self.microbatches // dp, replicas=None, **options
+        )
+        self._check_balance(pipeline.stages, layers, f"{family.name} on {world // dp} ranks")
+        return data_parallel_copies(pipeline, dp)
 
     def _data_parallel_replicas(
         self, family: ScheduleSpec, world: int, options: Mapping[str, int | bool]
@@ -264,10 +291,9 @@ def _check_shardable(schedule: Schedule) -> None:
             "shard=True shards each stage over its replicas, and no stage has any: give "
             "data_parallel=N (or replicas) too"
         )
-    if schedule.asynchronous or schedule.split_backward:
+    if schedule.asynchronous:
         raise ValueError(
-            f"shard=True runs synchronous schedules whose backward is one pass (gpipe, 1f1b); "
-            f"{schedule.name} is not one of them"
+            f"shard=True runs synchronous schedules; {schedule.name} updates inside the step"
         )
     if schedule.microbatches < replicas:
         raise ValueError(

@@ -76,6 +76,23 @@ class ShardedReducer:
                 tensor.grad = torch.zeros_like(tensor)
 
 
+def gathered(module: nn.Module) -> list[torch.Tensor] | None:
+    """The gathered parameters a sharded stage's forwards ran on, the leaves of their graphs
+    (a split backward's weight pass accumulates its gradients there, for the reduce-scatter);
+    ``None`` for a stage that is not sharded."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None or not isinstance(module, fsdp.FSDPModule):
+        return None
+    state = fsdp.fully_shard.state(module)
+    return [
+        param.unsharded_param
+        for inner in state._state_ctx.all_states
+        for group in inner._fsdp_param_groups
+        for param in group.fsdp_params
+        if param.unsharded_param.requires_grad
+    ]
+
+
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor``: its shard of a ``DTensor``, or the tensor itself."""
     # no DTensor exists before its module is imported, and importing it costs seconds

@@ -19,6 +19,7 @@ from pipetrain.runtime.rank.batch import LossTarget, Tensors, as_tuple
 from pipetrain.runtime.rank.losses import split_loss
 from pipetrain.runtime.rank.precision import Precision
 from pipetrain.runtime.rank.recompute import RandomState, recompute, recomputes
+from pipetrain.runtime.rank.shard import gathered
 from pipetrain.runtime.rank.weights import Weights
 
 LossFn = Callable[[Any, Any], Any]
@@ -211,8 +212,9 @@ class Stage:
             )
 
     def weight(self, microbatch: int) -> None:
-        """The weight gradients of a split backward, from the graph it kept."""
-        parameters = self.gradient_holders(microbatch)
+        """The weight gradients of a split backward, from the graph it kept (for a sharded
+        stage, into the gathered parameters its forward ran on)."""
+        parameters = gathered(self.weights.modules[self.index]) or self.gradient_holders(microbatch)
         slot = self._slots.pop(microbatch)
         if parameters and slot.differentiable:
             torch.autograd.backward(slot.differentiable, slot.output_grads, inputs=parameters)
