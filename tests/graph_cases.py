@@ -92,7 +92,7 @@ def train(name: str, configs: list[dict[str, Any]], padded: bool = False) -> lis
             graph,
             microbatches=2 * torch.distributed.get_world_size(),
             optimizer=lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9),
-            timeout_s=60,
+            timeout_s=300,
             loss_fn=pipetrain.causal_lm_loss if padded else None,
             **config,
         )
@@ -165,7 +165,7 @@ def train_captured(name: str, configs: list[dict[str, Any]]) -> list[dict[str, A
             loss_fn=loss_fn,
             microbatches=2 * torch.distributed.get_world_size(),
             optimizer=lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9),
-            timeout_s=60,
+            timeout_s=300,
             **config,
         )
         losses = [pipe.train_step(*data(step)) for step in range(STEPS)]
@@ -186,7 +186,7 @@ def train_pipedream(name: str) -> dict[str, Any]:
         schedule="pipedream",
         microbatches=4,
         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
-        timeout_s=60,
+        timeout_s=300,
     )
     before = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
     losses = [pipe.train_step(batch(step)) for step in range(STEPS)]
@@ -262,7 +262,7 @@ def save_tied(directory: str) -> dict[str, torch.Tensor]:
         example_inputs={k: v[:2] for k, v in batch(0).items()},
         microbatches=2,
         optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR),
-        timeout_s=60,
+        timeout_s=300,
     )
     for step in range(2):
         pipe.train_step(batch(step))
@@ -281,7 +281,7 @@ def train_meta(name: str, path: str) -> dict[str, Any]:
         microbatches=2 * torch.distributed.get_world_size(),
         optimizer=lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9),
         weights=path,
-        timeout_s=60,
+        timeout_s=300,
     )
     losses = [pipe.train_step(batch(step)) for step in range(STEPS)]
     return {
@@ -328,7 +328,7 @@ def train_sequential(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             loss_fn=lm_loss,
             microbatches=2 * torch.distributed.get_world_size(),
             optimizer=lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9),
-            timeout_s=60,
+            timeout_s=300,
             **config,
         )
         ids = [batch(step)["input_ids"] for step in range(STEPS)]

@@ -94,7 +94,7 @@ def train_modes() -> dict[str, Any]:
         microbatches=2,
         loss_fn=nn.functional.cross_entropy,
         optimizer=lambda ps: torch.optim.SGD(ps, lr=LR),
-        timeout_s=60,
+        timeout_s=300,
     )
     losses, modes = [], []
     for step, training in enumerate(MODES):
@@ -149,7 +149,7 @@ def evaluate_hf(name: str) -> dict[str, Any]:
         example_inputs={k: v[:2] for k, v in tokens(0).items()},
         microbatches=2,
         optimizer=lambda ps: torch.optim.SGD(ps, lr=LR),
-        timeout_s=60,
+        timeout_s=300,
     )
     pipe.train_step(tokens(0))
     batch = tokens(1)
@@ -186,7 +186,7 @@ def guarded(length: int, evaluate: bool) -> str:
         example_inputs=torch.randn(2, 8, 4),
         microbatches=2,
         loss_fn=nn.functional.mse_loss,
-        timeout_s=60,
+        timeout_s=300,
     )
     x = torch.randn(4, length, 4)
     try:
@@ -207,7 +207,7 @@ def split_graph() -> list[str]:
         split_points=["blocks.3"],
         microbatches=2,
         loss_fn=nn.functional.cross_entropy,
-        timeout_s=60,
+        timeout_s=300,
     )
     return sorted(name for name, _ in pipe.named_parameters())
 
@@ -222,7 +222,7 @@ def evaluate_logits(name: str) -> tuple[torch.Tensor, torch.Tensor]:
         example_inputs={"input_ids": ids[:2]},
         microbatches=2,
         loss_fn=lambda output, target: nn.functional.mse_loss(output.logits, target),
-        timeout_s=60,
+        timeout_s=300,
     )
     first, second = pipe.eval_step({"input_ids": ids}), pipe.eval_step({"input_ids": ids})
     return first.logits, second.logits

@@ -12,7 +12,7 @@ from pipetrain.runtime.agreement import differences
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, str]]:
-    return pipetrain.launch(cases.disagreements, 2, timeout_s=60)
+    return pipetrain.launch(cases.disagreements, 2, timeout_s=300)
 
 
 def test_every_rank_names_the_differing_setting_and_its_ranks(ranks: list[dict[str, str]]) -> None:

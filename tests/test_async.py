@@ -80,7 +80,7 @@ def run(
         windows,
         schedule_options,
         settings,
-        timeout_s=60,
+        timeout_s=300,
     )
     merged = {}
     for state in states:
@@ -205,7 +205,7 @@ def test_pipedream_with_a_replicated_stage(bucket_bytes: float) -> None:
         windows,
         {},
         {"replicas": [2, 1], "bucket_bytes": bucket_bytes},
-        timeout_s=60,
+        timeout_s=300,
     )
     for name, value in states[
         1

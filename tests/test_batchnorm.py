@@ -21,12 +21,12 @@ reference = functools.cache(cases.reference)  # shared by the layouts of one mic
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[list[dict[str, Any]]]:
-    return pipetrain.launch(cases.runs, 2, 2, timeout_s=120)
+    return pipetrain.launch(cases.runs, 2, 2, timeout_s=300)
 
 
 @pytest.fixture(scope="module")
 def three_ranks() -> list[list[dict[str, Any]]]:
-    return pipetrain.launch(cases.runs, 3, 3, timeout_s=120)
+    return pipetrain.launch(cases.runs, 3, 3, timeout_s=300)
 
 
 def assert_runs_match(per_rank: list[list[dict[str, Any]]], ranks: int) -> None:

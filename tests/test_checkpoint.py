@@ -27,7 +27,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def ranks(root: Path) -> list[dict[str, Any]]:
-    return pipetrain.launch(cases.layouts, 3, str(root), timeout_s=120)
+    return pipetrain.launch(cases.layouts, 3, str(root), timeout_s=300)
 
 
 @pytest.fixture(scope="module")

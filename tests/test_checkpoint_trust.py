@@ -47,7 +47,7 @@ def saved(root: Path) -> list[dict[str, str]]:
     (root / "locked").mkdir()
     held = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
     (root / "locked" / lock.LOCK).write_text(json.dumps({**held, "token": "other-run"}))
-    return pipetrain.launch(trust_cases.save_runs, 2, str(root), timeout_s=120)
+    return pipetrain.launch(trust_cases.save_runs, 2, str(root), timeout_s=300)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def old(root: Path, honest: Path) -> Path:
 @pytest.fixture(scope="module")
 def loaded(root: Path, crafted: dict[str, Path], old: Path) -> list[dict[str, str]]:
     names = ["honest", "metadata", "entry", "old"]
-    return pipetrain.launch(trust_cases.load_runs, 2, str(root), names, timeout_s=120)
+    return pipetrain.launch(trust_cases.load_runs, 2, str(root), names, timeout_s=300)
 
 
 @pytest.mark.parametrize("kind", ["metadata", "entry"])

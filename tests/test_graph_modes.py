@@ -17,7 +17,7 @@ from pipetrain.model.graph import GraphModel
 
 
 def test_a_model_in_eval_mode_trains_and_evaluates_as_the_unpipelined_one_in_each_mode() -> None:
-    per_rank = pipetrain.launch(cases.train_modes, 2, timeout_s=120)
+    per_rank = pipetrain.launch(cases.train_modes, 2, timeout_s=300)
     expected = cases.mode_reference()
     state: dict[str, torch.Tensor] = {}
     for result in per_rank:
@@ -54,9 +54,9 @@ def test_eval_step_is_the_models_eval_mode_with_and_without_labels(name: str) ->
 
 @pytest.mark.parametrize("evaluate", [False, True])
 def test_inputs_breaking_a_guard_of_the_capture_are_refused_naming_it(evaluate: bool) -> None:
-    within = pipetrain.launch(cases.guarded, 2, 8, evaluate, timeout_s=60)
+    within = pipetrain.launch(cases.guarded, 2, 8, evaluate, timeout_s=300)
     assert within == ["", ""]
-    beyond = pipetrain.launch(cases.guarded, 2, 16, evaluate, timeout_s=60)
+    beyond = pipetrain.launch(cases.guarded, 2, 16, evaluate, timeout_s=300)
     for message in beyond:
         assert "break a condition the model was captured under" in message, message
         assert "x.size()[1] <= 8" in message, message
@@ -81,7 +81,7 @@ def test_split_points_recut_a_captured_model_without_capturing_again() -> None:
     assert isinstance(recut, GraphModel) and recut.captured is graph.captured
     assert recut.names == ["start", "blocks.3"] and recut.split
     assert front_end(graph, None, None) is graph
-    per_rank = pipetrain.launch(cases.split_graph, 2, timeout_s=60)
+    per_rank = pipetrain.launch(cases.split_graph, 2, timeout_s=300)
     assert "blocks.2.linear.weight" in per_rank[0]
     assert not any(name.startswith("blocks.3") for name in per_rank[0])
     assert "blocks.3.linear.weight" in per_rank[1] and "head.weight" in per_rank[1]

@@ -17,12 +17,12 @@ from pipetrain.runtime.rank.normalize import check_kinds
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict[str, Any]]:
-    return pipetrain.launch(cases.two_ranks, 2, timeout_s=120)
+    return pipetrain.launch(cases.two_ranks, 2, timeout_s=300)
 
 
 @pytest.fixture(scope="module")
 def three_ranks() -> list[dict[str, Any]]:
-    return pipetrain.launch(cases.three_ranks, 3, timeout_s=120)
+    return pipetrain.launch(cases.three_ranks, 3, timeout_s=300)
 
 
 def assert_runs_match(per_rank: list[dict[str, Any]], configs: list[dict[str, Any]]) -> None:

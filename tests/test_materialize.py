@@ -230,7 +230,7 @@ def test_a_meta_model_loaded_from_safetensors_trains_as_the_ordinary_model(
     tmp_path: Path,
 ) -> None:
     save_file(mlp().state_dict(), path := tmp_path / "mlp.safetensors")
-    results = pipetrain.launch(materialize_cases.meta_loop, 2, str(path), timeout_s=60)
+    results = pipetrain.launch(materialize_cases.meta_loop, 2, str(path), timeout_s=300)
     expected = cases.reference_loop()
     state: dict[str, torch.Tensor] = {}
     for result in results:
@@ -375,7 +375,7 @@ def test_the_readme_recipe_trains_a_meta_llama_with_its_rotary_tables() -> None:
 
     torch.manual_seed(0)
     expected = dict(LlamaForCausalLM(materialize_cases.llama_config()).named_buffers())
-    results = pipetrain.launch(materialize_cases.meta_llama_recipe, 2, timeout_s=120)
+    results = pipetrain.launch(materialize_cases.meta_llama_recipe, 2, timeout_s=300)
     held = [name for result in results for name in result["buffers"]]
     assert "model.rotary_emb.inv_freq" in held
     for result in results:

@@ -16,12 +16,12 @@ from pipetrain.runtime.rank.precision import LossScale, Precision
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict[str, Any]]:
-    return pipetrain.launch(cases.two_rank_checks, 2, timeout_s=120)
+    return pipetrain.launch(cases.two_rank_checks, 2, timeout_s=300)
 
 
 @pytest.fixture(scope="module")
 def three_ranks() -> list[dict[str, Any]]:
-    return pipetrain.launch(cases.three_rank_checks, 3, timeout_s=120)
+    return pipetrain.launch(cases.three_rank_checks, 3, timeout_s=300)
 
 
 def assert_loop_matches(results: list[dict[str, Any]], config: dict[str, Any]) -> None:

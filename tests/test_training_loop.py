@@ -60,12 +60,12 @@ def assert_clip_matches(results: list[tuple[float, dict[str, torch.Tensor]]]) ->
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict[str, Any]]:
-    return pipetrain.launch(cases.two_rank_checks, 2, timeout_s=120)
+    return pipetrain.launch(cases.two_rank_checks, 2, timeout_s=300)
 
 
 @pytest.fixture(scope="module")
 def three_ranks() -> list[dict[str, Any]]:
-    return pipetrain.launch(cases.three_rank_checks, 3, timeout_s=120)
+    return pipetrain.launch(cases.three_rank_checks, 3, timeout_s=300)
 
 
 def test_two_stages_accumulate_clip_and_schedule_as_the_unpipelined_loop(
@@ -148,7 +148,7 @@ def test_settings_that_cannot_run_are_refused(two_ranks: list[dict[str, Any]]) -
 
 def test_a_non_scalar_loss_names_the_loss_and_stage_before_any_update() -> None:
     with pytest.raises(pipetrain.LaunchError) as error:
-        pipetrain.launch(cases.non_scalar_loss, 2, timeout_s=60)
+        pipetrain.launch(cases.non_scalar_loss, 2, timeout_s=300)
     assert error.value.rank == 1
     message = str(error.value)
     assert (

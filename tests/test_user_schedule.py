@@ -45,14 +45,14 @@ def test_a_family_registered_by_the_user_trains_like_the_unpipelined_model(
     assert "gpipe-lifo" in pipetrain.schedules.names()
     built = pipetrain.schedules.build("gpipe-lifo", 2, 4)
     assert built.compute_order(0)[4:] == ["B0.3", "B0.2", "B0.1", "B0.0"]
-    results = pipetrain.launch(user_cases.train, 2, "gpipe-lifo", 4, timeout_s=60)
+    results = pipetrain.launch(user_cases.train, 2, "gpipe-lifo", 4, timeout_s=300)
     assert_unpipelined(results)
 
 
 def test_a_schedule_read_from_text_trains_like_the_unpipelined_model(
     user_cases: ModuleType,
 ) -> None:
-    results = pipetrain.launch(user_cases.train, 2, None, 1, timeout_s=60)
+    results = pipetrain.launch(user_cases.train, 2, None, 1, timeout_s=300)
     assert_unpipelined(results)
 
 

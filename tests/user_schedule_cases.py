@@ -55,7 +55,7 @@ def train(schedule: str | None, microbatches: int) -> tuple[float, dict[str, tor
         microbatches=microbatches,
         schedule=chosen,
         loss_fn=nn.functional.cross_entropy,
-        timeout_s=60,
+        timeout_s=300,
     )
     loss = pipe.train_step(*cases.batch())
     return loss, cases.grads(pipe)

@@ -220,7 +220,7 @@ def _pipeline(name: str, model: nn.Module | GraphModel, balance: list[int] | Non
         schedule="1f1b",
         microbatches=MICROBATCHES,
         optimizer=lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9),
-        timeout_s=120,
+        timeout_s=300,
     )
 
 
