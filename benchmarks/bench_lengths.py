@@ -11,16 +11,20 @@ formed four ways:
 - ``pack``: documents packed several to a row of ``--seq-len-max`` tokens (positions and
   attention kept within each document), split into ``--microbatches``;
 - ``pad-each``: ``--microbatches`` consecutive groups, each padded to its own longest;
-- ``token-budget``: ``microbatch_tokens=--budget``, longest first, the count per step free.
+- ``token-budget``: ``microbatch_tokens=--budget``, longest first, the count per step free;
+- ``adaptive``: each step, the fastest of ``train --adaptive``'s candidates (consecutive,
+  by length, half/once/twice the budget) simulated on the fitted costs, its choice timed
+  with the step.
 
 Every formation computes the same token-mean loss on the same documents, so their losses
 agree step for step (checked) and reach a held-out loss at the same step: time to it is
 the step times summed to there. Tokens per second counts real tokens (no padding) over the
 measured steps' total time; the first ``WARMUP`` steps of each are left out.
 
-Each step is also predicted: the GPT's layers are profiled alone at five shapes and fitted
-(:func:`pipetrain.profiler.lengths.measure_lengths`), each step's micro-batch shapes give
-its costs (messages as measured in the formation's last step), and the simulator, with
+Each step is also predicted: the GPT's layers are profiled alone at five shapes, one torch
+thread as each rank runs, and fitted (:func:`pipetrain.app.step_costs.profiled_gpt`); each
+step's micro-batch shapes give its costs (messages as measured in the formation's last
+step), and the simulator, with
 the ranks sharing the cores, plays the step; the table gives the median of
 |predicted − measured| / measured over the steps.
 
@@ -42,7 +46,10 @@ from torch.nn.utils.rnn import pad_sequence
 import pipetrain
 from pipetrain.app.corpus_stream import CorpusSettings, CorpusStream, next_token_pair
 from pipetrain.app.data import stdlib_corpus
-from pipetrain.app.models.gpt import build_gpt, gpt_token_loss
+from pipetrain.app.models import build_model
+from pipetrain.app.models.gpt import gpt_token_loss
+from pipetrain.app.step_costs import StepPricer, profiled_gpt
+from pipetrain.app.step_costs import shapes_of as step_shapes
 from pipetrain.data.batches import (
     IGNORE_INDEX,
     fixed_groups,
@@ -51,16 +58,14 @@ from pipetrain.data.batches import (
     token_budget_groups,
 )
 from pipetrain.planning.sharing import shared_cores_stretch
-from pipetrain.profiler import profile
-from pipetrain.profiler.lengths import LengthCosts, Shape, measure_lengths
+from pipetrain.profiler.lengths import LengthCosts, Shape
 from pipetrain.runtime import Sequences
 from pipetrain.schedules import build
 from pipetrain.simulation import measured_costs, simulate
 from pipetrain.timeline import Timeline
 
-FORMATIONS = ("pad-longest", "pack", "pad-each", "token-budget")
+FORMATIONS = ("pad-longest", "pack", "pad-each", "token-budget", "adaptive")
 WARMUP, EVAL_EVERY = 3, 10
-PROFILED: list[Shape] = [(2, 64), (2, 256), (2, 1024), (8, 128), (4, 512)]
 
 
 def steps_of(settings: CorpusSettings, batch: int, steps: int) -> list[list[torch.Tensor]]:
@@ -82,14 +87,25 @@ def formed(formation: str, pairs: list[Any], microbatches: int, seq_len_max: int
     return Sequences(inputs), Sequences(targets)
 
 
+def chosen(pricer: StepPricer, pairs: list[Any], args: argparse.Namespace) -> list[list[int]]:
+    """``--adaptive``'s groups for a step: the fastest candidate simulated."""
+    lengths = [len(x) for x, _ in pairs]
+    return pricer.choose(lengths, args.microbatches, args.budget)[1]
+
+
 def run(
-    formation: str, args: argparse.Namespace, path: str, held: tuple[torch.Tensor, torch.Tensor]
+    formation: str,
+    args: argparse.Namespace,
+    path: str,
+    held: tuple[torch.Tensor, torch.Tensor],
+    fitted: LengthCosts,
 ) -> dict[str, Any]:
     """Worker: train ``--steps`` steps formed as ``formation``; rank 0's losses, step
-    times, tokens and (for the first formation) held-out losses."""
+    times (an adaptive step's choice included), tokens and (for the first formation)
+    held-out losses."""
     settings = CorpusSettings(path, seq_len_max=args.seq_len_max, eval_fraction=0.02)
     model = gpt(args)
-    budget = args.budget if formation == "token-budget" else None
+    budget = args.budget if formation in ("token-budget", "adaptive") else None
     pipe = pipetrain.Pipeline(
         model,
         loss_fn=gpt_token_loss,
@@ -98,12 +114,18 @@ def run(
             schedule="1f1b", microbatches=args.microbatches, microbatch_tokens=budget
         ),
     )
+    pricer = StepPricer(fitted, "1f1b", args.ranks, list(pipe.balance))
     losses, times, tokens, evaluations = [], [], [], []
     for step, pairs in enumerate(steps_of(settings, args.batch, args.steps)):
-        inputs, targets = formed(formation, pairs, args.microbatches, args.seq_len_max)
         pipe.recorder.enabled = step == args.steps - 1
         torch.distributed.barrier()
         start = time.perf_counter()
+        if formation == "adaptive":
+            groups = chosen(pricer, pairs, args)
+            inputs = Sequences([x for x, _ in pairs], groups)
+            targets = Sequences([y for _, y in pairs], groups)
+        else:
+            inputs, targets = formed(formation, pairs, args.microbatches, args.seq_len_max)
         losses.append(pipe.train_step(inputs, targets))
         times.append(time.perf_counter() - start)
         tokens.append(sum(int((y != IGNORE_INDEX).sum()) for _, y in pairs))
@@ -124,26 +146,17 @@ def run(
 
 
 def gpt(args: argparse.Namespace) -> torch.nn.Sequential:
-    torch.manual_seed(0)
-    return build_gpt(d_model=args.d_model, heads=4, n_layers=args.layers, context=args.seq_len_max)
+    """The built-in GPT (6 layers, width 64) with a context of ``--seq-len-max``."""
+    return build_model("gpt", seed=0, context=args.seq_len_max)
 
 
-def length_costs(args: argparse.Namespace) -> LengthCosts:
-    """The GPT's layers profiled alone at :data:`PROFILED` shapes, fitted."""
-    model = gpt(args)
-
-    def at(shape: Shape) -> pipetrain.Profile:
-        tokens = torch.randint(0, 256, shape)
-        return profile(
-            list(model), tokens, tokens, lambda out, y: gpt_token_loss(out, y)[0], repeats=3
-        )
-
-    return measure_lengths(at, PROFILED)
-
-
-def shapes_of(formation: str, pairs: list[Any], args: argparse.Namespace) -> list[Shape]:
+def shapes_of(
+    formation: str, pairs: list[Any], args: argparse.Namespace, pricer: StepPricer
+) -> list[Shape]:
     """The ``(rows, length)`` of each micro-batch a step's documents form."""
     lengths = [len(x) for x, _ in pairs]
+    if formation == "adaptive":
+        return step_shapes(lengths, chosen(pricer, pairs, args))
     if formation == "pack":
         groups = pack_groups(lengths, args.seq_len_max, args.microbatches)
         width = max(sum(lengths[i] for i in g) for g in groups)
@@ -188,8 +201,6 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--budget", type=int, default=2048)
     parser.add_argument("--seq-len-max", type=int, default=1024)
-    parser.add_argument("--d-model", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
         path = f"{directory}/stdlib.txt"
@@ -198,13 +209,15 @@ def main() -> None:
         held = held_out(path, args.seq_len_max)
         settings = CorpusSettings(path, seq_len_max=args.seq_len_max, eval_fraction=0.02)
         steps = steps_of(settings, args.batch, args.steps)
-        fitted = length_costs(args)
+        # as each rank will run: one torch thread
+        fitted = profiled_gpt(settings, seed=0, threads=1)
         results = {}
         for formation in FORMATIONS:
             results[formation] = pipetrain.launch(
-                run, args.ranks, formation, args, path, held, timeout_s=1800
+                run, args.ranks, formation, args, path, held, fitted, timeout_s=1800
             )[0]
-            shapes = [shapes_of(formation, pairs, args) for pairs in steps]
+            pricer = StepPricer(fitted, "1f1b", args.ranks, results[formation]["balance"])
+            shapes = [shapes_of(formation, pairs, args, pricer) for pairs in steps]
             results[formation]["predicted"] = predicted(
                 results[formation], shapes, fitted, args.ranks
             )
