@@ -30,7 +30,7 @@ def idle(directory: str) -> None:
 
 
 if __name__ == "__main__":
-    pipetrain.launch(idle, 2, sys.argv[1], timeout_s=60, threads_per_worker=1)
+    pipetrain.launch(idle, 2, sys.argv[1], timeout_s=300, threads_per_worker=1)
 
 
 def descendants(pid: int) -> list[int]:
