@@ -29,6 +29,21 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, A
     }
 
 
+def assert_like_the_reference_loop(
+    per_rank: list[dict[str, Any]], expected: dict[str, Any]
+) -> None:
+    """Every rank's losses and update count, and the weights the ranks end with together,
+    equal the reference loop's."""
+    state: dict[str, torch.Tensor] = {}
+    for result in per_rank:
+        assert result["losses"] == pytest.approx(expected["losses"], rel=1e-5)
+        assert result["updates"] == cases.UPDATES
+        state.update(result["state"])
+    assert sorted(state) == sorted(expected["state"])
+    for name, value in expected["state"].items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_sharded_replicas_train_as_the_unpipelined_model(
     runs: dict[str, list[dict[str, Any]]], schedule: str
@@ -36,14 +51,7 @@ def test_sharded_replicas_train_as_the_unpipelined_model(
     # accumulation over two calls, clipping that clips, AdamW and a learning-rate schedule
     expected = cases.reference_loop()
     assert max(expected["norms"]) > cases.MAX_NORM
-    state: dict[str, torch.Tensor] = {}
-    for result in runs[schedule]:
-        assert result["losses"] == pytest.approx(expected["losses"], rel=1e-5)
-        assert result["updates"] == cases.UPDATES
-        state.update(result["state"])
-    assert sorted(state) == sorted(expected["state"])
-    for name, value in expected["state"].items():
-        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert_like_the_reference_loop(runs[schedule], expected)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -182,11 +190,4 @@ def test_copies_of_a_split_backward_or_interleaved_pipeline_train_as_the_unpipel
     per_rank = pipetrain.launch(
         shard_cases.copied_loop, 4, schedule, options, balance, shard, timeout_s=300
     )
-    state: dict[str, torch.Tensor] = {}
-    for result in per_rank:
-        assert result["losses"] == pytest.approx(expected["losses"], rel=1e-5)
-        assert result["updates"] == cases.UPDATES
-        state.update(result["state"])
-    assert sorted(state) == sorted(expected["state"])
-    for name, value in expected["state"].items():
-        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert_like_the_reference_loop(per_rank, expected)
