@@ -57,11 +57,9 @@ from pipetrain.data.batches import (
     packed,
     token_budget_groups,
 )
-from pipetrain.planning.sharing import shared_cores_stretch
 from pipetrain.profiler.lengths import LengthCosts, Shape
 from pipetrain.runtime import Sequences
-from pipetrain.schedules import build
-from pipetrain.simulation import measured_costs, simulate
+from pipetrain.simulation import measured_costs
 from pipetrain.timeline import Timeline
 
 FORMATIONS = ("pad-longest", "pack", "pad-each", "token-budget", "adaptive")
@@ -176,16 +174,9 @@ def predicted(
     """Each step's simulated time on the fitted costs, the ranks sharing the cores."""
     stages = len(result["balance"])
     base = measured_costs(Timeline.from_dict(result["timeline"]), stages)
-    cores = min(ranks, len(os.sched_getaffinity(0)))
-    times = []
-    for step in shapes:
-        schedule = build("1f1b", ranks, len(step))
-        costs = fitted.costs(result["balance"], step, base)
-        _, timeline = shared_cores_stretch(
-            lambda c, s=schedule: simulate(s, c), costs, stages, ranks, cores
-        )
-        times.append(timeline.makespan)
-    return times
+    pricer = StepPricer(fitted, "1f1b", ranks, result["balance"], base=base)
+    cores = len(os.sched_getaffinity(0))
+    return [pricer.step_s(step, cores) for step in shapes]
 
 
 def held_out(path: str, seq_len_max: int) -> tuple[torch.Tensor, torch.Tensor]:

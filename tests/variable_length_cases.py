@@ -162,19 +162,20 @@ def budget_groups(rows: list[torch.Tensor], multiple: int) -> list[list[int]]:
     return split_to(groups, -(-len(groups) // multiple) * multiple)
 
 
-def budget_reference(multiple: int) -> dict[str, Any]:
-    """The unpipelined GPT on the micro-batches a token budget forms: each step's loss is
-    the token mean over all of them."""
-    model = gpt()
+def grouped_reference(
+    model: nn.Module, steps: list[list[torch.Tensor]], groups_of: Any
+) -> dict[str, Any]:
+    """``model`` unpipelined on each step's rows in the micro-batches ``groups_of(rows)``
+    forms, each padded to its own longest: each step's loss is the token mean over all."""
+    from pipetrain.data.batches import padded
+
     optimizer = sgd(model.parameters())
     losses = []
-    for rows in budget_rows():
+    for rows in steps:
         optimizer.zero_grad()
         documents = [r.tolist() for r in rows]
         pairs = []
-        for group in budget_groups(rows, multiple):
-            from pipetrain.data.batches import padded
-
+        for group in groups_of(rows):
             x, y = padded([documents[i] for i in group])
             pairs.append(pipetrain.causal_lm_loss(model(x), y))
         loss = sum(t for t, _ in pairs) / sum(c for _, c in pairs)
@@ -182,6 +183,11 @@ def budget_reference(multiple: int) -> dict[str, Any]:
         optimizer.step()
         losses.append(loss.item())
     return {"losses": losses, "state": model.state_dict()}
+
+
+def budget_reference(multiple: int) -> dict[str, Any]:
+    """The unpipelined GPT on the micro-batches a token budget forms."""
+    return grouped_reference(gpt(), budget_rows(), lambda rows: budget_groups(rows, multiple))
 
 
 def budget_runs(schedules: list[str]) -> list[dict[str, Any]]:
@@ -223,27 +229,12 @@ def llama_groups(rows: list[torch.Tensor], budget: int | None) -> list[list[int]
 
 
 def llama_reference(budget: int | None) -> dict[str, Any]:
-    """The unpipelined Llama on the same micro-batches, each padded to its own longest:
-    each step's loss is the token mean over all of them."""
+    """The unpipelined Llama on the same micro-batches."""
     from graph_cases import hf_model
 
-    from pipetrain.data.batches import padded
-
-    model = hf_model("llama")
-    optimizer = sgd(model.parameters())
-    losses = []
-    for rows in llama_steps():
-        optimizer.zero_grad()
-        documents = [r.tolist() for r in rows]
-        pairs = []
-        for group in llama_groups(rows, budget):
-            x, y = padded([documents[i] for i in group])
-            pairs.append(pipetrain.causal_lm_loss(model(x), y))
-        loss = sum(t for t, _ in pairs) / sum(c for _, c in pairs)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return {"losses": losses, "state": model.state_dict()}
+    return grouped_reference(
+        hf_model("llama"), llama_steps(), lambda rows: llama_groups(rows, budget)
+    )
 
 
 def llama_runs(schedules: list[str], budget: int | None) -> list[dict[str, Any]]:
