@@ -103,3 +103,29 @@ def test_a_loss_that_is_neither_a_scalar_nor_a_pair_is_refused() -> None:
         split_loss((torch.ones(3), 2), "the loss function", "on stage 1")
     loss, count = split_loss((torch.tensor(6.0), 4), "f", "here")
     assert count is not None and float(loss / count) == 1.5
+
+
+def test_a_tensor_two_stages_of_a_rank_hold_is_divided_once() -> None:
+    """A tied weight that both ends of a V schedule hold on one rank accumulates one
+    gradient, which the step's count divides once (twice was the V schedules' defect)."""
+    from pipetrain.runtime.rank.normalize import Normalizer
+
+    tied, own = torch.zeros(3, requires_grad=True), torch.zeros(2, requires_grad=True)
+    tied.grad, own.grad = torch.full((3,), 6.0), torch.full((2,), 6.0)
+    normalizer = Normalizer({0: [tied], 3: [own, tied]}, {}, lambda _: None, torch.device("cpu"))
+    normalizer.divide(torch.tensor(3.0), returned=4, microbatches=4, updating=True)
+    torch.testing.assert_close(tied.grad, torch.full((3,), 2.0))
+    torch.testing.assert_close(own.grad, torch.full((2,), 2.0))
+
+
+def test_replicas_of_two_stages_of_a_rank_sharing_a_parameter_are_refused() -> None:
+    from pipetrain.model.frontend import SharedParameter
+    from pipetrain.runtime.rank.shared import check_sharing
+    from pipetrain.schedules import build
+    from pipetrain.schedules.copies import data_parallel_copies
+
+    tied = [SharedParameter({0: "embed.weight", 3: "head.weight"})]
+    check_sharing(tied, build("zb-v", 2, 4))  # one copy: one tensor, one gradient
+    check_sharing(tied, data_parallel_copies(build("interleaved", 2, 4, virtual=2), 2))
+    with pytest.raises(ValueError, match="stages 0 and 3, both on rank 0 and replicated"):
+        check_sharing(tied, data_parallel_copies(build("zb-v", 2, 4), 2))

@@ -32,7 +32,7 @@ from pipetrain.runtime.rank.precision import LossScale, Precision
 from pipetrain.runtime.rank.recorder import Recorder
 from pipetrain.runtime.rank.reduce import Reducer, replica_groups, replica_reducers
 from pipetrain.runtime.rank.shard import ShardedReducer, shard_stage
-from pipetrain.runtime.rank.shared import SharedGradients, counted_once
+from pipetrain.runtime.rank.shared import SharedGradients, check_sharing, counted_once
 from pipetrain.runtime.rank.stage import LossFn, Stage
 from pipetrain.runtime.rank.update import Updater
 from pipetrain.runtime.rank.update_config import UpdateConfig
@@ -116,12 +116,7 @@ def assemble(
     device = transport.device
     stages = _stage_modules(schedule, rank, front, balance, device, source or ModelSource())
     shared = shared_parameters(front, balance)
-    if shared and schedule.asynchronous and any(len(r) > 1 for r in schedule.stage_ranks):
-        raise ValueError(
-            f"parameters {[s.names[s.stages[0]] for s in shared][:3]} are used by several "
-            f"stages, which {schedule.name} cannot keep equal with replicated stages; "
-            "use a synchronous schedule, no replicas, or a cut with one stage holding them"
-        )
+    check_sharing(shared, schedule)
     groups = replica_groups(schedule, transport.global_rank)
     replicated = [s for s in stages if config.shard and s in groups]
     sharing = SharedGradients(

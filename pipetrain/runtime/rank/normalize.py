@@ -44,7 +44,13 @@ class Normalizer:
         device: torch.device,
     ) -> None:
         """Normalize the gradients of ``holders``' tensors."""
-        self.holders = {stage: list(tensors) for stage, tensors in holders.items()}
+        # a tensor two of the rank's stages use (a tied weight held by both ends of a V
+        # schedule) accumulates one gradient: it is divided once, with its first stage
+        seen: set[int] = set()
+        self.holders: dict[int, list[torch.Tensor]] = {}
+        for stage, tensors in holders.items():
+            self.holders[stage] = [t for t in tensors if id(t) not in seen]
+            seen.update(id(t) for t in tensors)
         self.reducers, self.all_reduce, self.device = reducers, all_reduce, device
         self.normalizing: bool | None = None  # unknown until a step has run its loss
         self._aside: dict[int, list[torch.Tensor | None]] = {}

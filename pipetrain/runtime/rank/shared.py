@@ -11,6 +11,7 @@ holding two of the stages the copies are one tensor, whose gradient already adds
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
@@ -102,6 +103,33 @@ class SharedGradients:
             if share != 1.0:
                 grad.mul_(share)
             dist.all_reduce(grad, group=group)
+
+
+def check_sharing(shared: Sequence[SharedParameter], schedule: Schedule) -> None:
+    """Raise ValueError (on every rank alike) where ``schedule`` cannot keep the ``shared``
+    parameters one: an asynchronous schedule with replicated stages, or replicas of two
+    stages on one rank that both hold such a parameter (each stage's replicas all-reduce
+    its own gradients, which would sum that one tensor's twice)."""
+    if not shared:
+        return
+    names = [item.names[item.stages[0]] for item in shared][:3]
+    if schedule.asynchronous and any(len(r) > 1 for r in schedule.stage_ranks):
+        raise ValueError(
+            f"parameters {names} are used by several stages, which {schedule.name} cannot "
+            "keep equal with replicated stages; use a synchronous schedule, no replicas, "
+            "or a cut with one stage holding them"
+        )
+    for item in shared:
+        for first, stage in itertools.combinations(item.stages, 2):
+            together = set(schedule.stage_ranks[first]) & set(schedule.stage_ranks[stage])
+            if together and len(schedule.stage_ranks[first]) > 1:
+                raise ValueError(
+                    f"parameter {item.names[first]!r} is used by stages {first} and {stage}, "
+                    f"both on rank {min(together)} and replicated: their replicas cannot "
+                    f"all-reduce one tensor for two stages under {schedule.name}; use a "
+                    "schedule that puts those stages on different ranks (1f1b, interleaved), "
+                    "or no data parallelism"
+                )
 
 
 def counted_once(
