@@ -18,9 +18,9 @@ VOCAB, LENGTH, BATCH, STEPS, LR = 64, 8, 12, 3, 0.5
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
-def hf_model(name: str, seed: int = 0) -> torch.nn.Module:
+def hf_model(name: str, seed: int = 0, context: int = 64) -> torch.nn.Module:
     """A small stock Hugging Face causal LM: ``gpt2`` (tied), ``llama`` (tied),
-    ``llama-untied``; 4 blocks, no dropout."""
+    ``llama-untied`` (positions up to ``context``); 4 blocks, no dropout."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -32,7 +32,7 @@ def hf_model(name: str, seed: int = 0) -> torch.nn.Module:
         return GPT2LMHeadModel(config)
     config = LlamaConfig(
         num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=context,
         tie_word_embeddings=name == "llama", bos_token_id=0, eos_token_id=0, pad_token_id=0,
     )  # fmt: skip
     return LlamaForCausalLM(config)

@@ -1,9 +1,11 @@
-"""Steps whose micro-batches differ in sequence length, on the built-in GPT: the data,
-the unpipelined references and the worker functions (importable by spawned workers)."""
+"""Steps whose micro-batches differ in sequence length (documents of 8 to 1,024 tokens), on
+the built-in GPT: the data, the unpipelined references (shared with the captured Llama's
+cases) and the worker functions (importable by spawned workers)."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,6 +18,7 @@ from pipetrain.data.batches import microbatches
 from pipetrain.runtime import MicroBatches
 
 STEPS, MICROBATCHES, ROWS, SGD_LR = 2, 6, 2, 0.1
+DOCUMENT_LENGTHS = [8, 30, 130, 520, 1024]  # tokens: short documents most, as corpora have
 SYNCHRONOUS = [
     "gpipe",
     "1f1b",
@@ -28,26 +31,56 @@ SYNCHRONOUS = [
     "v-min",
     "dualpipev",
 ]
-Batch = list[tuple[torch.Tensor, torch.Tensor]]
+Batch = list[tuple[Any, torch.Tensor]]
+Forward = Callable[[nn.Module, Any], Any]
 
 
 def gpt() -> nn.Sequential:
-    """Six layers: the embedding, four blocks, the head; context 64."""
+    """Six layers: the embedding, four blocks, the head; context 1,024."""
     torch.manual_seed(0)
-    return build_gpt(d_model=16, heads=2, n_layers=4, context=64)
+    return build_gpt(d_model=16, heads=2, n_layers=4, context=1024)
+
+
+def documents(count: int, chance: random.Random, vocab: int = 256) -> list[list[int]]:
+    """``count`` documents of 8 to 1,024 tokens (ids 1 to ``vocab - 1``), short ones most."""
+    weights = [8, 6, 4, 2, 1]
+    return [
+        [chance.randrange(1, vocab) for _ in range(chance.choices(DOCUMENT_LENGTHS, weights)[0])]
+        for _ in range(count)
+    ]
 
 
 def step_batches(seed: int = 0) -> list[Batch]:
-    """Each step's micro-batches: documents of 3 to 64 bytes, padded per micro-batch."""
+    """Each step's micro-batches: documents of 8 to 1,024 bytes, padded per micro-batch,
+    no two steps' longest alike."""
     chance = random.Random(seed)
-    steps = []
-    for _ in range(STEPS):
-        documents = [
-            [chance.randrange(256) for _ in range(chance.choice([3, 8, 17, 40, 64]))]
-            for _ in range(MICROBATCHES * ROWS)
-        ]
-        steps.append(microbatches(documents, count=MICROBATCHES))
-    return steps
+    return [
+        microbatches(documents(MICROBATCHES * ROWS, chance), count=MICROBATCHES)
+        for _ in range(STEPS)
+    ]
+
+
+def called(model: nn.Module, inputs: Any) -> Any:
+    """``model`` on one micro-batch's inputs (keywords when they are a dict)."""
+    return model(**inputs) if isinstance(inputs, dict) else model(inputs)
+
+
+def unpipelined(
+    model: nn.Module, steps: list[Batch], forward: Forward = called, loss_fn: Any = None
+) -> dict[str, Any]:
+    """``model`` trained with SGD on each step's micro-batches in one process: each step's
+    loss is the token mean over all its micro-batches."""
+    loss_fn = loss_fn or pipetrain.causal_lm_loss
+    optimizer = sgd(model.parameters())
+    losses = []
+    for batch in steps:
+        optimizer.zero_grad()
+        pairs = [loss_fn(forward(model, x), y) for x, y in batch]
+        loss = sum(t for t, _ in pairs) / sum(c for _, c in pairs)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return {"losses": losses, "state": model.state_dict()}
 
 
 def token_mean(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -61,19 +94,14 @@ def sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=SGD_LR, momentum=0.9)
 
 
+def plain_sgd(params: Any) -> torch.optim.Optimizer:
+    """SGD without momentum: the update PipeDream's replay applies."""
+    return torch.optim.SGD(params, lr=SGD_LR)
+
+
 def synchronous_reference() -> dict[str, Any]:
-    """The unpipelined GPT: each step's loss is the token mean over all its micro-batches."""
-    model = gpt()
-    optimizer = sgd(model.parameters())
-    losses = []
-    for batch in step_batches():
-        optimizer.zero_grad()
-        pairs = [pipetrain.causal_lm_loss(model(x), y) for x, y in batch]
-        loss = sum(t for t, _ in pairs) / sum(c for _, c in pairs)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return {"losses": losses, "state": model.state_dict()}
+    """The unpipelined GPT on the same micro-batches."""
+    return unpipelined(gpt(), step_batches())
 
 
 def synchronous_runs(schedules: list[str], balance: list[int]) -> list[dict[str, Any]]:
@@ -98,12 +126,36 @@ def synchronous_runs(schedules: list[str], balance: list[int]) -> list[dict[str,
     return results
 
 
-def pipedream_reference(balance: list[int]) -> dict[str, torch.Tensor]:
+def pipedream_replay(
+    model: nn.Module,
+    owner: dict[str, int],
+    steps: list[Batch],
+    forward: Forward = called,
+    loss_fn: Any = None,
+) -> dict[str, torch.Tensor]:
     """PipeDream's rule replayed in one process with SGD: micro-batch ``k`` of a call
-    updates every stage, stage ``s`` computing on the version ``k - (p - s) + 1`` (the
-    newest it holds; 0 at the call's start, as the pipeline drains between calls)."""
-    model = gpt()
-    stages = len(balance)
+    updates every stage, the stage ``owner[name]`` of each parameter computing on the
+    version ``k - (p - s) + 1`` (the newest it holds; 0 at the call's start, as the
+    pipeline drains between calls). The final parameters."""
+    loss_fn = loss_fn or token_mean
+    stages = max(owner.values()) + 1
+    versions = [{n: p.detach().clone() for n, p in model.named_parameters()}]
+    for batch in steps:
+        base = len(versions) - 1
+        for k, (x, y) in enumerate(batch):
+            weights = {
+                n: versions[base + max(0, k - (stages - owner[n]) + 1)][n].clone().requires_grad_()
+                for n in owner
+            }
+            with torch.nn.utils.stateless._reparametrize_module(model, weights):
+                loss = loss_fn(forward(model, x), y)
+            grads = dict(zip(weights, torch.autograd.grad(loss, list(weights.values()))))
+            versions.append({n: versions[-1][n] - SGD_LR * grads[n] for n in owner})
+    return versions[-1]
+
+
+def gpt_owner(model: nn.Sequential, balance: list[int]) -> dict[str, int]:
+    """The stage of each of the GPT's parameters when ``balance`` cuts its layers."""
     owner = {}
     layer = 0
     for stage, count in enumerate(balance):
@@ -111,18 +163,13 @@ def pipedream_reference(balance: list[int]) -> dict[str, torch.Tensor]:
             for name, _ in model[index].named_parameters():
                 owner[f"{index}.{name}"] = stage
         layer += count
-    versions = [{n: p.detach().clone() for n, p in model.named_parameters()}]
-    for batch in step_batches():
-        base = len(versions) - 1
-        for k, (x, y) in enumerate(batch):
-            weights = {
-                n: versions[base + max(0, k - (stages - owner[n]) + 1)][n].clone().requires_grad_()
-                for n in owner
-            }
-            loss = token_mean(torch.func.functional_call(model, weights, (x,)), y)
-            grads = dict(zip(weights, torch.autograd.grad(loss, list(weights.values()))))
-            versions.append({n: versions[-1][n] - SGD_LR * grads[n] for n in owner})
-    return versions[-1]
+    return owner
+
+
+def pipedream_reference(balance: list[int]) -> dict[str, torch.Tensor]:
+    """The GPT's layers on the stages of ``balance`` under PipeDream's rule."""
+    model = gpt()
+    return pipedream_replay(model, gpt_owner(model, balance), step_batches())
 
 
 def pipedream_run(balance: list[int]) -> dict[str, torch.Tensor]:
@@ -133,7 +180,7 @@ def pipedream_run(balance: list[int]) -> dict[str, torch.Tensor]:
         microbatches=MICROBATCHES,
         schedule="pipedream",
         loss_fn=token_mean,
-        optimizer=lambda params: torch.optim.SGD(params, lr=SGD_LR),
+        optimizer=plain_sgd,
     )
     for batch in step_batches():
         pipe.train_step(MicroBatches([x for x, _ in batch]), MicroBatches([y for _, y in batch]))
@@ -166,23 +213,14 @@ def grouped_reference(
     model: nn.Module, steps: list[list[torch.Tensor]], groups_of: Any
 ) -> dict[str, Any]:
     """``model`` unpipelined on each step's rows in the micro-batches ``groups_of(rows)``
-    forms, each padded to its own longest: each step's loss is the token mean over all."""
+    forms, each padded to its own longest."""
     from pipetrain.data.batches import padded
 
-    optimizer = sgd(model.parameters())
-    losses = []
+    batches = []
     for rows in steps:
-        optimizer.zero_grad()
         documents = [r.tolist() for r in rows]
-        pairs = []
-        for group in groups_of(rows):
-            x, y = padded([documents[i] for i in group])
-            pairs.append(pipetrain.causal_lm_loss(model(x), y))
-        loss = sum(t for t, _ in pairs) / sum(c for _, c in pairs)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return {"losses": losses, "state": model.state_dict()}
+        batches.append([padded([documents[i] for i in group]) for group in groups_of(rows)])
+    return unpipelined(model, batches)
 
 
 def budget_reference(multiple: int) -> dict[str, Any]:
@@ -204,108 +242,70 @@ def budget_runs(schedules: list[str]) -> list[dict[str, Any]]:
     return results
 
 
-LLAMA_MICROBATCHES, LLAMA_BUDGET = 4, 120
-
-
-def llama_steps(seed: int = 2) -> list[list[torch.Tensor]]:
-    """Each step's rows for the captured Llama: 8 documents of 3 to 40 tokens (ids 1-63)."""
-    chance = random.Random(seed)
-    return [
-        [
-            torch.tensor([chance.randrange(1, 64) for _ in range(chance.choice([3, 7, 16, 40]))])
-            for _ in range(8)
-        ]
-        for _ in range(STEPS)
-    ]
-
-
-def llama_groups(rows: list[torch.Tensor], budget: int | None) -> list[list[int]]:
-    """The micro-batches of a step: a fixed count of consecutive rows, or a token budget."""
-    from pipetrain.data.batches import fixed_groups, token_budget_groups
-
-    if budget is None:
-        return fixed_groups(len(rows), LLAMA_MICROBATCHES)
-    return token_budget_groups([len(r) for r in rows], budget)
-
-
-def llama_reference(budget: int | None) -> dict[str, Any]:
-    """The unpipelined Llama on the same micro-batches."""
-    from graph_cases import hf_model
-
-    return grouped_reference(
-        hf_model("llama"), llama_steps(), lambda rows: llama_groups(rows, budget)
-    )
-
-
-def llama_runs(schedules: list[str], budget: int | None) -> list[dict[str, Any]]:
-    """One capture of the stock Llama (tied embeddings) on 2 x 8 tokens, then each
-    schedule on rows of every length from the same initial weights: by a fixed count of
-    micro-batches, or by a token budget. Its losses and this rank's weights."""
-    from graph_cases import hf_model
-
-    from pipetrain.model.graph import GraphModel
-    from pipetrain.runtime import PipelineConfig, Sequences
-
-    model = hf_model("llama")
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
-    graph = GraphModel(model, torch.randint(1, 64, (2, 8)))
-    results = []
-    for schedule in schedules:
-        model.load_state_dict(initial)
-        config = PipelineConfig(schedule, LLAMA_MICROBATCHES, microbatch_tokens=budget)
-        pipe = make_pipeline(graph, loss_fn=pipetrain.causal_lm_loss, optimizer=sgd, config=config)
-        losses = [pipe.train_step(Sequences(rows), Sequences(rows)) for rows in llama_steps()]
-        state = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
-        results.append({"schedule": schedule, "losses": losses, "state": state})
-    return results
-
-
 def packed_steps(seed: int = 3) -> list[Any]:
-    """Each step's documents (3 to 60 bytes) packed into rows of at most 64 tokens, at
-    least 4 rows: ``((tokens, documents), targets)``."""
+    """Each step's documents (8 to 1,024 bytes) packed into rows of at most 1,024 tokens,
+    at least 4 rows: ``((tokens, documents), targets)``."""
     from pipetrain.app.corpus_stream import next_token_pair
     from pipetrain.data.batches import packed
 
     chance = random.Random(seed)
-    steps = []
-    for _ in range(STEPS):
-        documents = [
-            [chance.randrange(256) for _ in range(chance.choice([3, 9, 20, 41, 60]))]
-            for _ in range(12)
-        ]
-        steps.append(packed([next_token_pair(d) for d in documents], 64, rows=4))
-    return steps
+    return [
+        packed([next_token_pair(d) for d in documents(16, chance)], 1024, rows=4)
+        for _ in range(STEPS)
+    ]
+
+
+def layer_by_layer(model: nn.Module, inputs: Any) -> Any:
+    """The GPT on packed rows: the document numbers go on beside the activations."""
+    out = inputs
+    for layer in model:
+        out = layer(*out) if isinstance(out, tuple) else layer(out)
+    return out
 
 
 def packed_reference() -> dict[str, Any]:
-    """The unpipelined GPT on the packed rows, layer by layer (document numbers beside the
-    activations): each step's loss is the token mean over every row."""
+    """The unpipelined GPT on the packed rows, one micro-batch for the whole step."""
     from pipetrain.app.models.gpt import gpt_token_loss
 
+    steps = [[step] for step in packed_steps()]
+    return unpipelined(gpt(), steps, layer_by_layer, gpt_token_loss)
+
+
+def packed_token_mean(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """A packed micro-batch's own token mean (targets already the next tokens)."""
+    from pipetrain.app.models.gpt import gpt_token_loss
+
+    total, count = gpt_token_loss(logits, targets)
+    return total / count
+
+
+def packed_pipedream_reference(balance: list[int]) -> dict[str, torch.Tensor]:
+    """The GPT under PipeDream's rule on the packed rows, split as the pipeline splits
+    them (``torch.tensor_split`` into 4 micro-batches)."""
     model = gpt()
-    optimizer = sgd(model.parameters())
-    losses = []
-    for (tokens, documents), targets in packed_steps():
-        optimizer.zero_grad()
-        out: Any = (tokens, documents)
-        for layer in model:
-            out = layer(*out) if isinstance(out, tuple) else layer(out)
-        total, count = gpt_token_loss(out, targets)
-        loss = total / count
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return {"losses": losses, "state": model.state_dict()}
+    steps = []
+    for (tokens, numbers), targets in packed_steps():
+        pieces = zip(*(torch.tensor_split(t, 4) for t in (tokens, numbers, targets)))
+        steps.append([((t, n), y) for t, n, y in pieces])
+    owner = gpt_owner(model, balance)
+    return pipedream_replay(model, owner, steps, layer_by_layer, packed_token_mean)
 
 
-def packed_runs(schedules: list[str]) -> list[dict[str, Any]]:
-    """Each schedule on the packed rows (4 micro-batches): losses and this rank's weights."""
+def packed_runs(schedules: list[str], balance: list[int] | None = None) -> list[dict[str, Any]]:
+    """Each schedule on the packed rows (4 micro-batches): losses and this rank's weights
+    (PipeDream with plain SGD and each micro-batch's own token mean)."""
     from pipetrain.app.models.gpt import gpt_token_loss
 
     results = []
     for schedule in schedules:
+        pipedream = schedule == "pipedream"
         pipe = make_pipeline(
-            gpt(), microbatches=4, schedule=schedule, loss_fn=gpt_token_loss, optimizer=sgd
+            gpt(),
+            balance=balance,
+            microbatches=4,
+            schedule=schedule,
+            loss_fn=packed_token_mean if pipedream else gpt_token_loss,
+            optimizer=plain_sgd if pipedream else sgd,
         )
         losses = [pipe.train_step(inputs, targets) for inputs, targets in packed_steps()]
         state = {k: v.clone() for k, v in pipe.state_dict().items()}

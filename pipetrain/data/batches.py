@@ -8,7 +8,8 @@ padded on the right under causal attention, changes no real token's output.
 Micro-batches are formed either as a fixed count of consecutive groups, or by a token
 budget (:func:`token_budget_groups`): then their number follows the batch's lengths.
 Documents can also be packed several to a row (:func:`packed`), each position labelled
-with its document so that a model keeps attention and positions within it.
+with its document so that a model keeps attention and positions within it; for a Hugging
+Face causal LM, :func:`packed_positions` labels them by ``position_ids`` instead.
 """
 
 from __future__ import annotations
@@ -139,3 +140,34 @@ def packed(
             documents[row, start:stop] = number
             start = stop
     return (tokens, documents), targets
+
+
+def packed_positions(
+    documents: Sequence[Sequence[int]], capacity: int, rows: int = 1, pad_id: int = 0
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``documents`` packed into rows of at most ``capacity`` tokens (:func:`pack_groups`)
+    for a Hugging Face causal LM: ``({"input_ids", "position_ids"}, labels)``, each
+    ``[rows, longest row]``. Positions restart at 0 at each document (and at the padding),
+    which transformers' mask builder reads as packed sequences when neither an
+    ``attention_mask`` nor a key-value cache is given, so attention stays within a
+    document: capture the model with ``position_ids`` among its example inputs (a capture
+    runs without a cache; an eager call needs ``use_cache=False``). Labels are the tokens,
+    ``IGNORE_INDEX`` on each document's first token (which the previous document's last
+    must not predict) and on the padding."""
+    if not documents or not all(documents):
+        raise ValueError("packed_positions needs at least one document, each of one token")
+    groups = pack_groups([len(d) for d in documents], capacity, rows)
+    width = max(sum(len(documents[i]) for i in group) for group in groups)
+    tokens = torch.full((len(groups), width), pad_id, dtype=torch.int64)
+    positions = torch.zeros(len(groups), width, dtype=torch.int64)
+    labels = torch.full((len(groups), width), IGNORE_INDEX, dtype=torch.int64)
+    for row, group in enumerate(groups):
+        start = 0
+        for index in group:
+            stop = start + len(documents[index])
+            tokens[row, start:stop] = torch.as_tensor(documents[index], dtype=torch.int64)
+            labels[row, start + 1 : stop] = tokens[row, start + 1 : stop]
+            positions[row, start:stop] = torch.arange(stop - start)
+            start = stop
+        positions[row, start:] = torch.arange(width - start)
+    return {"input_ids": tokens, "position_ids": positions}, labels
