@@ -75,7 +75,7 @@ def test_schedules_on_three_ranks() -> None:
     assert_like_the_unpipelined(merged(per_rank))
 
 
-@pytest.mark.parametrize("balance", [[3, 3], [2, 2, 2]])
+@pytest.mark.parametrize("balance", [[3, 3], pytest.param([2, 2, 2], marks=pytest.mark.slow)])
 def test_pipedream_applies_its_rule_to_micro_batches_of_every_length(balance: list[int]) -> None:
     states = pipetrain.launch(cases.pipedream_run, len(balance), balance, timeout_s=300)
     got = {k: v for state in states for k, v in state.items()}
