@@ -150,3 +150,32 @@ def copied_loop(
         "state": {name: _full(t).clone() for name, t in pipe.state_dict().items()},
         "updates": pipe.updates,
     }
+
+
+def lengths_on_sharded_replicas(schedules: list[str]) -> list[dict[str, Any]]:
+    """The GPT on micro-batches of 8 to 1,024 tokens, each padded to its own longest, on 2
+    stages x 2 sharded replicas under each schedule: losses and whole weights."""
+    import variable_length_cases as lengths
+    from settings import make_pipeline
+
+    import pipetrain
+    from pipetrain.runtime import MicroBatches
+
+    results = []
+    for schedule in schedules:
+        pipe = make_pipeline(
+            lengths.gpt(),
+            microbatches=lengths.MICROBATCHES,
+            schedule=schedule,
+            loss_fn=pipetrain.causal_lm_loss,
+            optimizer=lengths.sgd,
+            data_parallel=2,
+            shard=True,
+        )
+        losses = [
+            pipe.train_step(MicroBatches([x for x, _ in b]), MicroBatches([y for _, y in b]))
+            for b in lengths.step_batches()
+        ]
+        state = {k: _full(v).clone() for k, v in pipe.state_dict().items()}
+        results.append({"schedule": schedule, "losses": losses, "state": state})
+    return results

@@ -196,3 +196,12 @@ def test_packed_llama_rows_compute_what_their_documents_do_one_by_one() -> None:
                 start = stop
     assert int(count) == alone_count
     assert total.item() == pytest.approx(alone_total, rel=1e-5)
+
+
+@pytest.mark.slow  # 4 processes
+def test_sharded_replicas_take_micro_batches_of_every_length() -> None:
+    import shard_cases
+
+    schedules = ["gpipe", "1f1b", "zb-h1", "zb-v"]
+    per_rank = pipetrain.launch(shard_cases.lengths_on_sharded_replicas, 4, schedules, timeout_s=300)
+    assert_like_the_unpipelined(merged(per_rank))
