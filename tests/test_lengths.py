@@ -73,3 +73,62 @@ def test_a_steps_shapes_become_costs_each_micro_batch_its_own() -> None:
     assert costs.bytes_scale == pytest.approx([t / mean_tokens for t in (120, 500, 240)])
     with pytest.raises(ValueError, match="covers 4 layers"):
         fitted.stage_seconds([2, 2], (1, 10))
+
+
+def test_a_profile_for_micro_batches_of_given_shapes() -> None:
+    fitted = LengthCosts(forward=[(1e-3, 1e-6, 1e-9)] * 2, backward=[(2e-3, 2e-6, 2e-9)] * 2)
+    layer = LayerCost(
+        forward_s=9.0, backward_s=4.0, weight_backward_s=1.0, activation_bytes=800.0,
+        parameter_bytes=50.0, optimizer_s=0.5,
+    )  # fmt: skip
+    base = Profile([layer, layer], microbatch_size=2, input_bytes=80.0)
+    shapes = [(2, 100), (4, 25), (1, 300)]  # 200, 100 and 300 tokens against the base's 2 x 50
+    got = fitted.profile(base, (2, 50), shapes, microbatch_size=3)
+    assert got.microbatch_size == 3 and len(got) == 2
+    forward = [sum(fitted.layer_seconds(s)[0][0] for s in shapes) / 3]
+    backward = sum(fitted.layer_seconds(s)[1][0] for s in shapes) / 3
+    for cost in got.layers:
+        assert cost.forward_s == pytest.approx(forward[0])
+        assert cost.backward_s == pytest.approx(backward)
+        assert cost.weight_backward_s == pytest.approx(backward / 4)  # its measured share
+        assert cost.activation_bytes == pytest.approx(1600.0)  # 200 mean tokens, twice 100
+        assert (cost.parameter_bytes, cost.optimizer_s) == (50.0, 0.5)
+    assert got.input_bytes == pytest.approx(160.0)
+    with pytest.raises(ValueError, match="the profile has 2 layers, the fitted costs 3"):
+        LengthCosts(forward=[(0, 0, 0)] * 3, backward=[(0, 0, 0)] * 3).profile(
+            base, (2, 50), shapes, 3
+        )
+
+
+def test_the_planner_weighs_the_padding_each_micro_batch_count_leaves() -> None:
+    """Per-token costs and a long document in every step: one micro-batch pads every
+    document to it, sixteen pad none, and the plan takes sixteen. Equal lengths and a
+    large cost per call: every micro-batch costs its calls again, and the plan takes one."""
+    from pipetrain.app.corpus_plan import corpus_profile
+    from pipetrain.planning import plan
+
+    base = Profile([LayerCost(forward_s=1e-3, backward_s=2e-3)] * 4, microbatch_size=4)
+    per_token = LengthCosts(forward=[(0.0, 1e-6, 0.0)] * 4, backward=[(0.0, 2e-6, 0.0)] * 4)
+    skewed = [[1000] + [10] * 15] * 3
+    profile = corpus_profile(per_token, base, (4, 100), skewed, 16, None)
+    chosen = plan(
+        profile,
+        workers=2,
+        batch_size=16,
+        microbatches=[1, 2, 4, 8, 16],
+        schedules=["1f1b"],
+        replication=False,
+    )
+    assert chosen.microbatches == 16
+    per_call = LengthCosts(forward=[(1e-2, 1e-8, 0.0)] * 4, backward=[(2e-2, 2e-8, 0.0)] * 4)
+    even = [[100] * 16] * 3
+    profile = corpus_profile(per_call, base, (4, 100), even, 16, None)
+    chosen = plan(
+        profile,
+        workers=2,
+        batch_size=16,
+        microbatches=[1, 2, 4, 8, 16],
+        schedules=["1f1b"],
+        replication=False,
+    )
+    assert chosen.microbatches == 1

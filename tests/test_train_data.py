@@ -70,6 +70,9 @@ def test_data_for_a_model_that_cannot_read_it_is_refused(
     assert "give --model gpt" in refused(capsys, "--model", "mlp", "--data", str(corpus))
     error = refused(capsys, "--model", "hf-llama", "--data", str(corpus))
     assert "captured at one sequence length" in error
+    data = ("--model", "gpt", "--data", str(corpus), "--plan", "auto")
+    error = refused(capsys, *data, "--microbatch-tokens", "500")
+    assert "give --plan or the token budget, not both" in error
 
 
 def test_bad_data_is_named_before_any_worker_starts(
@@ -185,6 +188,17 @@ def test_every_formation_equals_the_unpipelined_model_and_resumes_with_the_same_
     trained(capsys, corpus, "--steps", "2", *save)
     resumed = trained(capsys, corpus, *steps, *save)
     torch.testing.assert_close(resumed["losses"], expected, rtol=1e-4, atol=0)
+
+
+@pytest.mark.slow
+def test_a_plan_made_on_the_corpus_lengths_trains_as_the_unpipelined_model(
+    capsys: pytest.CaptureFixture[str], corpus: Path
+) -> None:
+    report = trained(capsys, corpus, "--steps", str(STEPS), "--plan", "auto")
+    torch.testing.assert_close(report["losses"], unpipelined_losses(corpus), rtol=1e-4, atol=0)
+    assert BATCH % report["microbatches"] == 0 and report["planned_step_s"] > 0
+    packed_plan = trained(capsys, corpus, "--steps", "1", "--plan", "auto", "--pack")
+    assert packed_plan["planned_step_s"] > 0
 
 
 def test_the_adaptive_choice_is_the_fastest_candidate_simulated() -> None:

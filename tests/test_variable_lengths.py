@@ -203,5 +203,7 @@ def test_sharded_replicas_take_micro_batches_of_every_length() -> None:
     import shard_cases
 
     schedules = ["gpipe", "1f1b", "zb-h1", "zb-v"]
-    per_rank = pipetrain.launch(shard_cases.lengths_on_sharded_replicas, 4, schedules, timeout_s=300)
+    per_rank = pipetrain.launch(
+        shard_cases.lengths_on_sharded_replicas, 4, schedules, timeout_s=300
+    )
     assert_like_the_unpipelined(merged(per_rank))

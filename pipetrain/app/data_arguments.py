@@ -105,6 +105,11 @@ def check_data_flags(args: argparse.Namespace) -> None:
         return
     if args.ddp:
         raise ValueError("--data trains a pipeline; leave out --ddp")
+    if args.plan is not None and (args.microbatch_tokens is not None or args.adaptive):
+        raise ValueError(
+            "a plan fixes the micro-batch count and --microbatch-tokens (or --adaptive) "
+            "changes it from step to step; give --plan or the token budget, not both"
+        )
     if args.pack and args.microbatch_tokens is not None:
         raise ValueError(
             "--pack fills rows of --seq-len-max tokens and --microbatch-tokens groups documents "

@@ -189,37 +189,45 @@ def plan_together(
     )
     link = combined([link, measure_links()])  # the latency's regime changes over seconds
     cores = shared_cores(threads)
+    if measured is None:
+        return planned_on_rank_zero(None)
+    sharing = (
+        ""
+        if cores is None
+        else f"; the workers share {counted(cores, 'core')}, on which their work takes"
+        f" {measured.shared_cores_factor:.2f}x the core time it takes alone"
+    )
+    print(
+        f"links measured: {format_bandwidth(link.bandwidth)}, {format_seconds(link.latency_s)}"
+        f" a message; a message keeps each side busy {format_seconds(measured.message_s)}"
+        f" and {format_seconds(measured.send_byte_s * 1e6)} (sender),"
+        f" {format_seconds(measured.receive_byte_s * 1e6)} (receiver) more a MB" + sharing,
+        file=sys.stderr,
+        flush=True,
+    )
+    say("planning ...")
+    return planned_on_rank_zero(
+        lambda: plan(
+            measured,
+            topology=Topology.flat(dist.get_world_size(), *link),
+            batch_size=batch_size,
+            microbatches=counts,
+            schedules=schedules,
+            every_worker=True,  # the job has this many processes, each a worker
+            shared_cores=cores,
+            progress=progress_printer(),
+        )
+    )
+
+
+def planned_on_rank_zero(make: Callable[[], Plan] | None) -> Plan:
+    """Call on every rank: rank 0's ``make()`` (``None`` elsewhere) on every rank, or the
+    ValueError or TypeError it raised raised on every rank (none waits for a plan)."""
     outcome: list[Plan | Exception | None] = [None]
-    if measured is not None:
-        sharing = (
-            ""
-            if cores is None
-            else f"; the workers share {counted(cores, 'core')}, on which their work takes"
-            f" {measured.shared_cores_factor:.2f}x the core time it takes alone"
-        )
-        print(
-            f"links measured: {format_bandwidth(link.bandwidth)}, {format_seconds(link.latency_s)}"
-            f" a message; a message keeps each side busy {format_seconds(measured.message_s)}"
-            f" and {format_seconds(measured.send_byte_s * 1e6)} (sender),"
-            f" {format_seconds(measured.receive_byte_s * 1e6)} (receiver) more a MB" + sharing,
-            file=sys.stderr,
-            flush=True,
-        )
-        say("planning ...")
+    if make is not None:
         try:
-            outcome = [
-                plan(
-                    measured,
-                    topology=Topology.flat(dist.get_world_size(), *link),
-                    batch_size=batch_size,
-                    microbatches=counts,
-                    schedules=schedules,
-                    every_worker=True,  # the job has this many processes, each a worker
-                    shared_cores=cores,
-                    progress=progress_printer(),
-                )
-            ]
-        except (ValueError, TypeError) as error:  # every rank must hear of it, not wait for a plan
+            outcome = [make()]
+        except (ValueError, TypeError) as error:
             outcome = [error]
     dist.broadcast_object_list(outcome, src=0)
     chosen = outcome[0]

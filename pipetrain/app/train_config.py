@@ -141,7 +141,8 @@ class TrainConfig:
             self,
             plan=None,
             ranks=plan.ranks,
-            pipeline=PipelineConfig.from_plan(plan, targets_on_first_stage=True),
+            # a corpus's targets of every length are read where the loss is
+            pipeline=PipelineConfig.from_plan(plan, targets_on_first_stage=self.data is None),
             batch_size=self.batch_size or plan.batch_size,
             planned_step_s=plan.predicted_step_s
             if self.batch_size in (None, plan.batch_size)

@@ -26,12 +26,12 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
 from pipetrain.app.arguments import say, ticking
+from pipetrain.app.corpus_plan import automatic_plan
 from pipetrain.app.corpus_stream import CorpusStream, scanned
 from pipetrain.app.data import BatchStream
 from pipetrain.app.model_registry import model_spec
 from pipetrain.app.models import build_model, example_inputs, loss_function
 from pipetrain.app.models.gpt import gpt_token_loss
-from pipetrain.app.plan_job import plan_together
 from pipetrain.app.run_settings import apply_new_settings, check_settings
 from pipetrain.app.step_costs import agreed, pricer_for, profiled_gpt
 from pipetrain.app.traffic import interface_bytes_sent, sent_since
@@ -106,20 +106,9 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
     if dist.get_rank() == 0:
         announce("started")
     if config.plan_auto:
-        if dist.get_rank() == 0:
-            say(
-                f"profiling {config.model} on {counted(dist.get_world_size(), 'rank')} at "
-                "once, then planning ..."
-            )
         # profile with the threads this worker trains with (torchrun's setting, under torchrun)
         with ticking("profiling and planning") if dist.get_rank() == 0 else _quiet():
-            chosen = plan_together(
-                config.model,
-                config.samples,
-                config.seed,
-                torch.get_num_threads(),
-                schedules=config.plan_schedules,
-            )
+            chosen = automatic_plan(config, torch.get_num_threads())
         if dist.get_rank() == 0:
             print(chosen.describe() + "\n", file=sys.stderr, flush=True)
         config = replace(config, plan_auto=False, plan=chosen).resolved(dist.get_world_size())

@@ -7,7 +7,8 @@ of each sequence. :func:`measure_lengths` profiles a model at several shapes and
 three coefficients per layer and pass (non-negative least squares, solved exactly over the
 subsets of the three terms); :meth:`LengthCosts.costs` turns the shapes of a step's
 micro-batches into the simulator's :class:`~pipetrain.simulation.Costs`, whose
-``compute_scale`` gives each micro-batch its own time.
+``compute_scale`` gives each micro-batch its own time, and :meth:`LengthCosts.profile` into
+the planner's :class:`~pipetrain.profiler.Profile` for micro-batches of those shapes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from pipetrain.checks import positive_int
+from pipetrain.profiler.costs import Profile, _scaled_layer
 from pipetrain.simulation import Costs
 
 Coefficients = tuple[float, float, float]
@@ -113,6 +115,47 @@ class LengthCosts:
             weight_s=0.0,
             compute_scale=scale,
             bytes_scale=[t / mean_tokens for t in tokens],
+        )
+
+    def profile(
+        self, base: Profile, base_shape: Shape, shapes: Sequence[Shape], microbatch_size: int
+    ) -> Profile:
+        """``base`` (the same model profiled on micro-batches of ``base_shape``) as the
+        planner should see micro-batches of ``shapes``, ``microbatch_size`` samples each:
+        every layer's forward and backward the fitted costs' mean over ``shapes`` (its
+        weight-gradient share kept), its activation and memory bytes scaled by their mean
+        tokens."""
+        if len(base.layers) != len(self.forward):
+            raise ValueError(
+                f"the profile has {len(base.layers)} layers, the fitted costs {len(self.forward)}"
+            )
+        if not shapes:
+            raise ValueError("LengthCosts.profile needs the shape of at least one micro-batch")
+        per = [self.layer_seconds(shape) for shape in shapes]
+        tokens = sum(rows * length for rows, length in shapes) / len(shapes)
+        ratio = tokens / (base_shape[0] * base_shape[1])
+        layers = []
+        for index, layer in enumerate(base.layers):
+            scaled = _scaled_layer(layer, ratio)
+            forward = sum(f[index] for f, _ in per) / len(per)
+            backward = sum(b[index] for _, b in per) / len(per)
+            weight = layer.weight_backward_s
+            share = None if weight is None else weight / max(layer.backward_s, 1e-30)
+            layers.append(
+                replace(
+                    scaled,
+                    forward_s=forward,
+                    backward_s=backward,
+                    weight_backward_s=None if share is None else share * backward,
+                )
+            )
+        return replace(
+            base,
+            layers=layers,
+            microbatch_size=microbatch_size,
+            input_bytes=base.input_bytes * ratio,
+            spread=None,
+            other_sizes=(),
         )
 
 
