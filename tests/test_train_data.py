@@ -175,7 +175,10 @@ def test_every_formation_equals_the_unpipelined_model_and_resumes_with_the_same_
         capsys, corpus, *steps, "--microbatch-tokens", "1500", "--schedule", "gpipe"
     )
     by_packing = trained(capsys, corpus, *steps, "--pack", "--microbatches", "2")
-    adaptive = trained(capsys, corpus, *steps, "--adaptive", "--microbatch-tokens", "1500")
+    trace = tmp_path / "adaptive.json"
+    adaptive = trained(
+        capsys, corpus, *steps, "--adaptive", "--microbatch-tokens", "1500", "--trace", str(trace)
+    )
     for report in (by_count, by_budget, by_packing, adaptive):
         torch.testing.assert_close(report["losses"], expected, rtol=1e-4, atol=0)
     assert by_budget["microbatch_tokens"] == 1500 and by_budget["tokens_per_s"] > 0
@@ -183,6 +186,10 @@ def test_every_formation_equals_the_unpipelined_model_and_resumes_with_the_same_
     assert len(by_count["step_predicted_s"]) == STEPS and by_count["step_prediction_error"] >= 0
     assert len(adaptive["adaptive_choices"]) == STEPS
     assert all(c["predicted_gain"] >= 1 for c in adaptive["adaptive_choices"])
+    # the last step's trace is titled with its choice
+    last = adaptive["adaptive_choices"][-1]
+    title = json.loads(trace.read_text())["traceEvents"][0]["args"]["name"]
+    assert f"adaptive: {last['formation']}, predicted {last['predicted_gain']:.2f}x" in title
     # stopped after two steps, then resumed from its checkpoint to the fourth
     save = ("--save-dir", str(tmp_path / "run"), "--schedule", "zb-h1", "--microbatches", "2")
     trained(capsys, corpus, "--steps", "2", *save)

@@ -309,10 +309,21 @@ class TrainReport:
         return lines
 
     def write_trace(self, path: str) -> None:
-        """Write the last step: a PNG of predicted above measured, or the measured Chrome trace."""
+        """Write the last step: a PNG of predicted above measured, or the measured Chrome
+        trace; with ``--adaptive``, titled with the step's chosen formation and its
+        predicted gain."""
         name = self.config.built.name
+        chosen = ""
+        if self.choices:  # the last step's formation, as --adaptive chose it
+            last = self.choices[-1]
+            chosen = (
+                f"; adaptive: {last['formation']}, predicted {last['predicted_gain']:.2f}x "
+                "the consecutive micro-batches"
+            )
         if path.lower().endswith(".png"):
-            titles = [f"{name} predicted (measured costs)", f"{name} measured"]
+            titles = [f"{name} predicted (measured costs){chosen}", f"{name} measured{chosen}"]
             plot_timelines([self.predicted, self.measured], path, titles)
         else:
-            self.measured.shifted().to_chrome_trace(path)
+            measured = self.measured.shifted()
+            label = f"{measured.label or name}{chosen}"
+            Timeline(measured.events, measured.num_ranks, label).to_chrome_trace(path)
