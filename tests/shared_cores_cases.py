@@ -1,30 +1,28 @@
-"""What the shared-cores tests run in fresh processes (they pin themselves to one core)."""
+"""What the shared-cores tests run in fresh processes."""
 
 from __future__ import annotations
 
-import os
 import time
-
-import torch
+from typing import Any
 
 from pipetrain.app.shared_cores import measure_shared_cores_factor
 
-
-def _work() -> None:
-    """Some 25 ms of one core's work: longer than the scheduler's slice, so that together
-    every run waits for the other rank's share of the core."""
-    matrix = torch.rand(96, 96)
-    for _ in range(1500):
-        matrix = torch.mm(matrix, matrix).clamp_(0.0, 1.0)
+ALONE_S, TOGETHER_S, WARMUP, REPEATS = 0.01, 0.025, 1, 8
 
 
-def factors_on_one_core() -> tuple[float, float]:
-    """Every rank on the same single core, taking turns of one: the factor read on the wall
-    clock (which counts the wait for the core) and on the process's CPU time (which does
-    not)."""
-    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-    torch.set_num_threads(1)
-    return (
-        measure_shared_cores_factor(_work, 1, repeats=8, warmup=1, clock=time.perf_counter),
-        measure_shared_cores_factor(_work, 1, repeats=8, warmup=1),
+def factor_on_a_counted_clock() -> dict[str, Any]:
+    """The factor read on a clock that each run of the work advances by ``ALONE_S`` in the
+    rank's turn (its first ``WARMUP + REPEATS`` runs) and by ``TOGETHER_S`` after, so that
+    the factor is known exactly; and when (on the wall clock) each phase's runs began."""
+    starts: list[float] = []
+    clock = [0.0]
+
+    def work() -> None:
+        starts.append(time.perf_counter())
+        clock[0] += ALONE_S if len(starts) <= WARMUP + REPEATS else TOGETHER_S
+
+    factor = measure_shared_cores_factor(
+        work, 1, repeats=REPEATS, warmup=WARMUP, clock=lambda: clock[0]
     )
+    alone = starts[: WARMUP + REPEATS]
+    return {"factor": factor, "alone": (alone[0], alone[-1]), "together": starts[len(alone)]}
