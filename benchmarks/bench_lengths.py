@@ -179,6 +179,20 @@ def predicted(
     return [pricer.step_s(step, cores) for step in shapes]
 
 
+def compute_ratio(result: dict[str, Any], shapes: list[Shape], fitted: LengthCosts) -> float:
+    """The last step's measured forward and backward time over what the fitted costs give
+    its micro-batches (every rank's summed): the compute model's own error, apart from
+    the schedule's waits and the cores' sharing."""
+    timeline = Timeline.from_dict(result["timeline"])
+    measured = predicted = 0.0
+    for event in timeline.events:
+        if event.kind in ("F", "B") and event.microbatch is not None and event.stage is not None:
+            forward, backward = fitted.stage_seconds(result["balance"], shapes[event.microbatch])
+            measured += event.duration
+            predicted += (forward if event.kind == "F" else backward)[event.stage]
+    return measured / predicted
+
+
 def held_out(path: str, seq_len_max: int) -> tuple[torch.Tensor, torch.Tensor]:
     settings = CorpusSettings(path, seq_len_max=seq_len_max, eval_fraction=0.02)
     return CorpusStream(settings, 1).eval_set()
@@ -212,6 +226,9 @@ def main() -> None:
             results[formation]["predicted"] = predicted(
                 results[formation], shapes, fitted, args.ranks
             )
+            results[formation]["compute_ratio"] = compute_ratio(
+                results[formation], shapes[-1], fitted
+            )
             print(f"{formation}: done", flush=True)
     report(results)
 
@@ -229,9 +246,9 @@ def report(results: dict[str, dict[str, Any]]) -> None:
     speed = {}
     print(
         "| formation | tokens/s | × pad-longest | median step | time to target "
-        "| predicted: median step, median error a step |"
+        "| predicted: median step, median error a step | last step's F+B, measured / fitted |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for name, result in results.items():
         times = result["times"][WARMUP:]
         speed[name] = sum(result["tokens"][WARMUP:]) / sum(times)
@@ -243,7 +260,7 @@ def report(results: dict[str, dict[str, Any]]) -> None:
             f"| {name} | {speed[name]:,.0f} | {speed[name] / speed[FORMATIONS[0]]:.2f} | "
             f"{median * 1e3:.0f} ms | {to_target:.1f} s | "
             f"{sorted(guesses)[len(guesses) // 2] * 1e3:.0f} ms, "
-            f"{errors[len(errors) // 2]:.0%} |"
+            f"{errors[len(errors) // 2]:.0%} | {result['compute_ratio']:.2f} |"
         )
     print(f"token-budget / pack: {speed['token-budget'] / speed['pack']:.2f}")
 

@@ -33,7 +33,27 @@ if __name__ == "__main__":
     pipetrain.launch(idle, 2, sys.argv[1], timeout_s=300, threads_per_worker=1)
 
 
-def descendants(pid: int) -> list[int]:
+Process = tuple[int, int]
+"""A process as ``(pid, start time)``: PIDs wrap (at 32,768 here) and a busy machine hands
+a dead worker's PID to a new process or thread within seconds, which has another start."""
+
+
+def identity(pid: int) -> Process | None:
+    """The live process ``pid`` now (a zombie, ended but not yet reaped, is not); Linux."""
+    try:
+        status = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = status.rsplit(")", 1)[1].split()
+    return None if fields[0] == "Z" else (pid, int(fields[19]))  # state; field 22, start
+
+
+def running(process: Process) -> bool:
+    """Whether ``process`` is still alive (not another one given its PID since)."""
+    return identity(process[0]) == process
+
+
+def descendants(pid: int) -> list[Process]:
     """Every live process below ``pid`` (Linux: reads /proc)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
@@ -49,7 +69,7 @@ def descendants(pid: int) -> list[int]:
         for child in children.get(todo.pop(), []):
             found.append(child)
             todo.append(child)
-    return found
+    return [process for process in map(identity, found) if process is not None]
 
 
 def killed_while_a_peer_waits() -> None:

@@ -12,8 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from launch_cases import descendants
-from test_launch_signals import running
+from launch_cases import Process, descendants, running
 from test_resume import ROOT, environment
 
 from pipetrain import checkpoint
@@ -37,7 +36,7 @@ def test_workers_end_soon_after_their_agent_is_killed(tmp_path: Path) -> None:
         ],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, env=environment(),
     )  # fmt: skip
-    workers: list[int] = []
+    workers: list[Process] = []
     try:
         deadline = time.monotonic() + WAIT_S
         while checkpoint.latest(saves) is None:
@@ -49,14 +48,14 @@ def test_workers_end_soon_after_their_agent_is_killed(tmp_path: Path) -> None:
         at_kill = checkpoint.latest(saves)
         agent.wait()
         deadline = time.monotonic() + WAIT_S
-        while any(running(pid) for pid in workers) and time.monotonic() < deadline:
+        while any(map(running, workers)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        alive = [pid for pid in workers if running(pid)]
+        alive = [pid for pid, _ in filter(running, workers)]
         assert not alive, f"workers {alive} outlived their agent by {WAIT_S:.0f} s"
     finally:
-        for pid in workers:
-            if running(pid):
-                os.kill(pid, signal.SIGKILL)
+        for process in workers:
+            if running(process):
+                os.kill(process[0], signal.SIGKILL)
     assert at_kill is not None
     newest = checkpoint.latest(saves)
     assert newest is not None

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch_cases import descendants
+from launch_cases import descendants, running
 from test_resume import ROOT, environment, final, train
 
 STEPS, SAVE_EVERY = 30, 10
@@ -113,7 +113,7 @@ def test_an_agent_killed_while_saving_leaves_a_directory_the_next_job_resumes(
         workers = descendants(agent.pid)
         os.kill(agent.pid, signal.SIGKILL)
         agent.wait()
-        while any(Path(f"/proc/{pid}").exists() for pid in workers):
+        while any(map(running, workers)):
             assert time.monotonic() < deadline, "the workers outlived their agent"
             time.sleep(0.05)
     finally:

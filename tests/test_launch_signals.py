@@ -14,9 +14,11 @@ import time
 import weakref
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import launch_cases
 import pytest
+from launch_cases import running
 
 import pipetrain
 from pipetrain.distributed import heartbeat
@@ -24,15 +26,6 @@ from pipetrain.distributed import heartbeat
 TESTS = Path(__file__).parent
 WORKERS, LIMIT_S = 2, 300.0  # the workers end within a second; the limit only stops a hang
 FROZEN_TIMEOUT_S, FROZEN_AFTER_S = 60.0, 3.0
-
-
-def running(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a zombie, ended but not yet reaped, is not)."""
-    try:
-        status = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return status.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def worker_pids(directory: Path, launcher: subprocess.Popen) -> list[int]:
@@ -57,24 +50,25 @@ def test_every_worker_ends_soon_after_the_launcher(tmp_path: Path, sent: signal.
         text=True,
     )
     try:
-        workers = worker_pids(tmp_path, launcher)
-        assert all(running(pid) for pid in workers)
+        workers = [launch_cases.identity(pid) for pid in worker_pids(tmp_path, launcher)]
+        assert None not in workers, "a worker ended before the signal"
         pids = launch_cases.descendants(launcher.pid)  # the workers and any helper process
         assert set(workers) <= set(pids)
         sent_at = time.monotonic()
         launcher.send_signal(sent)
-        while any(running(pid) for pid in pids) and time.monotonic() - sent_at < LIMIT_S:
+        while any(map(running, pids)) and time.monotonic() - sent_at < LIMIT_S:
             time.sleep(0.02)
         lived = time.monotonic() - sent_at
-        assert not [pid for pid in pids if running(pid)], f"processes alive {lived:.1f} s after"
+        alive = [pid for pid, _ in filter(running, pids)]
+        assert not alive, f"processes {alive} alive {lived:.1f} s after"
         _, errors = launcher.communicate(timeout=LIMIT_S)
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
-        for pid in pids if "pids" in locals() else []:
-            if running(pid):
-                os.kill(pid, signal.SIGKILL)
+        for process in pids if "pids" in locals() else []:
+            if running(process):
+                os.kill(process[0], signal.SIGKILL)
     print(f"{sent.name}: {len(pids)} processes ended {lived:.2f} s after the launcher got it")
     expected = {
         signal.SIGTERM: 128 + signal.SIGTERM,
@@ -92,7 +86,7 @@ def test_a_killed_worker_is_named_with_its_signal() -> None:
         pipetrain.launch(launch_cases.killed_while_a_peer_waits, 2, timeout_s=30)
 
 
-def stop_when_training(directory: Path, rank: int, stopped: dict[str, float]) -> None:
+def stop_when_training(directory: Path, rank: int, stopped: dict[str, Any]) -> None:
     """Once both workers have trained a step, SIGSTOP the worker of ``rank``; record its PID
     and when it was stopped."""
     deadline = time.monotonic() + 300  # only stops a hang: a loaded machine starts workers slowly
@@ -103,6 +97,7 @@ def stop_when_training(directory: Path, rank: int, stopped: dict[str, float]) ->
         time.sleep(0.05)
     time.sleep(0.5)  # a few steps in
     stopped["pid"] = int(files[rank].read_text())
+    stopped["process"] = launch_cases.identity(stopped["pid"])
     stopped["at"] = time.monotonic()
     os.kill(int(stopped["pid"]), signal.SIGSTOP)
 
@@ -110,7 +105,7 @@ def stop_when_training(directory: Path, rank: int, stopped: dict[str, float]) ->
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("frozen", [0, 1])
 def test_a_stopped_worker_is_named_within_the_timeout(tmp_path: Path, frozen: int) -> None:
-    stopped: dict[str, float] = {}
+    stopped: dict[str, Any] = {}
     stopper = threading.Thread(target=stop_when_training, args=(tmp_path, frozen, stopped))
     stopper.start()
     try:
@@ -127,7 +122,7 @@ def test_a_stopped_worker_is_named_within_the_timeout(tmp_path: Path, frozen: in
         reported = time.monotonic()
     finally:
         stopper.join()
-        if "pid" in stopped and running(int(stopped["pid"])):
+        if stopped.get("process") and running(stopped["process"]):
             os.kill(int(stopped["pid"]), signal.SIGCONT)
             os.kill(int(stopped["pid"]), signal.SIGKILL)
     assert "at" in stopped, f"the run failed before a worker was stopped: {caught.value}"
@@ -138,7 +133,7 @@ def test_a_stopped_worker_is_named_within_the_timeout(tmp_path: Path, frozen: in
     # named as frozen by its heartbeat, not by the transfer's timeout
     assert f"rank {frozen} froze" in str(caught.value)
     assert "its process is stopped" in str(caught.value)
-    assert not running(int(stopped["pid"])), "the stopped worker was left behind"
+    assert not running(stopped["process"]), "the stopped worker was left behind"
 
 
 def test_a_slow_peer_is_waited_for_not_taken_for_frozen() -> None:

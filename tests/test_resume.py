@@ -47,7 +47,7 @@ def environment() -> dict[str, str]:
 
 def worker(agent: int, rank: int) -> int | None:
     """The PID of torchrun's worker of ``rank``, if it runs."""
-    for pid in descendants(agent):
+    for pid, _ in descendants(agent):
         try:
             variables = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
