@@ -38,6 +38,15 @@ Process = tuple[int, int]
 a dead worker's PID to a new process or thread within seconds, which has another start."""
 
 
+def with_default_signals() -> None:
+    """For ``subprocess.Popen(preexec_fn=...)``: SIGINT and SIGHUP at their default actions
+    in the child. A shell starts background jobs (and ``nohup`` its command) with them
+    ignored, a child inherits that, and a Python started so keeps SIGINT ignored, as the
+    launcher then leaves it."""
+    for number in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(number, signal.SIG_DFL)
+
+
 def identity(pid: int) -> Process | None:
     """The live process ``pid`` now (a zombie, ended but not yet reaped, is not); Linux."""
     try:

@@ -48,6 +48,7 @@ def test_every_worker_ends_soon_after_the_launcher(tmp_path: Path, sent: signal.
         env={**os.environ, "PYTHONPATH": str(TESTS.parent)},
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=launch_cases.with_default_signals,  # as from a terminal, whoever runs pytest
     )
     try:
         workers = [launch_cases.identity(pid) for pid in worker_pids(tmp_path, launcher)]
