@@ -103,7 +103,15 @@ def finish(process: subprocess.Popen[str], timeout_s: float) -> tuple[str, str]:
     except subprocess.TimeoutExpired:
         process.send_signal(signal.SIGINT)
         err = process.communicate(timeout=30)[1]
-        pytest.fail(f"the cluster command ran past {timeout_s} s: {err[-3000:]}")
+        pytest.fail(f"the cluster command ran past {timeout_s} s: {failure(err)}")
+
+
+def failure(err: str) -> str:
+    """What a failed cluster run printed: each host's error lines (native stack frames
+    left out), which the other hosts' later complaints would push out of a plain tail."""
+    lines = [line[:300] for line in err.splitlines() if "frame #" not in line]
+    errors = [line for line in lines if "Error" in line or "error" in line]
+    return "\n".join([*errors[:20], "...", *lines[-20:]])
 
 
 def test_without_root_it_says_so_in_one_line(
@@ -244,7 +252,7 @@ def test_a_two_host_pipeline_trains_exactly_within_the_cap(runs: list[str]) -> N
     )  # fmt: skip
     runs.append(f"ptc{process.pid}-")
     out, err = finish(process, JOB_TIMEOUT_S + 20)
-    assert process.returncode == 0, err[-3000:]
+    assert process.returncode == 0, failure(err)
     report = json.loads(out)
     assert report["ranks"] == 2 and report["schedule"] == "1f1b"
     assert report["losses"] == pytest.approx(
@@ -269,7 +277,7 @@ def test_an_automatic_plan_measures_the_capped_link(runs: list[str]) -> None:
     )  # fmt: skip
     runs.append(f"ptc{process.pid}-")
     out, err = finish(process, JOB_TIMEOUT_S + 20)
-    assert process.returncode == 0, err[-3000:]
+    assert process.returncode == 0, failure(err)
     report = json.loads(out)
     [level] = Topology.parse(report["planned_topology"]).levels
     assert level.count == 2
@@ -294,7 +302,7 @@ def test_ctrl_c_stops_the_job_and_removes_the_cluster(runs: list[str]) -> None:
             break
     process.send_signal(signal.SIGINT)
     _, err = finish(process, 60)
-    assert process.returncode == 130, err[-3000:]
+    assert process.returncode == 130, failure(err)
     assert err.strip().splitlines()[-1] == "pipetrain cluster: interrupted"
 
 
@@ -310,7 +318,7 @@ def test_ddp_over_two_hosts_trains_exactly_and_sends_its_gradients(runs: list[st
     )  # fmt: skip
     runs.append(f"ptc{process.pid}-")
     out, err = finish(process, JOB_TIMEOUT_S + 20)
-    assert process.returncode == 0, err[-3000:]
+    assert process.returncode == 0, failure(err)
     report = json.loads(out)
     assert report["schedule"] == "ddp" and report["ranks"] == 2
     assert report["losses"] == pytest.approx(
