@@ -71,9 +71,9 @@ def corpus_profile(
     pack: int | None,
 ) -> Profile:
     """A profile of the GPT for each micro-batch count of :data:`COUNTS` dividing
-    ``batch_size`` (the largest the first, the others its ``other_sizes``), priced on the
-    micro-batches ``steps`` form at that count."""
-    counts = [m for m in COUNTS if batch_size % m == 0 and m <= batch_size]
+    ``batch_size`` (the fewest micro-batches' first, the others its ``other_sizes``),
+    priced on the micro-batches ``steps`` form at that count."""
+    counts = [m for m in COUNTS if batch_size % m == 0]
     profiles = []
     for count in counts:
         try:
