@@ -108,27 +108,14 @@ def test_the_planner_weighs_the_padding_each_micro_batch_count_leaves() -> None:
     from pipetrain.planning import plan
 
     base = Profile([LayerCost(forward_s=1e-3, backward_s=2e-3)] * 4, microbatch_size=4)
+
+    def chosen_count(fitted: LengthCosts, steps: list[list[int]]) -> int:
+        profile = corpus_profile(fitted, base, (4, 100), steps, 16, None)
+        counts = [1, 2, 4, 8, 16]
+        chosen = plan(profile, workers=2, batch_size=16, microbatches=counts, schedules=["1f1b"])
+        return chosen.microbatches
+
     per_token = LengthCosts(forward=[(0.0, 1e-6, 0.0)] * 4, backward=[(0.0, 2e-6, 0.0)] * 4)
-    skewed = [[1000] + [10] * 15] * 3
-    profile = corpus_profile(per_token, base, (4, 100), skewed, 16, None)
-    chosen = plan(
-        profile,
-        workers=2,
-        batch_size=16,
-        microbatches=[1, 2, 4, 8, 16],
-        schedules=["1f1b"],
-        replication=False,
-    )
-    assert chosen.microbatches == 16
+    assert chosen_count(per_token, [[1000] + [10] * 15] * 3) == 16
     per_call = LengthCosts(forward=[(1e-2, 1e-8, 0.0)] * 4, backward=[(2e-2, 2e-8, 0.0)] * 4)
-    even = [[100] * 16] * 3
-    profile = corpus_profile(per_call, base, (4, 100), even, 16, None)
-    chosen = plan(
-        profile,
-        workers=2,
-        batch_size=16,
-        microbatches=[1, 2, 4, 8, 16],
-        schedules=["1f1b"],
-        replication=False,
-    )
-    assert chosen.microbatches == 1
+    assert chosen_count(per_call, [[100] * 16] * 3) == 1
