@@ -156,18 +156,23 @@ def packed_positions(
     must not predict) and on the padding."""
     if not documents or not all(documents):
         raise ValueError("packed_positions needs at least one document, each of one token")
-    groups = pack_groups([len(d) for d in documents], capacity, rows)
-    width = max(sum(len(documents[i]) for i in group) for group in groups)
-    tokens = torch.full((len(groups), width), pad_id, dtype=torch.int64)
-    positions = torch.zeros(len(groups), width, dtype=torch.int64)
-    labels = torch.full((len(groups), width), IGNORE_INDEX, dtype=torch.int64)
-    for row, group in enumerate(groups):
-        start = 0
-        for index in group:
-            stop = start + len(documents[index])
-            tokens[row, start:stop] = torch.as_tensor(documents[index], dtype=torch.int64)
-            labels[row, start + 1 : stop] = tokens[row, start + 1 : stop]
-            positions[row, start:stop] = torch.arange(stop - start)
-            start = stop
-        positions[row, start:] = torch.arange(width - start)
-    return {"input_ids": tokens, "position_ids": positions}, labels
+    pairs = [(torch.as_tensor(d, dtype=torch.int64),) * 2 for d in documents]
+    (tokens, numbers), labels = packed(pairs, capacity, rows)
+    labels[document_starts(numbers)] = IGNORE_INDEX
+    tokens = tokens.masked_fill(numbers < 0, pad_id)
+    return {"input_ids": tokens, "position_ids": document_positions(numbers)}, labels
+
+
+def document_starts(documents: torch.Tensor) -> torch.Tensor:
+    """Where each document of packed rows (``documents`` as :func:`packed` numbers them)
+    begins, the padding counted as one: bool, the shape of ``documents``."""
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return starts
+
+
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """Each position's offset within its document (:func:`document_starts`)."""
+    positions = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
+    first = torch.where(document_starts(documents), positions, 0).cummax(dim=1).values
+    return positions - first

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipetrain.checks import positive_int
-from pipetrain.data.batches import IGNORE_INDEX
+from pipetrain.data.batches import IGNORE_INDEX, document_positions
 
 VOCAB_SIZE = 256
 
@@ -48,10 +48,7 @@ class Embedding(nn.Module):
         positions = torch.arange(length, device=tokens.device)
         if documents is None:
             return self.dropout(self.token(tokens) + self.position(positions))
-        starts = torch.ones_like(documents, dtype=torch.bool)
-        starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
-        first = torch.where(starts, positions, 0).cummax(dim=1).values
-        embedded = self.token(tokens) + self.position(positions - first)
+        embedded = self.token(tokens) + self.position(document_positions(documents))
         return self.dropout(embedded), documents
 
 
