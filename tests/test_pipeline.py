@@ -63,6 +63,16 @@ TWO_RANK_CONFIGS = (
         )
     ]
     + [
+        {
+            "schedule": "dualpipev",
+            "balance": [1, 1, 2, 1],
+            "recompute": recompute,
+            "microbatches": m,
+            "schedule_options": {"full_backward": True},
+        }
+        for recompute, m in itertools.product(["never", "always"], [4, 5])
+    ]
+    + [
         {"schedule": schedule, "balance": [2, 1], "microbatches": m, "tuple": True}
         for schedule, m in [("gpipe", 3), ("1f1b", 2), ("zb-h1", 4)]
     ]
@@ -86,7 +96,11 @@ FOUR_RANK_CONFIGS = [
 ] + [
     {"schedule": "dualpipev", "recompute": recompute, "microbatches": m, "deep": True}
     for recompute, m in itertools.product(["never", "except_last"], [8, 9])
-]
+] + [  # full backwards: one pass, the gradient sent after the W, as torch's DualPipeV
+    {"schedule": "dualpipev", "microbatches": m, "deep": True,
+     "schedule_options": {"full_backward": True}}
+    for m in (8, 9)
+]  # fmt: skip
 
 GPU_CONFIGS = [
     {

@@ -6,7 +6,9 @@
   to the last stage;
 - :func:`forward_only` keeps the forwards and gathers the last stage's outputs on one rank.
 
-Sends go right after the action that produced the tensor. Receives are placed so that on
+Sends go right after the action that produced the tensor (with ``full_backwards``, the
+input gradient of a ``B`` written right before its own ``W`` after that ``W``: the two are
+one full backward, which the runtime runs as one pass). Receives are placed so that on
 every (sender, receiver) pair they come in the sender's order: backends such as NCCL match
 point-to-point messages between a pair of ranks in order, and pre-posting receives in that
 order is then always safe. A receive is moved no later than the first consumer of any
@@ -18,7 +20,7 @@ linear in the number of actions.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pipetrain.schedules.actions import Action, Kind
 from pipetrain.schedules.messages import HANDS_ON, NEEDS, RECEIVES, rank_of
@@ -31,6 +33,8 @@ def lower(
     compute_orders: Sequence[Sequence[Action]],
     stage_ranks: Sequence[Sequence[int]],
     loss: bool = True,
+    *,
+    full_backwards: bool = False,
 ) -> Lanes:
     """Full per-rank action lists: the written actions, the transfers between stages that
     :data:`~pipetrain.schedules.messages.NEEDS` and
@@ -47,8 +51,11 @@ def lower(
         actions: list[Action] = []
         uses = consumer[rank]
         paired = pairs(order)  # an overlapped backward takes its inputs when its pair starts
+        deferred: list[Action] = []  # a full backward's send, due after its W
         for index, action in enumerate(order):
             actions.append(action)
+            actions.extend(deferred)
+            deferred.clear()
             kind, stage, mb, _, _ = action
             need = needs(kind)
             if need is None or mb is None:
@@ -61,7 +68,9 @@ def lower(
             if 0 <= target_stage <= last:
                 target = rank_of(stage_ranks, target_stage, mb)
                 if target != rank:
-                    actions.append(Action(send, stage, mb, target))
+                    following = order[index + 1] if index + 1 < len(order) else None
+                    full = full_backwards and weight_pass_of(action, following)
+                    (deferred if full else actions).append(Action(send, stage, mb, target))
                     sent[(rank, target)].append((RECEIVES[send][0], target_stage, mb))
         with_sends.append(actions)
 
@@ -100,6 +109,23 @@ def lower(
             merged.append(Action(Kind.LOSS, max(held) if held else 0))
         lanes.append(tuple(merged))
     return tuple(lanes)
+
+
+def full_backwards(options: Mapping[str, object]) -> bool:
+    """Whether a schedule's ``full_backward`` option (or fact) makes a ``B`` written right
+    before its own ``W`` one full backward (see :func:`lower`)."""
+    return options.get("full_backward") is True
+
+
+def weight_pass_of(backward: Action, following: Action | None) -> bool:
+    """Whether ``following`` is the ``W`` of ``backward``, a ``B`` (same stage, micro-batch
+    and weight version)."""
+    return (
+        backward.kind is Kind.BACKWARD
+        and following is not None
+        and following.kind is Kind.WEIGHT
+        and following[1:] == backward[1:]
+    )
 
 
 def with_targets_shipped(lanes: Lanes, stage_ranks: Sequence[Sequence[int]]) -> Lanes:

@@ -16,7 +16,7 @@ from pipetrain.allocation import collector_paused
 from pipetrain.checks import positive_int
 from pipetrain.schedules.actions import Action
 from pipetrain.schedules.errors import ScheduleError
-from pipetrain.schedules.lower import lower
+from pipetrain.schedules.lower import full_backwards, lower
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.schedules.validate import validate
 
@@ -267,7 +267,7 @@ def build(
             name=name,
             stages=len(stage_ranks),
             microbatches=family.window(microbatches, resolved),
-            ranks=lower(orders, stage_ranks),
+            ranks=lower(orders, stage_ranks, full_backwards=full_backwards({**resolved, **facts})),
             stage_ranks=tuple(tuple(r) for r in stage_ranks),
             split_backward=family.split_backward,
             asynchronous=family.asynchronous,

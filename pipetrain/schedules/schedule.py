@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from pipetrain.schedules.actions import COMPUTE_KINDS, WRITTEN_KINDS, Action, Kind
 from pipetrain.schedules.errors import ScheduleError
-from pipetrain.schedules.lower import lower
+from pipetrain.schedules.lower import full_backwards, lower
 from pipetrain.schedules.messages import rank_of
 from pipetrain.schedules.validate import validate
 
@@ -119,7 +119,7 @@ class Schedule:
             name=header[0] if header else "custom",
             stages=stages,
             microbatches=microbatches,
-            ranks=lower(orders, placement),
+            ranks=lower(orders, placement, full_backwards=full_backwards(options)),
             stage_ranks=placement,
             split_backward="split_backward" in flags,
             asynchronous="asynchronous" in flags,

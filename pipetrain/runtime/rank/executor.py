@@ -9,6 +9,7 @@ everything about updates.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -22,7 +23,19 @@ from pipetrain.runtime.rank.recorder import Recorder
 from pipetrain.runtime.rank.stage import Stage
 from pipetrain.runtime.rank.update import NonFiniteError
 from pipetrain.schedules import Action, Kind, Schedule
+from pipetrain.schedules.lower import weight_pass_of
 from pipetrain.schedules.messages import channel, rank_of
+
+
+def whole_backwards(lane: tuple[Action, ...]) -> frozenset[tuple[int, int]]:
+    """The ``(stage, micro-batch)`` pairs whose W comes right after their B in ``lane``:
+    nothing runs between the two, so they run as one backward, cheaper than its two
+    passes."""
+    return frozenset(
+        (action.stage, action.microbatch)
+        for action, following in itertools.pairwise(lane)
+        if weight_pass_of(action, following) and action.microbatch is not None
+    )
 
 
 class ActionFailed(RuntimeError):
@@ -88,6 +101,7 @@ class Executor:
         will, once, at the update)."""
         lane = schedule.ranks[self.rank]
         self._schedule, self._data, self._outcome = schedule, data, Outcome()
+        self._whole = whole_backwards(lane) if schedule.split_backward else frozenset()
         self.cycle.begin(schedule, lane, update)
         self._inbox = Inbox(self.transport, lane)
         recorder = self.recorder
@@ -152,14 +166,17 @@ class Executor:
 
     def _backward(self, action: Action) -> None:
         stage, mb = self.stages[action.stage], self._microbatch(action)
-        if not stage.split_backward:
+        whole = (action.stage, mb) in self._whole
+        if whole or not stage.split_backward:
             self._arm(action)
-        stage.backward(mb)
+        stage.backward(mb, whole=whole)
         previous = self._local(action.stage - 1, mb) if action.stage > 0 else None
         if previous is not None:
             previous.give_output_grads(mb, stage.take_input_grads(mb))
 
     def _weight(self, action: Action) -> None:
+        if (action.stage, self._microbatch(action)) in self._whole:
+            return  # computed with its backward, which came right before it
         self._arm(action)
         self.stages[action.stage].weight(self._microbatch(action))
 

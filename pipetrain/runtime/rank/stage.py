@@ -20,6 +20,7 @@ from pipetrain.runtime.rank.losses import split_loss
 from pipetrain.runtime.rank.precision import Precision
 from pipetrain.runtime.rank.recompute import RandomState, recompute, recomputes
 from pipetrain.runtime.rank.shard import gathered
+from pipetrain.runtime.rank.split_backward import WeightPass, input_pass
 from pipetrain.runtime.rank.weights import Weights
 
 LossFn = Callable[[Any, Any], Any]
@@ -48,9 +49,7 @@ class _Slot:
     target: LossTarget | None  # the last stage's, for the loss
     random_state: RandomState | None = None
     loss: torch.Tensor | None = None
-    # set by a split backward for the weight-gradient pass
-    differentiable: Tensors = ()
-    output_grads: Tensors = ()
+    weight_pass: WeightPass | None = None  # set by a split backward
 
 
 class Stage:
@@ -185,21 +184,20 @@ class Stage:
         pairs = [(t, g) for t, g in zip(floating, grads) if t.requires_grad]
         return tuple(t for t, _ in pairs), tuple(g for _, g in pairs)
 
-    def backward(self, microbatch: int) -> None:
+    def backward(self, microbatch: int, whole: bool = False) -> None:
         """Differentiate ``microbatch``: input gradients, and weight gradients too unless the
-        backward is split."""
+        backward is split (and not run ``whole`` here, its weight pass then left out)."""
         slot = self._slots[microbatch]
         tensors, grads = self._differentiable(microbatch, slot)
         leaves = [t for t in slot.inputs if t.requires_grad]
         input_grads: tuple[torch.Tensor | None, ...]
-        if self.split_backward:
-            # input gradients only; the weight gradients follow in W on the kept graph
-            input_grads = (
-                torch.autograd.grad(tensors, leaves, grads, retain_graph=True, allow_unused=True)
-                if leaves and tensors
-                else ()
+        if self.split_backward and not whole:
+            # input gradients only; the weight gradients follow in W from what this keeps
+            parameters = gathered(self.weights.modules[self.index]) or self.gradient_holders(
+                microbatch
             )
-            slot.differentiable, slot.output_grads = tensors, grads
+            input_grads, slot.weight_pass = input_pass(tensors, grads, leaves, parameters)
+            slot.outputs, slot.loss = (), None  # frees the graph above what W needs
         else:
             if tensors:
                 torch.autograd.backward(tensors, grads)
@@ -212,12 +210,11 @@ class Stage:
             )
 
     def weight(self, microbatch: int) -> None:
-        """The weight gradients of a split backward, from the graph it kept (for a sharded
-        stage, into the gathered parameters its forward ran on)."""
-        parameters = gathered(self.weights.modules[self.index]) or self.gradient_holders(microbatch)
-        slot = self._slots.pop(microbatch)
-        if parameters and slot.differentiable:
-            torch.autograd.backward(slot.differentiable, slot.output_grads, inputs=parameters)
+        """The weight gradients of a split backward, from what its input pass kept (for a
+        sharded stage, into the gathered parameters its forward ran on)."""
+        weight_pass = self._slots.pop(microbatch).weight_pass
+        assert weight_pass is not None, f"W of micro-batch {microbatch} before its B"
+        weight_pass.run()
 
 
 def _name(fn: LossFn) -> str:

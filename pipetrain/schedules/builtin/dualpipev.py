@@ -11,7 +11,15 @@ from functools import lru_cache
 from pipetrain.schedules.actions import Action, Kind
 from pipetrain.schedules.builtin.unit_time import peak_held
 from pipetrain.schedules.builtin.vshape import CHUNKS, check_v, v_placement
-from pipetrain.schedules.registry import Generated, Options, ScheduleSpec
+from pipetrain.schedules.registry import Generated, Option, Options, ScheduleSpec
+
+FULL_BACKWARD = Option(
+    "full_backward",
+    False,
+    "send a full backward's input gradient after its W, the two run as one pass (as "
+    "torch.distributed.pipelining's DualPipeV runs them); by default it is sent after "
+    "the input part, as the DualPipe paper counts its bubble",
+)
 
 
 def rank_order(ranks: int, rank: int, microbatches: int) -> list[Action]:
@@ -128,7 +136,7 @@ SPEC = ScheduleSpec(
     summary="DualPipeV: two chunks per rank in a V, B and W apart, forwards overlapped "
     "with backwards",
     generate=generate,
-    options=(CHUNKS,),
+    options=(CHUNKS, FULL_BACKWARD),
     check=check,
     chunk_option="virtual",
     placement=v_placement,
