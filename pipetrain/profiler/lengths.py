@@ -4,11 +4,12 @@ A transformer layer's forward (or backward) on ``rows`` sequences of ``length`` 
 about ``a + b·tokens + c·rows·length²`` with ``tokens = rows·length``: a fixed cost per
 call, the per-token work (projections, MLPs, norms) and attention, quadratic in the length
 of each sequence. :func:`measure_lengths` profiles a model at several shapes and fits the
-three coefficients per layer and pass (non-negative least squares, solved exactly over the
-subsets of the three terms); :meth:`LengthCosts.costs` turns the shapes of a step's
-micro-batches into the simulator's :class:`~pipetrain.simulation.Costs`, whose
-``compute_scale`` gives each micro-batch its own time, and :meth:`LengthCosts.profile` into
-the planner's :class:`~pipetrain.profiler.Profile` for micro-batches of those shapes.
+three coefficients per layer and pass (non-negative least squares of the errors relative
+to the measured times, solved exactly over the subsets of the three terms);
+:meth:`LengthCosts.costs` turns the shapes of a step's micro-batches into the simulator's
+:class:`~pipetrain.simulation.Costs`, whose ``compute_scale`` gives each micro-batch its
+own time, and :meth:`LengthCosts.profile` into the planner's
+:class:`~pipetrain.profiler.Profile` for micro-batches of those shapes.
 """
 
 from __future__ import annotations
@@ -37,13 +38,16 @@ def features(rows: int, length: int) -> tuple[float, float, float]:
 
 
 def fit(shapes: Sequence[Shape], seconds: Sequence[float]) -> Coefficients:
-    """The non-negative coefficients whose :func:`features` best predict ``seconds``
-    (least squares): the best fit over every subset of the terms that leaves none
-    negative."""
+    """The non-negative coefficients whose :func:`features` best predict ``seconds``,
+    each time's error relative to it (least squares of the relative errors, so a small
+    micro-batch's time counts as much as a large one's): the best fit over every subset
+    of the terms that leaves none negative."""
     if len(shapes) != len(seconds) or not shapes:
         raise ValueError("fit needs one time for each shape, and at least one")
-    x = np.array([features(r, n) for r, n in shapes])
-    y = np.array(seconds, dtype=float)
+    measured = np.array(seconds, dtype=float)
+    weight = 1 / np.maximum(measured, 1e-9)  # a time too short to measure weighs as 1 ns
+    x = np.array([features(r, n) for r, n in shapes]) * weight[:, None]
+    y = measured * weight
     scale = np.maximum(x.max(axis=0), 1e-30)  # columns of very different sizes
     best: tuple[float, list[float]] = (np.inf, [0.0, 0.0, 0.0])
     for size in range(1, 4):
