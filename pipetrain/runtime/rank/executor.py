@@ -74,6 +74,7 @@ class Executor:
         the losses and updates."""
         self.rank, self.stages, self.transport = rank, dict(stages), transport
         self.cycle, self.recorder = cycle, recorder
+        self._whole_of: tuple[Schedule | None, frozenset[tuple[int, int]]] = (None, frozenset())
         self._handlers: dict[Kind, Callable[[Action], None]] = {
             Kind.FORWARD: self._forward,
             Kind.BACKWARD: self._backward,
@@ -101,7 +102,10 @@ class Executor:
         will, once, at the update)."""
         lane = schedule.ranks[self.rank]
         self._schedule, self._data, self._outcome = schedule, data, Outcome()
-        self._whole = whole_backwards(lane) if schedule.split_backward else frozenset()
+        if self._whole_of[0] is not schedule:  # a step's lane is read once per schedule
+            whole = whole_backwards(lane) if schedule.split_backward else frozenset()
+            self._whole_of = (schedule, whole)
+        self._whole = self._whole_of[1]
         self.cycle.begin(schedule, lane, update)
         self._inbox = Inbox(self.transport, lane)
         recorder = self.recorder
