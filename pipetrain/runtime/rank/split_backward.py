@@ -158,7 +158,7 @@ def _groups(
         if not met:
             continue  # unused, or reached only from outputs the weight pass takes whole
         joined = {id(owner[node]): owner[node] for node in met if node in owner}
-        group = _Group([weight], sorted(met, key=id))
+        group = _Group([weight], list(met))
         for other in joined.values():
             group.weights.extend(other.weights)
             group.nodes.extend(n for n in other.nodes if n not in met)

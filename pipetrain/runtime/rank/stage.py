@@ -186,7 +186,8 @@ class Stage:
 
     def backward(self, microbatch: int, whole: bool = False) -> None:
         """Differentiate ``microbatch``: input gradients, and weight gradients too unless the
-        backward is split (and not run ``whole`` here, its weight pass then left out)."""
+        backward is split; ``whole`` runs a split stage's backward in one pass, its W then
+        having nothing left to do."""
         slot = self._slots[microbatch]
         tensors, grads = self._differentiable(microbatch, slot)
         leaves = [t for t in slot.inputs if t.requires_grad]
