@@ -26,7 +26,9 @@ thread as each rank runs, and fitted (:func:`pipetrain.app.step_costs.profiled_g
 step's micro-batch shapes give its costs (messages as measured in the formation's last
 step), and the simulator, with
 the ranks sharing the cores, plays the step; the table gives the median of
-|predicted − measured| / measured over the steps.
+|predicted − measured| / measured over the steps, raw and with each prediction calibrated
+by the steps before it (:func:`pipetrain.app.step_costs.calibrated`, as ``pipetrain
+train`` reports it).
 
     python benchmarks/bench_lengths.py [--steps 60] [--ranks 4]
 """
@@ -48,7 +50,7 @@ from pipetrain.app.corpus_stream import CorpusSettings, CorpusStream, next_token
 from pipetrain.app.data import stdlib_corpus
 from pipetrain.app.models import build_model
 from pipetrain.app.models.gpt import gpt_token_loss
-from pipetrain.app.step_costs import StepPricer, profiled_gpt
+from pipetrain.app.step_costs import StepPricer, calibrated, profiled_gpt
 from pipetrain.app.step_costs import shapes_of as step_shapes
 from pipetrain.data.batches import (
     IGNORE_INDEX,
@@ -246,9 +248,10 @@ def report(results: dict[str, dict[str, Any]]) -> None:
     speed = {}
     print(
         "| formation | tokens/s | × pad-longest | median step | time to target "
-        "| predicted: median step, median error a step | last step's F+B, measured / fitted |"
+        "| predicted: median step, median error a step | median error, calibrated "
+        "| last step's F+B, measured / fitted |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for name, result in results.items():
         times = result["times"][WARMUP:]
         speed[name] = sum(result["tokens"][WARMUP:]) / sum(times)
@@ -256,11 +259,15 @@ def report(results: dict[str, dict[str, Any]]) -> None:
         to_target = sum(result["times"][:target_step])
         guesses = result["predicted"][WARMUP:]
         errors = sorted(abs(p - m) / m for p, m in zip(guesses, times))
+        corrected = calibrated(result["predicted"], result["times"], WARMUP)[WARMUP:]
+        calibrated_errors = sorted(abs(p - m) / m for p, m in zip(corrected, times))
         print(
             f"| {name} | {speed[name]:,.0f} | {speed[name] / speed[FORMATIONS[0]]:.2f} | "
             f"{median * 1e3:.0f} ms | {to_target:.1f} s | "
             f"{sorted(guesses)[len(guesses) // 2] * 1e3:.0f} ms, "
-            f"{errors[len(errors) // 2]:.0%} | {result['compute_ratio']:.2f} |"
+            f"{errors[len(errors) // 2]:.0%} | "
+            f"{calibrated_errors[len(calibrated_errors) // 2]:.0%} | "
+            f"{result['compute_ratio']:.2f} |"
         )
     print(f"token-budget / pack: {speed['token-budget'] / speed['pack']:.2f}")
 

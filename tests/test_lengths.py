@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from pipetrain.app.step_costs import CALIBRATION_WINDOW, calibrated
 from pipetrain.profiler import LayerCost, Profile
 from pipetrain.profiler.lengths import LengthCosts, features, fit, measure_lengths
 from pipetrain.schedules import build
@@ -123,3 +124,31 @@ def test_the_planner_weighs_the_padding_each_micro_batch_count_leaves() -> None:
     assert chosen_count(per_token, [[1000] + [10] * 15] * 3) == 16
     per_call = LengthCosts(forward=[(1e-2, 1e-8, 0.0)] * 4, backward=[(2e-2, 2e-8, 0.0)] * 4)
     assert chosen_count(per_call, [[100] * 16] * 3) == 1
+
+
+def test_each_prediction_is_calibrated_by_the_steps_before_it_only() -> None:
+    chance = random.Random(1)
+    predicted = [chance.uniform(0.1, 1.0) for _ in range(80)]
+    # a steady factor of 1.3 with noise, then a change to 0.8 from step 50
+    measured = [p * (1.3 if i < 50 else 0.8) * chance.uniform(0.95, 1.05) for i, p in
+                enumerate(predicted)]  # fmt: skip
+    skip = 2
+    corrected = calibrated(predicted, measured, skip)
+    for step, guess in enumerate(corrected):
+        window = list(range(max(skip, step - CALIBRATION_WINDOW), step))
+        ratios = sorted(measured[i] / predicted[i] for i in window)
+        if not ratios:
+            assert guess == predicted[step]
+            continue
+        middle = len(ratios) // 2
+        median = ratios[middle] if len(ratios) % 2 else (ratios[middle - 1] + ratios[middle]) / 2
+        assert guess == pytest.approx(predicted[step] * median)
+    # a step's own time never enters its prediction
+    changed = measured[:]
+    changed[40] *= 100
+    assert calibrated(predicted, changed, skip)[:41] == corrected[:41]
+    # the steady factor is learnt: within the noise once the window is past the change
+    assert all(abs(c / m - 1) < 0.1 for c, m in zip(corrected[3:50], measured[3:50]))
+    assert all(abs(c / m - 1) < 0.1 for c, m in zip(corrected[70:], measured[70:]))
+    with pytest.raises(ValueError, match="one measured time per prediction"):
+        calibrated(predicted, measured[:-1], skip)

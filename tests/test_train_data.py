@@ -184,6 +184,7 @@ def test_every_formation_equals_the_unpipelined_model_and_resumes_with_the_same_
     assert by_budget["microbatch_tokens"] == 1500 and by_budget["tokens_per_s"] > 0
     # every step predicted from the profiled GPT, and the adaptive run's choice of each
     assert len(by_count["step_predicted_s"]) == STEPS and by_count["step_prediction_error"] >= 0
+    assert by_count["step_prediction_error_calibrated"] >= 0
     assert len(adaptive["adaptive_choices"]) == STEPS
     assert all(c["predicted_gain"] >= 1 for c in adaptive["adaptive_choices"])
     # the last step's trace is titled with its choice

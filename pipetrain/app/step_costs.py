@@ -13,6 +13,7 @@ the time only.
 from __future__ import annotations
 
 import os
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from pipetrain.app.train_config import TrainConfig
 
 BUDGET_FACTORS = (0.5, 1.0, 2.0)  # --adaptive tries these multiples of the token budget
+CALIBRATION_WINDOW = 32  # steps whose measured/predicted ratios correct the next prediction
 
 
 def profile_shapes(seq_len_max: int) -> list[Shape]:
@@ -61,6 +63,25 @@ def profiled_gpt(data: CorpusSettings, seed: int, threads: int) -> LengthCosts:
         return measure_lengths(at, profile_shapes(data.seq_len_max))
     finally:
         torch.set_num_threads(before)
+
+
+def calibrated(predicted: Sequence[float], measured: Sequence[float], skip: int) -> list[float]:
+    """Each step's prediction times the median of measured / predicted over the up to
+    :data:`CALIBRATION_WINDOW` steps before it, leaving out the first ``skip`` (warm-up):
+    the profiled model's steady error (a profile taken once, alone, before the run),
+    learnt from the steps already made and never from the step predicted. A step with no
+    such steps before it keeps its prediction."""
+    if len(predicted) != len(measured):
+        raise ValueError(
+            f"calibrated needs one measured time per prediction, got {len(measured)} "
+            f"for {len(predicted)}"
+        )
+    corrected = []
+    for step, guess in enumerate(predicted):
+        start = max(skip, step - CALIBRATION_WINDOW)
+        ratios = [m / p for p, m in zip(predicted[start:step], measured[start:step]) if p > 0]
+        corrected.append(guess * statistics.median(ratios) if ratios else guess)
+    return corrected
 
 
 def shapes_of(lengths: Sequence[int], groups: Sequence[Sequence[int]]) -> list[Shape]:

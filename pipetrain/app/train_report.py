@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipetrain.app.step_costs import predicted_steps
+from pipetrain.app.step_costs import calibrated, predicted_steps
 from pipetrain.app.train_config import WARMUP_STEPS, TrainConfig
 from pipetrain.schedules import Schedule
 from pipetrain.simulation import Costs, measured_costs, simulate
@@ -185,18 +185,23 @@ class TrainReport:
             "tokens_per_s": self.tokens_per_s,
             "step_predicted_s": self.step_predicted_s,
             "step_prediction_error": self._prediction_error(),
+            "step_prediction_error_calibrated": self._prediction_error(calibrate=True),
             "adaptive_choices": self.choices,
         }
 
-    def _steady_pairs(self) -> list[tuple[float, float]]:
-        """(predicted, measured) of the steps this run made after its warm-up steps."""
+    def _steady_pairs(self, calibrate: bool = False) -> list[tuple[float, float]]:
+        """(predicted, measured) of the steps this run made after its warm-up steps, each
+        prediction ``calibrate``-d by the steps before it (:func:`calibrated`)."""
         made = self.step_times_s[-len(self.step_predicted_s) :] if self.step_predicted_s else []
-        pairs = list(zip(self.step_predicted_s, made))
+        guesses = self.step_predicted_s
+        if calibrate:
+            guesses = calibrated(guesses, made, WARMUP_STEPS)
+        pairs = list(zip(guesses, made))
         return pairs[WARMUP_STEPS:] or pairs
 
-    def _prediction_error(self) -> float | None:
+    def _prediction_error(self, calibrate: bool = False) -> float | None:
         """The median over steps of |predicted − measured| / measured."""
-        pairs = self._steady_pairs()
+        pairs = self._steady_pairs(calibrate)
         if not pairs:
             return None
         return statistics.median(abs(p - m) / m for p, m in pairs)
@@ -296,7 +301,8 @@ class TrainReport:
                 f"  per step          predicted median "
                 f"{format_seconds(statistics.median(p for p, _ in pairs))}, measured "
                 f"{format_seconds(statistics.median(m for _, m in pairs))}; median error "
-                f"{self._prediction_error():.0%} (sequence lengths priced by the profiled GPT)"
+                f"{self._prediction_error():.0%} (sequence lengths priced by the profiled GPT), "
+                f"{self._prediction_error(calibrate=True):.0%} calibrated by the steps before"
             )
         if self.choices:
             counts = collections.Counter(choice["formation"] for choice in self.choices)
