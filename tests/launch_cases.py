@@ -138,6 +138,22 @@ def paused_peer(pause_s: float, timeout_s: float) -> float:
     return float(transport.receive(1, "paused")[0])
 
 
+def stopped_past_the_timeout(timeout_s: float, pause_s: float) -> str:
+    """Rank 1 is stopped (SIGSTOP) for ``pause_s``, longer than the ``timeout_s`` with
+    which rank 0 waits for its message (the default frozen threshold: the waiting rank
+    waits on its own thread); rank 0 returns the error its wait raised."""
+    transport = TorchTransport(torch.device("cpu"), timeout_s=timeout_s)
+    if int(os.environ["RANK"]) == 1:
+        subprocess.Popen(["sh", "-c", f"sleep {pause_s}; kill -CONT {os.getpid()}"])
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return ""
+    try:
+        transport.receive(1, "stopped")
+    except PeerError as error:
+        return str(error)
+    return "no error"
+
+
 def silent_on_another_host(frozen_after_s: float) -> str:
     """Rank 1 says it runs on another host, stops its heartbeat and stays silent while rank
     0 waits for a message from it (as a rank behind a cut link does); rank 0 returns the

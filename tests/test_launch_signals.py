@@ -151,6 +151,14 @@ def test_a_stall_the_timeout_allows_is_waited_for() -> None:
     assert got == [7.0, 7.0]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sh and kill -CONT")
+def test_a_peer_stopped_past_the_timeout_is_named_frozen_by_default() -> None:
+    """The default threshold (the timeout): the wait, on the caller's thread, ends at the
+    timeout, and a peer whose heartbeat then stands still is named as stopped."""
+    message = pipetrain.launch(launch_cases.stopped_past_the_timeout, WORKERS, 2.0, 8.0)[0]
+    assert "rank 1 froze" in message and "its process is stopped" in message, message
+
+
 def test_a_silent_peer_on_another_host_is_named_unreachable() -> None:
     message = pipetrain.launch(launch_cases.silent_on_another_host, WORKERS, 2.0, timeout_s=60)[0]
     assert "rank 1 on host elsewhere.example is unreachable" in message, message

@@ -3,10 +3,12 @@
 Every process that builds a :class:`~pipetrain.distributed.torch_transport.TorchTransport`
 runs a daemon thread that writes a growing counter to ``pipetrain/heartbeat/<rank>`` in the
 default process group's store every :data:`BEAT_S` (and its host and process id once). A
-:class:`Watch` runs the transport's waits on a waiter thread while the caller looks on: once
-a wait has lasted :data:`BEAT_S`, the caller reads the counters of the peers it waits for at
-every beat. A counter that has not moved for the watch's ``frozen_after`` (by default the
-transport's timeout, so that a stall the timeout allows is waited for) means that peer no
+:class:`Watch` whose ``frozen_after`` is shorter than its timeout runs the transport's waits
+on a waiter thread while the caller looks on: once a wait has lasted :data:`BEAT_S`, the
+caller reads the counters of the peers it waits for at every beat. With the default
+``frozen_after`` (the timeout, so that a stall the timeout allows is waited for) the caller
+waits itself, and once the timeout has ended the wait reads the counters for
+:data:`STILL_BEATS` beats. A counter that has not moved for that long means that peer no
 longer runs or cannot be reached: the wait records that rank as where the failure began
 (:mod:`pipetrain.distributed.failure`), so that every rank names it, and raises
 :class:`PeerFrozen` (its process on this host is stopped or hangs) or
@@ -38,6 +40,7 @@ from pipetrain.distributed.framing import Work
 from pipetrain.distributed.transport import PeerError
 
 BEAT_S = 0.5
+STILL_BEATS = 2.5  # a heartbeat still this many beats after a timed-out wait: that peer froze
 _KEY = "pipetrain/heartbeat/"
 _WHERE = "/where"  # after a rank's key: "HOST PID" of its process
 _COUNTER_DIGITS = 19  # a counter longer than this was not written by a heartbeat
@@ -186,8 +189,13 @@ class Watch:
         """
         if self._stuck is not None:
             raise PeerError(None, self._stuck)
-        if work.is_completed():  # most sends, and receives whose data is there: no hand-off
+        if work.is_completed():  # most sends, and receives whose data is there
             return work.wait(self.timeout)
+        if self.frozen_after_s >= self.timeout.total_seconds():
+            # nothing to name before the timeout (the default): wait here, since handing
+            # the wait to the waiter thread and back costs two thread switches, which
+            # doubled the host time of an action on small stages (bench_host_cost.py)
+            return self._wait_here(work, peers)
         if self._waiter is None:
             self._waiter = threading.Thread(
                 target=_serve,
@@ -216,10 +224,33 @@ class Watch:
             raise outcome
         return outcome
 
-    def _frozen(self, peers: Sequence[int]) -> tuple[int, float] | None:
-        """The first of ``peers`` whose heartbeat has not moved for ``frozen_after``, and
-        for how long; peers without a heartbeat (or whose key holds anything but a
-        counter) are never frozen."""
+    def _wait_here(self, work: Work, peers: Sequence[int]) -> bool:
+        """Wait for ``work`` on the caller's thread; once the timeout has ended it, name a
+        peer of ``peers`` whose heartbeat then stands still for :data:`STILL_BEATS` beats."""
+        start = time.monotonic()
+        try:
+            return work.wait(self.timeout)
+        except RuntimeError:
+            if time.monotonic() - start < self.timeout.total_seconds():
+                raise  # a broken connection, which names its peer itself
+            self._seen.clear()
+            self._frozen(peers)  # the counters now
+            time.sleep(STILL_BEATS * BEAT_S)
+            frozen = self._frozen(peers, STILL_BEATS * BEAT_S)
+            if frozen is None:
+                raise
+            self._stuck = "an earlier wait never ended; the transport cannot be used again"
+            error = _silence(*frozen)
+            report_origin(frozen[0], None, error.reason)
+            raise error from None
+
+    def _frozen(
+        self, peers: Sequence[int], after_s: float | None = None
+    ) -> tuple[int, float] | None:
+        """The first of ``peers`` whose heartbeat has not moved for ``after_s`` (by
+        default ``frozen_after``), and for how long; peers without a heartbeat (or whose
+        key holds anything but a counter) are never frozen."""
+        after_s = self.frozen_after_s if after_s is None else after_s
         store, now = _store(), time.monotonic()
         if store is None:
             return None
@@ -237,7 +268,7 @@ class Watch:
             seen = self._seen.get(peer)
             if seen is None or seen[0] != counter:
                 self._seen[peer] = (counter, now)
-            elif now - seen[1] >= self.frozen_after_s:
+            elif now - seen[1] >= after_s:
                 return peer, now - seen[1]
         return None
 

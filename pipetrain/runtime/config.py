@@ -312,7 +312,9 @@ class RuntimeConfig:
     wait as long as the process group's timeout. ``frozen_after_s``: a peer whose heartbeat
     has stood still this long is named as frozen (its process stopped or hung) or
     unreachable (on another host) (gloo; see :mod:`pipetrain.distributed.heartbeat`); by
-    default ``timeout_s``, so a stall the timeout allows is waited for. ``record``: record a
+    default ``timeout_s``, so a stall the timeout allows is waited for, each wait on the
+    rank's own thread (a shorter threshold hands every wait to a watching thread: two
+    thread switches a message). ``record``: record a
     measured timeline of every step. ``bucket_bytes``: a replicated stage all-reduces its
     gradients in buckets of up to this size, each started as soon as the update's last
     backward produced it (by default 4 MiB on GPUs and the whole stage on CPUs).
