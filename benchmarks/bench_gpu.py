@@ -3,7 +3,8 @@
 Trains the built-in GPT (by default 1024 wide, 8 blocks of 16 heads, sequences of 256
 bytes, batch 32, Adam) three ways, each in fp32 and under bf16 autocast:
 
-- unpipelined: the whole model on the GPU in one process (the baseline);
+- unpipelined: the whole model on the GPU in one process (the baseline), and the same
+  accumulating its gradients over 4 micro-batches (the baseline of the runs with 4);
 - pipetrain, 1 stage under NCCL: the runtime's own cost on a GPU, with 1 and 4
   micro-batches;
 - pipetrain, 2 stages sharing the GPU under gloo, 1F1B over 4 micro-batches: every
@@ -13,7 +14,8 @@ Each configuration runs in new processes, every round in turn, so all see the sa
 a figure is the median over the steps after warm-up, then over rounds. The table gives each
 step time's ratio to the baseline at the same precision, the peak GPU memory a rank
 allocated, and the largest relative difference of a step's loss from the baseline's over the
-whole run (training is exact: fp32 differs only by rounding).
+whole run (training is exact: fp32 differs only by rounding); ``vs same micro-batches``
+divides by the unpipelined run that splits the batch as the pipeline does.
 
     python benchmarks/bench_gpu.py [--steps 30] [--rounds 2] [--d-model 1024] [--layers 8]
 
@@ -57,8 +59,10 @@ def _peak_bytes(device: torch.device) -> int:
 
 
 def unpipelined(shape: dict[str, int], run: dict[str, Any]) -> dict[str, Any]:
-    """Worker: the whole model on the device in this process."""
+    """Worker: the whole model on the device in this process, its gradients accumulated
+    over ``run["microbatches"]`` equal parts of each batch (1: none)."""
     device = torch.device(run["device"])
+    parts = run.get("microbatches", 1)
     model = _model(shape).to(device)
     loss_fn = loss_function("gpt")
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
@@ -68,13 +72,16 @@ def unpipelined(shape: dict[str, int], run: dict[str, Any]) -> dict[str, Any]:
         _sync(device)
         start = time.perf_counter()
         x, y = x.to(device), y.to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            logits = model(x)
-        loss = loss_fn(logits.float(), y)
-        loss.backward()
+        total = torch.zeros((), device=device)
+        for x_part, y_part in zip(x.chunk(parts), y.chunk(parts)):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                logits = model(x_part)
+            loss = loss_fn(logits.float(), y_part) / parts  # equal parts: the batch's mean
+            loss.backward()
+            total += loss.detach()
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(loss.item())
+        losses.append(total.item())
         times.append(time.perf_counter() - start)
     return {"times": times, "losses": losses, "peak": _peak_bytes(device)}
 
@@ -109,6 +116,7 @@ def _runs(device: str, blocks: int) -> list[tuple[str, dict[str, Any]]]:
     whole, halves = [blocks], [blocks // 2, blocks - blocks // 2]
     return [
         ("unpipelined", {"ranks": 1, "backend": "gloo"}),
+        ("unpipelined, 4 mb accumulated", {"ranks": 1, "backend": "gloo", "microbatches": 4}),
         (
             f"pipetrain 1 stage, {nccl}, 1 mb",
             {"ranks": 1, "backend": nccl, "microbatches": 1, "balance": whole},
@@ -125,7 +133,7 @@ def _runs(device: str, blocks: int) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _launch(shape: dict[str, int], run: dict[str, Any]) -> dict[str, Any]:
-    worker = unpipelined if run["name"] == "unpipelined" else pipelined
+    worker = unpipelined if run["name"].startswith("unpipelined") else pipelined
     results = pipetrain.launch(
         worker, run["ranks"], shape, run, backend=run["backend"], timeout_s=300
     )
@@ -178,20 +186,25 @@ def main() -> None:
                 }
                 table.setdefault((precision, label), []).append(_launch(shape, run))
     print(
-        f"{'precision':9} {'run':34} {'step ms':>9} {'vs unpipelined':>15} {'peak MiB':>9} "
-        f"{'max loss diff':>14}"
+        f"{'precision':9} {'run':34} {'step ms':>9} {'vs unpipelined':>15} "
+        f"{'vs same micro-batches':>22} {'peak MiB':>9} {'max loss diff':>14}"
     )
     for precision in ("fp32", "bf16"):
         base = table[(precision, "unpipelined")]
         base_step = statistics.median(r["step"] for r in base)
-        for label, _ in _runs(args.device, blocks):
+        baselines = {
+            run.get("microbatches", 1): statistics.median(r["step"] for r in table[(precision, n)])
+            for n, run in _runs(args.device, blocks)
+            if n.startswith("unpipelined")
+        }
+        for label, run in _runs(args.device, blocks):
             results = table[(precision, label)]
             step = statistics.median(r["step"] for r in results)
             peak = max(r["peak"] for r in results) / 2**20
             diff = max(abs(a - b) / abs(b) for a, b in zip(results[0]["losses"], base[0]["losses"]))
             print(
                 f"{precision:9} {label:34} {step * 1e3:9.2f} {base_step / step:15.2f} "
-                f"{peak:9.0f} {diff:14.2e}"
+                f"{baselines[run.get('microbatches', 1)] / step:22.2f} {peak:9.0f} {diff:14.2e}"
             )
     print("'vs unpipelined' is a speedup (below 1: slower than the unpipelined model).")
 
