@@ -297,30 +297,32 @@ class Candidate:
         """A makespan no schedule can beat.
 
         A worker of stage ``s`` idles until the first micro-batch has passed the forwards of
-        the stages before it, then does its own work (``⌈m / r_s⌉`` micro-batches and the
-        all-reduce); unless the backward is split, its last backward is then followed by the
-        backwards of the earlier stages. A rank ``r`` holding chunks likewise waits for chunks
-        ``0..r-1`` before its first forward and, unless the backward is split, after its
-        last backward.
+        the stages before it, then does its own work (``⌈m / r_s⌉`` of the ``m`` micro-batches
+        its step plays, two updates' worth for ``2bw``, and the all-reduce); unless the
+        backward is split, its last backward is then followed by the backwards of the
+        earlier stages. A rank ``r`` holding chunks likewise waits for chunks ``0..r-1``
+        before its first forward and, unless the backward is split, after its last backward.
         """
+        family = spec(self.schedule)
+        played = family.window(self.microbatches, family.resolve({}))
         count = len(self.layout.stages)
         forward = costs.per_stage("forward_s", count)
         backward = costs.per_stage("backward_s", count)
         weight = costs.per_stage("weight_s", count)
         allreduce = costs.per_stage("allreduce_s", count)
         work = [f + b + w for f, b, w in zip(forward, backward, weight)]
-        split = spec(self.schedule).split_backward
+        split = family.split_backward
         if self.layout.virtual > 1:
             held = [self.chunks_of(rank) for rank in range(self.layout.workers)]
             return max(
-                self.microbatches * sum(work[c] for c in chunks)
+                played * sum(work[c] for c in chunks)
                 + sum((forward if split else work)[: chunks[0]])
                 for chunks in held
                 if chunks
             )
         bound = head = tail = 0.0
         for stage, replicas in enumerate(self.layout.replicas):
-            busy = math.ceil(self.microbatches / replicas) * work[stage] + allreduce[stage]
+            busy = math.ceil(played / replicas) * work[stage] + allreduce[stage]
             bound = max(bound, head + busy + (0.0 if split else tail))
             head += forward[stage]
             tail += backward[stage] + weight[stage]

@@ -185,8 +185,11 @@ def _fastest(
     bounded = []
     for candidate, memory in fitting:
         costs = candidate.costs(topology)
-        samples = candidate.microbatches * candidate.profile.microbatch_size
-        ceiling = samples / max(candidate.lower_bound(costs), 1e-300)
+        family = spec(candidate.schedule)
+        played = family.window(candidate.microbatches, family.resolve({}))  # 2bw: 2 updates
+        ceiling = (
+            played * candidate.profile.microbatch_size / max(candidate.lower_bound(costs), 1e-300)
+        )
         verdicts.bounded(candidate, ceiling)
         bounded.append((ceiling, max(memory), candidate, memory, costs))
     bounded.sort(key=lambda entry: (-entry[0], entry[1]))
