@@ -1,14 +1,24 @@
 """The planner's shortcuts choose what the exhaustive ways choose.
 
 The unit-time order search stops timing a candidate order once it cannot win, and takes a
-list schedule's span from the schedule itself: it finds the order that timing every
-candidate in full finds.
+list schedule's span from the schedule itself; the planner skips simulating candidates
+whose written bound rules them out. Each is checked against its exhaustive way, and the
+written bound against the simulator.
 """
 
 from __future__ import annotations
 
-import pytest
+import re
+from collections.abc import Sequence
+from typing import Any
 
+import pytest
+from planning_cases import random_case, resnet_like_profile
+
+from pipetrain.planning import Topology, plan
+from pipetrain.planning.fitting import fitting_candidates
+from pipetrain.planning.verdicts import Verdicts
+from pipetrain.schedules import names
 from pipetrain.schedules.builtin import interleaved_zb, v_half, v_min, vshape, zb_v
 
 
@@ -34,3 +44,77 @@ def test_the_interleaved_zero_bubble_search_finds_the_exhaustive_order(
     for microbatches in (1, 2, 3, 4, 6, 8, 12, 16):
         expected = interleaved_zb.orders(ranks, microbatches, virtual, exhaustive=True)
         assert interleaved_zb.orders(ranks, microbatches, virtual) == expected
+
+
+def _without_reasons(plan_dict: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in plan_dict.items() if key != "rejected"}
+
+
+# the last seeds are cases where schedules with chunks win
+@pytest.mark.parametrize(
+    "seeds", [range(0, 12), range(12, 24), range(24, 36), (116, 189, 207, 230, 239)]
+)
+def test_the_plan_is_the_one_every_simulation_would_choose(seeds: Sequence[int]) -> None:
+    # schedule, stages, replicas, micro-batches, recomputation, memory and predicted steps
+    # all equal; only the reasons given for the schedules passed over may differ (a
+    # candidate ruled out by its written bound is "slower at best" by that bound)
+    for seed in seeds:
+        profile, arguments = random_case(seed)
+        try:
+            exhaustive = plan(profile, exhaustive=True, **arguments)
+        except ValueError as error:
+            with pytest.raises(ValueError, match=re.escape(str(error))):
+                plan(profile, **arguments)
+            continue
+        fast = plan(profile, **arguments)
+        assert _without_reasons(fast.to_dict()) == _without_reasons(exhaustive.to_dict()), seed
+        assert set(fast.rejected) == set(exhaustive.rejected), seed
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_written_bound_never_exceeds_the_simulated_step(seed: int) -> None:
+    profile, arguments = random_case(seed)
+    topology = Topology.parse(arguments["topology"])
+    everything = names()  # the asynchronous and replicated families too
+    fitting, _ = fitting_candidates(
+        profile,
+        topology,
+        everything,
+        [1, 3, 4, 8],
+        None,
+        True,
+        None,
+        lambda line: None,
+        Verdicts(everything),
+        False,
+    )
+    assert fitting
+    for candidate, _ in fitting:
+        costs = candidate.costs(topology)
+        bound = candidate.written_bound(costs)
+        for cores in (None, 2):
+            timeline, _, _ = candidate.build_and_simulate(costs, cores)
+            if bound is not None:
+                assert bound <= timeline.makespan * (1 + 1e-12), (candidate, cores)
+
+
+def test_most_candidates_are_not_simulated() -> None:
+    profile = resnet_like_profile(64)
+    progress: dict[bool, list[str]] = {True: [], False: []}
+    plans = {
+        exhaustive: plan(
+            profile,
+            topology="4x16GB/s,4x1.25GB/s",
+            batch_size=256,
+            exhaustive=exhaustive,
+            progress=progress[exhaustive].append,
+        )
+        for exhaustive in (True, False)
+    }
+    assert _without_reasons(plans[False].to_dict()) == _without_reasons(plans[True].to_dict())
+    simulated = {
+        exhaustive: sum("candidates simulated" in line for line in lines)
+        for exhaustive, lines in progress.items()
+    }
+    # 37 of its 300 or so candidates are simulated exhaustively, 4 with the written bound
+    assert simulated[False] * 4 <= simulated[True]

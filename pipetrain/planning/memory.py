@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from pipetrain.profiler.costs import Profile
-from pipetrain.schedules import Kind, build, spec
+from pipetrain.schedules import Kind, spec
 from pipetrain.schedules.builtin.unit_time import peak_held
 
 
@@ -118,11 +118,12 @@ def weight_versions(schedule: str, stage: int, replicas: Sequence[int]) -> int:
 @lru_cache(maxsize=256)
 def deferred_weights(schedule: str, ranks: int, microbatches: int, virtual: int) -> tuple[int, ...]:
     """Per rank, the most (chunk) micro-batches whose B has run and whose W has not, at
-    once, in the order of ``schedule`` on ``ranks`` ranks (``virtual`` chunks each)."""
+    once, in the order of ``schedule`` on ``ranks`` ranks (``virtual`` chunks each): its
+    written order, which lowering keeps."""
     family = spec(schedule)
     options: dict[str, int | bool] = {family.chunk_option: virtual} if family.chunk_option else {}
-    built = build(schedule, ranks, microbatches, replicas=None, **options)
-    return tuple(peak_held([list(lane) for lane in built.ranks], since=Kind.BACKWARD))
+    written = family.generate(ranks, microbatches, None, family.resolve(options)).orders
+    return tuple(peak_held(written, since=Kind.BACKWARD))
 
 
 def worker_memory(
