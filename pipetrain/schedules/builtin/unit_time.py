@@ -112,18 +112,22 @@ def list_schedule(
     unit, and those whose neighbour then ran the pass they take next. Any other rank finds
     what it found before, so it would wait again."""
     ranks, stages, m = len(cap), len(stage_rank), microbatches
-    last = stages - 1
     held = [[s for s in range(stages) if stage_rank[s] == r] for r in range(ranks)]
+    # per stage: its first code, and the ranks of the stages before and after it (-1: none)
+    base = [stage * m for stage in range(stages)]
+    before = [stage_rank[stage - 1] if stage else -1 for stage in range(stages)]
+    after = [stage_rank[stage + 1] if stage < stages - 1 else -1 for stage in range(stages)]
     # end time of each stage's forward and backward of each micro-batch, at s·m + k
     forward_done, backward_done = [_NEVER] * (stages * m), [_NEVER] * (stages * m)
+    backward_done += [0] * m  # the last stage's backward needs no later one
     next_forward, next_backward = [0] * stages, [0] * stages
     deferred: list[deque[int]] = [deque() for _ in range(ranks)]
     entered = [bytearray(m) for _ in range(ranks)]
     used = [0] * ranks
     orders: Coded = [[] for _ in range(ranks)]
-    first, end = [0] * ranks, [0] * ranks
+    first, end = [-1] * ranks, [0] * ranks
     left = sum(3 * m * len(mine) for mine in held)
-    to_backward, to_weight = stages * m, stages * m  # from a pass's code to the next kind's
+    to_backward, to_weight = stages * m, 2 * stages * m  # from a forward's code
     exact = True
     time = 0
     active = list(range(ranks))
@@ -131,28 +135,29 @@ def list_schedule(
         woken: list[int] = []
         marked = bytearray(ranks)
         for rank in active:
-            mine = held[rank]
+            mine, order = held[rank], orders[rank]
             for stage in mine:  # the lowest ready B
                 k = next_backward[stage]
-                at = stage * m + k
+                at = base[stage] + k
                 if (
                     k < next_forward[stage]
                     and forward_done[at] <= time
-                    and (stage == last or backward_done[at + m] <= time)
+                    and backward_done[at + m] <= time
                 ):
                     next_backward[stage] = k + 1
                     backward_done[at] = time + 1
-                    deferred[rank].append(at + to_backward + to_weight)
-                    orders[rank].append(at + to_backward)
-                    if stage and not marked[stage_rank[stage - 1]]:
-                        marked[stage_rank[stage - 1]] = 1
-                        woken.append(stage_rank[stage - 1])
+                    deferred[rank].append(at + to_weight)
+                    order.append(at + to_backward)
+                    neighbour = before[stage]
+                    if neighbour >= 0 and not marked[neighbour]:
+                        marked[neighbour] = 1
+                        woken.append(neighbour)
                     break
             else:
                 chosen = -1
                 for stage in mine:  # the highest ready F the cap allows
                     k = next_forward[stage]
-                    if k >= m or (stage and forward_done[stage * m - m + k] > time):
+                    if k >= m or (stage and forward_done[base[stage] - m + k] > time):
                         continue
                     need = (0 if entered[rank][k] else len(mine)) if reserve else 1
                     if used[rank] + need <= cap[rank]:
@@ -162,22 +167,23 @@ def list_schedule(
                 if chosen >= 0:
                     k = next_forward[chosen]
                     next_forward[chosen] = k + 1
-                    forward_done[chosen * m + k] = time + 1
+                    forward_done[base[chosen] + k] = time + 1
                     if not reserve:
                         used[rank] += 1
                     elif not entered[rank][k]:
                         entered[rank][k] = 1
                         used[rank] += len(mine)
-                    orders[rank].append(chosen * m + k)
-                    if chosen < last and not marked[stage_rank[chosen + 1]]:
-                        marked[stage_rank[chosen + 1]] = 1
-                        woken.append(stage_rank[chosen + 1])
+                    order.append(base[chosen] + k)
+                    neighbour = after[chosen]
+                    if neighbour >= 0 and not marked[neighbour]:
+                        marked[neighbour] = 1
+                        woken.append(neighbour)
                 elif deferred[rank]:
                     used[rank] -= 1
-                    orders[rank].append(deferred[rank].popleft())
+                    order.append(deferred[rank].popleft())
                 else:
                     continue
-            if len(orders[rank]) == 1:
+            if first[rank] < 0:
                 first[rank] = time
             end[rank] = time + 1
             left -= 1
@@ -188,7 +194,7 @@ def list_schedule(
             return None
         active = woken
         time += 1
-    span = max(e - f for e, f in zip(end, first)) if exact else None
+    span = max(e - max(f, 0) for e, f in zip(end, first)) if exact else None
     return Trial(orders, span)
 
 
