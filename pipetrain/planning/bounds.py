@@ -12,6 +12,7 @@ the planner uses the bound to skip simulating candidates that cannot win.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from pipetrain.allocation import collector_paused
@@ -65,6 +66,31 @@ def written_bound(
     return None if played is None else played + costs.loss_s
 
 
+def _into(
+    stage_ranks: Sequence[Sequence[int]], transfer: list[float], offset: int
+) -> list[tuple[float, ...]]:
+    """Per stage, what its passes' input from stage ``stage + offset`` adds on the way, by
+    micro-batch (round-robin over both stages' replicas): a transfer where the two passes
+    run on different ranks."""
+    into: list[tuple[float, ...]] = []
+    for stage, consumers in enumerate(stage_ranks):
+        source = stage + offset
+        if not 0 <= source < len(stage_ranks):
+            into.append((0.0,))
+            continue
+        producers = stage_ranks[source]
+        cycle = math.lcm(len(producers), len(consumers))
+        into.append(
+            tuple(
+                transfer[min(stage, source)]
+                if producers[k % len(producers)] != consumers[k % len(consumers)]
+                else 0.0
+                for k in range(cycle)
+            )
+        )
+    return into
+
+
 def _played(
     orders: Sequence[Sequence[Action]],
     stage_ranks: Sequence[Sequence[int]],
@@ -76,9 +102,10 @@ def _played(
     back to work."""
     forward_kind, backward_kind = Kind.FORWARD, Kind.BACKWARD
     forward, backward = duration[forward_kind], duration[backward_kind]
-    stages = len(stage_ranks)
+    into_forward, into_backward = _into(stage_ranks, transfer, -1), _into(stage_ranks, transfer, 1)
+    stages, last = len(stage_ranks), len(stage_ranks) - 1
     # each forward's and backward's end, at 2·(micro-batch · stages + stage), + 1 for a
-    # backward: a forward takes the forward before it, a backward the one after
+    # backward: a forward takes the forward before it (key - 2), a backward the one after
     ended: dict[int, float] = {}
     waiting: dict[int, int] = {}  # the rank waiting for each of them
     position, clock = [0] * len(orders), [0.0] * len(orders)
@@ -88,33 +115,41 @@ def _played(
         order, index, now = orders[rank], position[rank], clock[rank]
         while index < len(order):
             kind, stage, mb, _, _ = order[index]
-            if kind is forward_kind or kind is backward_kind:
+            if kind is forward_kind:
                 assert mb is not None
                 key = (mb * stages + stage) << 1
-                if kind is forward_kind:
-                    source, cost = stage - 1, forward[stage]
-                else:
-                    key |= 1
-                    source, cost = stage + 1, backward[stage]
-                if 0 <= source < stages:
-                    needed = key + 2 * (source - stage)
-                    ready = ended.get(needed)
+                if stage:
+                    ready = ended.get(key - 2)
                     if ready is None:
-                        waiting[needed] = rank
+                        waiting[key - 2] = rank
                         break
-                    producers = stage_ranks[source]
-                    if producers[mb % len(producers)] != rank:
-                        ready += transfer[min(stage, source)]
+                    delays = into_forward[stage]
+                    ready += delays[mb % len(delays)]
                     if ready > now:
                         now = ready
-                now += cost
-                ended[key] = now
-                if key in waiting:
-                    work.append(waiting.pop(key))
+                now += forward[stage]
+            elif kind is backward_kind:
+                assert mb is not None
+                key = ((mb * stages + stage) << 1) | 1
+                if stage < last:
+                    ready = ended.get(key + 2)
+                    if ready is None:
+                        waiting[key + 2] = rank
+                        break
+                    delays = into_backward[stage]
+                    ready += delays[mb % len(delays)]
+                    if ready > now:
+                        now = ready
+                now += backward[stage]
             elif kind is Kind.OVERLAP:
                 return None
             else:
                 now += duration[kind][stage]
+                index += 1
+                continue
+            ended[key] = now
+            if key in waiting:
+                work.append(waiting.pop(key))
             index += 1
         position[rank], clock[rank] = index, now
     if any(at < len(order) for at, order in zip(position, orders)):
