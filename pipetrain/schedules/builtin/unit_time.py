@@ -28,7 +28,7 @@ the hundred thousand:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 from pipetrain.schedules.actions import Action, Kind
@@ -42,7 +42,7 @@ Coded = list[list[int]]
 Found = tuple[tuple[int, ...], ...]
 """An order a search found, as codes; kept by the families' caches, so not to be changed."""
 
-Block = dict[tuple[Kind, int], int]
+Block = Mapping[tuple[Kind, int], int]
 """A building block: the time unit of each (kind, stage) for micro-batch 0."""
 
 PERIOD = 6

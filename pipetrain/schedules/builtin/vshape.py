@@ -55,12 +55,14 @@ def check_v(name: str) -> Check:
     return check
 
 
+@lru_cache(maxsize=64)
 def tight_block(ranks: int, delay: int) -> Block:
     """A V building block with every pass as early as its rank's free time units allow
     (each rank's six passes at distinct times modulo :data:`PERIOD`) and each W at the
-    first free unit at least ``delay`` units after its B."""
+    first free unit at least ``delay`` units after its B (kept: every micro-batch count's
+    search repeats the same blocks)."""
     taken: list[set[int]] = [set() for _ in range(ranks)]
-    block: Block = {}
+    block: dict[tuple[Kind, int], int] = {}
 
     def place(kind: Kind, stage: int, time: int) -> int:
         rank = v_placement(stage, ranks)
