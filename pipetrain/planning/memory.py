@@ -109,12 +109,6 @@ def in_flight(
     return family.in_flight(stage, microbatches, replicas, virtual)
 
 
-def weight_versions(schedule: str, stage: int, replicas: Sequence[int]) -> int:
-    """Weight copies a worker keeps, by the schedule's spec (1 for synchronous ones)."""
-    family = spec(schedule)
-    return family.weight_versions(stage, replicas, family.resolve({}))
-
-
 @lru_cache(maxsize=256)
 def deferred_weights(schedule: str, ranks: int, microbatches: int, virtual: int) -> tuple[int, ...]:
     """Per rank, the most (chunk) micro-batches whose B has run and whose W has not, at
@@ -164,7 +158,7 @@ def worker_memory(
     # those of the micro-batches still held its gradient
     gradients_sent = max(window * len(chunks) - count, 0) / len(chunks)
     sent = sum(window * c.output_bytes + gradients_sent * c.gradient_bytes for c in chunks)
-    versions = weight_versions(schedule, stage, replicas)
+    versions = family.weight_versions(stage, replicas, options)
     freed = family.asynchronous and family.per_update(microbatches, options) == 1
     gradients = 0.0 if freed else weights
     return versions * weights + gradients + optimizer + activations + workspace + sent
