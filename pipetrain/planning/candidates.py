@@ -131,11 +131,22 @@ class Candidate:
     def ranks_of(self, stage: int) -> tuple[int, int]:
         """The first and last rank holding ``stage``: the schedule's placement for chunks,
         consecutive ranks for stages."""
-        if self.layout.virtual > 1:
-            rank = spec(self.schedule).placement(stage, self.layout.workers)
-            return rank, rank
-        first = self.layout.offsets[stage]
-        return first, first + self.layout.stages[stage][2] - 1
+        return self._rank_spans[stage]
+
+    @cached_property
+    def _rank_spans(self) -> list[tuple[int, int]]:
+        """:meth:`ranks_of` of every stage (costs, memory and bounds ask for them often)."""
+        layout = self.layout
+        if layout.virtual > 1:
+            placement = spec(self.schedule).placement
+            return [
+                (rank, rank)
+                for rank in (placement(c, layout.workers) for c in range(len(layout.stages)))
+            ]
+        return [
+            (first, first + replicas - 1)
+            for first, (_, _, replicas) in zip(layout.offsets, layout.stages)
+        ]
 
     def chunks_of(self, rank: int) -> list[int]:
         """The chunks (model stages) ``rank`` holds, in pipeline order."""
