@@ -14,12 +14,22 @@ from typing import Any
 
 import pytest
 from planning_cases import random_case, resnet_like_profile
+from user_schedule_cases import generate as reverse_gpipe
 
 from pipetrain.planning import Topology, plan
 from pipetrain.planning.fitting import fitting_candidates
 from pipetrain.planning.verdicts import Verdicts
-from pipetrain.schedules import names
+from pipetrain.schedules import (
+    Action,
+    Generated,
+    Kind,
+    ScheduleSpec,
+    names,
+    register,
+    unregister,
+)
 from pipetrain.schedules.builtin import interleaved_zb, v_half, v_min, vshape, zb_v
+from pipetrain.schedules.registry import Options
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4, 5, 6, 8, 12])
@@ -118,3 +128,29 @@ def test_most_candidates_are_not_simulated() -> None:
     }
     # 37 of its 300 or so candidates are simulated exhaustively, 4 with the written bound
     assert simulated[False] * 4 <= simulated[True]
+
+
+def test_a_broken_generator_is_reported_as_without_the_bound() -> None:
+    def generate(
+        ranks: int, microbatches: int, replicas: Sequence[int] | None, options: Options
+    ) -> Generated:
+        orders, stage_ranks, facts = reverse_gpipe(ranks, microbatches, replicas, options)
+        # a forward without its micro-batch, which the bound cannot place
+        return Generated([[Action(Kind.FORWARD, 0)], *orders[1:]], stage_ranks, facts)
+
+    register(ScheduleSpec(name="forward-without-microbatch", summary="broken", generate=generate))
+    try:
+        profile = resnet_like_profile(4)
+        errors = []
+        for exhaustive in (True, False):
+            with pytest.raises(ValueError) as error:  # lowering's, or the validator's
+                plan(
+                    profile,
+                    workers=2,
+                    schedules=["forward-without-microbatch"],
+                    exhaustive=exhaustive,
+                )
+            errors.append(f"{type(error.value).__name__}: {error.value}")
+        assert errors[0] == errors[1]
+    finally:
+        unregister("forward-without-microbatch")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import cast
 
 from pipetrain.allocation import collector_paused
 from pipetrain.schedules import Action, Kind, spec
@@ -61,8 +62,11 @@ def written_bound(
         costs.send_busy_s(size) + size / speed + costs.latency_s + costs.receive_busy_s(size)
         for size, speed in zip(sizes, speeds)
     ]
-    with collector_paused():
-        played = _played(orders, stage_ranks, duration, transfer)
+    try:
+        with collector_paused():
+            played = _played(orders, stage_ranks, duration, transfer)
+    except (IndexError, KeyError, TypeError):
+        return None  # a generator's mistake, which building the schedule reports
     return None if played is None else played + costs.loss_s
 
 
@@ -116,28 +120,26 @@ def _played(
         while index < len(order):
             kind, stage, mb, _, _ = order[index]
             if kind is forward_kind:
-                assert mb is not None
-                key = (mb * stages + stage) << 1
+                key = (cast(int, mb) * stages + stage) << 1
                 if stage:
                     ready = ended.get(key - 2)
                     if ready is None:
                         waiting[key - 2] = rank
                         break
                     delays = into_forward[stage]
-                    ready += delays[mb % len(delays)]
+                    ready += delays[cast(int, mb) % len(delays)]
                     if ready > now:
                         now = ready
                 now += forward[stage]
             elif kind is backward_kind:
-                assert mb is not None
-                key = ((mb * stages + stage) << 1) | 1
+                key = ((cast(int, mb) * stages + stage) << 1) | 1
                 if stage < last:
                     ready = ended.get(key + 2)
                     if ready is None:
                         waiting[key + 2] = rank
                         break
                     delays = into_backward[stage]
-                    ready += delays[mb % len(delays)]
+                    ready += delays[cast(int, mb) % len(delays)]
                     if ready > now:
                         now = ready
                 now += backward[stage]
