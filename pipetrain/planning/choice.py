@@ -9,8 +9,8 @@ candidate's throughput decide which need it. Every candidate has the stage-sum b
 order; one it cannot rule out is first given the tighter written bound
 (:meth:`~pipetrain.planning.candidates.Candidate.written_bound`, which plays its written
 passes and their messages, a sixth of the simulation's time) and put back in line. A
-candidate is simulated only when it is still the most promising. Any whose bound falls below
-:data:`FEWER_WITHIN` of the fastest so far cannot be near the fastest; one whose bound is
+candidate is simulated only when it is still the most promising. Any whose bound falls more
+than :data:`FEWER_WITHIN` below the fastest so far cannot be near the fastest; one whose bound is
 below a simulated candidate's throughput, with no fewer stages and micro-batches than it,
 cannot win either: so neither is simulated, and the choice is the one that simulating every
 candidate the stage-sum bound leaves in would make (``exhaustive``, which the tests

@@ -87,7 +87,9 @@ def shortest(
     """The candidate with the shortest :func:`unit_span` (then the smallest peak; then the
     first) among those holding at most ``cap[r]`` on every rank ``r``. The candidates are
     taken in turn, and the first with no bubble (a span of its busiest rank's pass count)
-    ends the search, so an iterator of them is built only as far as needed."""
+    ends the search, so an iterator of them is built only as far as needed. ``exhaustive``
+    times each candidate in full, even a list schedule's span it knows already: the same
+    answer, for checking that."""
     best: tuple[int, int, Coded] | None = None
     for trial in candidates:
         if trial is None:
