@@ -1,4 +1,4 @@
-"""Profiles shaped like well-known models, for the planner tests.
+"""Profiles shaped like well-known models, and seeded random ones, for the planner tests.
 
 Magnitudes follow PipeDream's setting (V100 GPUs, fp32): VGG-16 at 64 images per
 micro-batch takes about 0.34 s forward+backward (PipeDream's committed VGG-16 profile:
@@ -8,9 +8,12 @@ weights, its 3 fully connected layers ~1.5% and ~89%.
 
 from __future__ import annotations
 
+import random
+from typing import Any
+
 import numpy as np
 
-from pipetrain.profiler import LayerCost, Profile
+from pipetrain.profiler import LayerCost, Profile, Spread
 
 VGG16_CONVOLUTIONS = 13
 _FLOAT = 4
@@ -74,3 +77,64 @@ def _layer(compute_s: float, output_elements: float, parameters: float, name: st
         optimizer_bytes=2 * _FLOAT * parameters,
         name=name,
     )
+
+
+RANDOM_TOPOLOGIES = (
+    "4x16GB/s",
+    "8x10GB/s",
+    "2x16GB/s,2x1GB/s",
+    "2x100MB/s,3x10MB/s",
+    "6x1GB/s@100us",
+    "4x16GB/s,2x1.25GB/s",
+    "3x50MB/s",
+)
+
+
+def random_case(seed: int) -> tuple[Profile, dict[str, Any]]:
+    """A random profile of 3 to 20 uneven layers (a weight-gradient share measured or not,
+    measured runs or not) and :func:`pipetrain.planning.plan` arguments for it: a topology
+    of :data:`RANDOM_TOPOLOGIES`, with or without replication, a batch size, a memory limit
+    that may bind, shared cores."""
+    rng = random.Random(seed)
+    costs = []
+    for index in range(rng.randint(3, 20)):
+        forward = rng.uniform(1e-3, 1e-2) * rng.choice([1, 1, 3])
+        backward = forward * rng.uniform(1.5, 2.5)
+        costs.append(
+            LayerCost(
+                forward_s=forward,
+                backward_s=backward,
+                activation_bytes=rng.uniform(1e4, 1e7),
+                parameter_bytes=rng.uniform(0, 4e7),
+                optimizer_bytes=rng.uniform(0, 8e7),
+                weight_backward_s=backward * rng.uniform(0.2, 0.6) if rng.random() < 0.5 else None,
+                optimizer_s=rng.uniform(0, 1e-3),
+                name=f"layer{index}",
+            )
+        )
+    spread = None
+    if rng.random() < 0.3:
+        runs = [[rng.lognormvariate(0, 0.2) for _ in costs] for _ in range(3)]
+        spread = Spread(
+            [[layer.forward_s * f for layer, f in zip(costs, run)] for run in runs],
+            [[layer.backward_s * f for layer, f in zip(costs, run)] for run in runs],
+        )
+    profile = Profile(
+        costs,
+        microbatch_size=rng.choice([1, 4, 8]),
+        input_bytes=rng.uniform(1e4, 1e6),
+        message_s=rng.choice([0.0, 1e-4]),
+        spread=spread,
+    )
+    arguments: dict[str, Any] = {
+        "topology": rng.choice(RANDOM_TOPOLOGIES),
+        "replication": rng.random() < 0.7,
+    }
+    if rng.random() < 0.4:
+        arguments["batch_size"] = profile.microbatch_size * rng.choice([8, 16, 64])
+    if rng.random() < 0.4:
+        state = sum(layer.parameter_bytes + layer.optimizer_bytes for layer in costs)
+        arguments["memory_limit"] = state * rng.uniform(0.3, 1.5)
+    if rng.random() < 0.1:  # slow to plan: each candidate is simulated several times
+        arguments["shared_cores"] = 2
+    return profile, arguments

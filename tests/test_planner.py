@@ -605,3 +605,22 @@ def test_an_asynchronous_update_also_pays_for_its_next_weight_version(
     # the next version where the schedule keeps versions
     extra = 3e6 * 1e-8 if charged else 0.0
     assert costs.per_stage("step_s", 2) == pytest.approx([0.03 + extra, 0.01 + extra / 3])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "pipedream", "2bw"])
+@pytest.mark.parametrize("stages", [1, 2, 4])
+def test_the_stage_sum_bound_counts_every_micro_batch_its_step_plays(
+    schedule: str, stages: int
+) -> None:
+    # 2bw's step plays two updates' worth of micro-batches: its bound counts them all
+    from pipetrain.planning.candidates import Candidate, Layout
+
+    profile = uniform(8, parameter_bytes=1e6, activation_bytes=1e5)
+    share = 8 // stages
+    layout = Layout(tuple((s * share, (s + 1) * share, 1) for s in range(stages)))
+    for microbatches in (m for m in (1, 2, 4, 8) if layout.runs(schedule, m)):
+        candidate = Candidate(layout, schedule, microbatches, "never", profile)
+        costs = candidate.costs(Topology.flat(stages, 1e9, 1e-4))
+        timeline, played, _ = candidate.build_and_simulate(costs)
+        # each stage computes every micro-batch its step plays, 3 s each
+        assert played * share * 3.0 <= candidate.lower_bound(costs) <= timeline.makespan

@@ -1,8 +1,9 @@
-"""Candidate pipelines for the planner: layouts, their simulator costs, memory and bounds.
+"""Candidate pipelines for the planner: their layouts, simulator costs, memory and bounds.
 
-A :class:`Layout` says which layers each stage holds and on how many workers; a
-:class:`Candidate` adds the schedule, micro-batch count and recomputation mode, and knows
-how to turn the profile into :class:`pipetrain.simulation.Costs` for its stages. Workers are
+A :class:`Layout` says which layers each stage holds and on how many workers (the layouts
+worth simulating come from :mod:`~pipetrain.planning.layouts`); a :class:`Candidate` adds
+the schedule, micro-batch count and recomputation mode, and knows how to turn the profile
+into :class:`pipetrain.simulation.Costs` for its stages. Workers are
 placed as :func:`pipetrain.schedules.build` places them: each stage on consecutive ranks,
 and chunk ``c`` of a schedule with chunks where its spec's ``placement`` puts it
 (``c mod p`` for ``interleaved``, a V for ``zb-v``).
@@ -15,10 +16,8 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
-from pipetrain.planning.depths import by_depth
+from pipetrain.planning.bounds import written_bound
 from pipetrain.planning.memory import StageFootprint, worker_memory
-from pipetrain.planning.partition import partition
-from pipetrain.planning.replicate import replicate
 from pipetrain.planning.sharing import shared_cores_stretch
 from pipetrain.planning.topology import Topology
 from pipetrain.profiler.costs import Profile
@@ -73,80 +72,6 @@ class Layout:
                 and family.accepts(self.workers, microbatches, self.replicas)
             )
         return family.accepts(self.workers, microbatches)
-
-
-def layouts(
-    step_profile: Profile, topology: Topology, replication: bool, interleaved: bool
-) -> list[Layout]:
-    """The stage layouts worth simulating for one step's costs.
-
-    ``step_profile`` holds costs for a whole step (all micro-batches), which is what the
-    replication planner weighs against one all-reduce per step. Layouts, where the layer
-    count allows:
-
-    - with ``replication``, PipeDream's replicated pipeline on the hierarchical topology and,
-      for several levels, on a flat topology priced at the slowest link (whole-component
-      levels cannot express plans such as "15-1" on 4×4 workers); where a plan leaves workers
-      idle, also with the idle workers added to each of its stages in turn; and, on the
-      flat topology, the least-bottleneck pipeline of each depth on every worker
-      (:func:`pipetrain.planning.depths.by_depth`: the cost model ranks plans of different
-      depths without their bubbles and latencies, which the simulation adds);
-    - a straight pipeline with one stage per worker;
-    - with ``interleaved`` (any schedule with chunks asked for), :data:`VIRTUAL_CHUNKS`
-      chunks per worker, split as if chunk ``c`` sat on rank ``c mod p`` (one split for
-      every such schedule: exact on one level of links).
-    """
-    layers = step_profile.layers
-    compute = [layer.compute_s for layer in layers]
-    activations = [layer.activation_bytes for layer in layers]
-    found: list[Layout] = []
-    if replication:
-        weights = [layer.parameter_bytes for layer in layers]
-        slowest = min(level.bandwidth for level in topology.levels)
-        networks = (
-            [topology]
-            if len(topology.levels) == 1
-            else [topology, Topology.flat(topology.workers, slowest)]
-        )
-        for network in networks:
-            replicated = replicate(compute, weights, activations, network, sync="step")
-            _add(
-                found,
-                _with_idle_workers(
-                    [(s.start, s.stop, s.replicas) for s in replicated.stages], topology.workers
-                ),
-            )
-        for stages in by_depth(compute, weights, activations, topology.workers, slowest):
-            _add(found, [Layout(tuple((s.start, s.stop, s.replicas) for s in stages))])
-    workers = topology.workers
-    for virtual in (1, VIRTUAL_CHUNKS) if interleaved and workers > 1 else (1,):
-        chunks = virtual * workers
-        if chunks > len(layers):
-            continue
-        links = [topology.span_bandwidth(c % workers, (c + 1) % workers) for c in range(chunks - 1)]
-        balance = partition(compute, chunks, activations, links)
-        bounds = [sum(balance[:index]) for index in range(chunks + 1)]
-        _add(found, [Layout(tuple((bounds[c], bounds[c + 1], 1) for c in range(chunks)), virtual)])
-    return found
-
-
-def _with_idle_workers(stages: list[tuple[int, int, int]], workers: int) -> list[Layout]:
-    """A replicated layout and, if it leaves workers idle, the variants that give them to
-    one stage."""
-    idle = workers - sum(replicas for _, _, replicas in stages)
-    variants = [Layout(tuple(stages))]
-    for index, (start, stop, replicas) in enumerate(stages if idle else []):
-        variants.append(
-            Layout((*stages[:index], (start, stop, replicas + idle), *stages[index + 1 :]))
-        )
-    return variants
-
-
-def _add(found: list[Layout], layouts_to_add: list[Layout]) -> None:
-    """Append the layouts not already in ``found``."""
-    for layout in layouts_to_add:
-        if layout not in found:
-            found.append(layout)
 
 
 @dataclass(frozen=True)
@@ -206,11 +131,22 @@ class Candidate:
     def ranks_of(self, stage: int) -> tuple[int, int]:
         """The first and last rank holding ``stage``: the schedule's placement for chunks,
         consecutive ranks for stages."""
-        if self.layout.virtual > 1:
-            rank = spec(self.schedule).placement(stage, self.layout.workers)
-            return rank, rank
-        first = self.layout.offsets[stage]
-        return first, first + self.layout.stages[stage][2] - 1
+        return self._rank_spans[stage]
+
+    @cached_property
+    def _rank_spans(self) -> list[tuple[int, int]]:
+        """:meth:`ranks_of` of every stage (costs, memory and bounds ask for them often)."""
+        layout = self.layout
+        if layout.virtual > 1:
+            placement = spec(self.schedule).placement
+            return [
+                (rank, rank)
+                for rank in (placement(c, layout.workers) for c in range(len(layout.stages)))
+            ]
+        return [
+            (first, first + replicas - 1)
+            for first, (_, _, replicas) in zip(layout.offsets, layout.stages)
+        ]
 
     def chunks_of(self, rank: int) -> list[int]:
         """The chunks (model stages) ``rank`` holds, in pipeline order."""
@@ -240,20 +176,25 @@ class Candidate:
                 - weight_s
                 + (forward_s * self.recompute_share if again else 0.0)
             )
+            if replicas == 1:  # no all-reduce (and no span of ranks to look up)
+                allreduce.append(0.0)
+                continue
             weights = sum(layer.parameter_bytes for layer in part)
+            ranks = self.ranks_of(stage)
             allreduce.append(
                 # a ring all-reduce: 2 (r - 1) messages in turn, carrying 2 (r - 1) / r of it
                 2
                 * (replicas - 1)
                 * (
-                    topology.span_latency(*self.ranks_of(stage))
-                    + weights / replicas / topology.span_bandwidth(*self.ranks_of(stage))
+                    topology.span_latency(*ranks)
+                    + weights / replicas / topology.span_bandwidth(*ranks)
                 )
             )
         boundaries = range(len(layout.stages) - 1)
         sizes = [layers[layout.stages[b][1] - 1].activation_bytes for b in boundaries] or [0.0]
-        links = [self._link(topology, b) for b in boundaries] or [math.inf]
-        latency = max((self._latency(topology, b) for b in boundaries), default=0.0)
+        spans = [self._span(b) for b in boundaries]
+        links = [topology.span_bandwidth(*span) for span in spans] or [math.inf]
+        latency = max((topology.span_latency(*span) for span in spans), default=0.0)
         everyone = 2 * (layout.workers - 1) * topology.span_latency(0, layout.workers - 1)
         # an asynchronous update also copies its stage's next weight version
         version_byte_s = (
@@ -283,44 +224,42 @@ class Candidate:
             loss_s=message + everyone,
         )
 
-    def _link(self, topology: Topology, boundary: int) -> float:
-        """Bandwidth across ``boundary``: the slowest link among both stages' workers."""
+    def _span(self, boundary: int) -> tuple[int, int]:
+        """The lowest and highest rank among the workers of the stages on both sides of
+        ``boundary``: a message across it is as slow as the slowest link among them."""
         ranks = [*self.ranks_of(boundary), *self.ranks_of(boundary + 1)]
-        return topology.span_bandwidth(min(ranks), max(ranks))
-
-    def _latency(self, topology: Topology, boundary: int) -> float:
-        """A message's latency across ``boundary``: the slowest among both stages' workers."""
-        ranks = [*self.ranks_of(boundary), *self.ranks_of(boundary + 1)]
-        return topology.span_latency(min(ranks), max(ranks))
+        return min(ranks), max(ranks)
 
     def lower_bound(self, costs: Costs) -> float:
         """A makespan no schedule can beat.
 
         A worker of stage ``s`` idles until the first micro-batch has passed the forwards of
-        the stages before it, then does its own work (``⌈m / r_s⌉`` micro-batches and the
-        all-reduce); unless the backward is split, its last backward is then followed by the
-        backwards of the earlier stages. A rank ``r`` holding chunks likewise waits for chunks
-        ``0..r-1`` before its first forward and, unless the backward is split, after its
-        last backward.
+        the stages before it, then does its own work (``⌈m / r_s⌉`` of the ``m`` micro-batches
+        its step plays, two updates' worth for ``2bw``, and the all-reduce); unless the
+        backward is split, its last backward is then followed by the backwards of the
+        earlier stages. A rank ``r`` holding chunks likewise waits for chunks ``0..r-1``
+        before its first forward and, unless the backward is split, after its last backward.
         """
+        family = spec(self.schedule)
+        played = family.window(self.microbatches, family.resolve({}))
         count = len(self.layout.stages)
         forward = costs.per_stage("forward_s", count)
         backward = costs.per_stage("backward_s", count)
         weight = costs.per_stage("weight_s", count)
         allreduce = costs.per_stage("allreduce_s", count)
         work = [f + b + w for f, b, w in zip(forward, backward, weight)]
-        split = spec(self.schedule).split_backward
+        split = family.split_backward
         if self.layout.virtual > 1:
             held = [self.chunks_of(rank) for rank in range(self.layout.workers)]
             return max(
-                self.microbatches * sum(work[c] for c in chunks)
+                played * sum(work[c] for c in chunks)
                 + sum((forward if split else work)[: chunks[0]])
                 for chunks in held
                 if chunks
             )
         bound = head = tail = 0.0
         for stage, replicas in enumerate(self.layout.replicas):
-            busy = math.ceil(self.microbatches / replicas) * work[stage] + allreduce[stage]
+            busy = math.ceil(played / replicas) * work[stage] + allreduce[stage]
             bound = max(bound, head + busy + (0.0 if split else tail))
             head += forward[stage]
             tail += backward[stage] + weight[stage]
@@ -344,21 +283,39 @@ class Candidate:
             backward.append(stage_backward)
         return Variation(forward, backward)
 
+    def _arguments(self) -> tuple[int, int, list[int] | None, dict[str, int | bool]]:
+        """Ranks, micro-batches, replicas (None unless replicated) and options to build it."""
+        family, layout = spec(self.schedule), self.layout
+        options: dict[str, int | bool] = (
+            {family.chunk_option: layout.virtual} if family.chunk_option else {}
+        )
+        replicas = layout.replicas if max(layout.replicas) > 1 else None
+        return layout.workers, self.microbatches, replicas, options
+
     def build(self) -> Schedule:
         """The candidate's schedule."""
-        family, layout = spec(self.schedule), self.layout
-        options = {family.chunk_option: layout.virtual} if family.chunk_option else {}
-        replicas = layout.replicas if max(layout.replicas) > 1 else None
-        return build(self.schedule, layout.workers, self.microbatches, replicas=replicas, **options)
+        ranks, microbatches, replicas, options = self._arguments()
+        return build(self.schedule, ranks, microbatches, replicas=replicas, **options)
+
+    def written_bound(self, costs: Costs) -> float | None:
+        """A makespan its simulation on ``costs`` cannot beat, from its schedule's written
+        passes (:func:`pipetrain.planning.bounds.written_bound`; ``None`` where it gives
+        none); tighter than :meth:`lower_bound` and slower to find."""
+        return written_bound(self.schedule, *self._arguments(), costs)
 
     def build_and_simulate(
         self, costs: Costs, cores: int | None = None
     ) -> tuple[Timeline, int, Costs]:
-        """Simulate the candidate; return the timeline, the micro-batches it processed, and
-        the costs it ran on: ``costs``, with its work slowed by the profile's
-        ``shared_cores_factor`` and stretched where its workers share ``cores`` cores
-        (None: a core each; see :mod:`pipetrain.planning.sharing`)."""
-        schedule = self.build()
+        """:meth:`simulate` on the candidate's schedule, built."""
+        return self.simulate(self.build(), costs, cores)
+
+    def simulate(
+        self, schedule: Schedule, costs: Costs, cores: int | None = None
+    ) -> tuple[Timeline, int, Costs]:
+        """Simulate ``schedule`` (the candidate's, built); return the timeline, the
+        micro-batches it processed, and the costs it ran on: ``costs``, with its work slowed
+        by the profile's ``shared_cores_factor`` and stretched where its workers share
+        ``cores`` cores (None: a core each; see :mod:`pipetrain.planning.sharing`)."""
         shared, timeline = shared_cores_stretch(
             lambda trial: simulate(schedule, trial),
             costs,

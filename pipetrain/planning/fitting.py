@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from pipetrain.planning.candidates import Candidate, Layout, layouts, step_costs
+from pipetrain.planning.candidates import Candidate, Layout, step_costs
+from pipetrain.planning.layouts import layouts
 from pipetrain.planning.topology import Topology
 from pipetrain.planning.verdicts import Verdicts
 from pipetrain.profiler.costs import Profile

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from pipetrain.profiler.costs import Profile
-from pipetrain.schedules import Kind, build, spec
+from pipetrain.schedules import Kind, spec
 from pipetrain.schedules.builtin.unit_time import peak_held
 
 
@@ -109,20 +109,15 @@ def in_flight(
     return family.in_flight(stage, microbatches, replicas, virtual)
 
 
-def weight_versions(schedule: str, stage: int, replicas: Sequence[int]) -> int:
-    """Weight copies a worker keeps, by the schedule's spec (1 for synchronous ones)."""
-    family = spec(schedule)
-    return family.weight_versions(stage, replicas, family.resolve({}))
-
-
 @lru_cache(maxsize=256)
 def deferred_weights(schedule: str, ranks: int, microbatches: int, virtual: int) -> tuple[int, ...]:
     """Per rank, the most (chunk) micro-batches whose B has run and whose W has not, at
-    once, in the order of ``schedule`` on ``ranks`` ranks (``virtual`` chunks each)."""
+    once, in the order of ``schedule`` on ``ranks`` ranks (``virtual`` chunks each): its
+    written order, which lowering keeps."""
     family = spec(schedule)
     options: dict[str, int | bool] = {family.chunk_option: virtual} if family.chunk_option else {}
-    built = build(schedule, ranks, microbatches, replicas=None, **options)
-    return tuple(peak_held([list(lane) for lane in built.ranks], since=Kind.BACKWARD))
+    written = family.generate(ranks, microbatches, None, family.resolve(options)).orders
+    return tuple(peak_held(written, since=Kind.BACKWARD))
 
 
 def worker_memory(
@@ -163,7 +158,7 @@ def worker_memory(
     # those of the micro-batches still held its gradient
     gradients_sent = max(window * len(chunks) - count, 0) / len(chunks)
     sent = sum(window * c.output_bytes + gradients_sent * c.gradient_bytes for c in chunks)
-    versions = weight_versions(schedule, stage, replicas)
+    versions = family.weight_versions(stage, replicas, options)
     freed = family.asynchronous and family.per_update(microbatches, options) == 1
     gradients = 0.0 if freed else weights
     return versions * weights + gradients + optimizer + activations + workspace + sent

@@ -38,13 +38,13 @@ class Plan(JsonFile):
     included). ``predicted_step_s`` covers one training step of ``batch_size`` samples
     (one optimizer step of ``microbatches`` micro-batches of ``microbatch_size`` samples;
     two for ``2bw``, whose step plays two updates): with a measured profile, the median of
-    :data:`VARIED_RUNS` (up to 64) simulated steps whose actions vary as the profile's runs did;
-    ``steady_step_s`` is the step with every action at its median time (the two are equal
-    for a profile without runs). Stages sit on consecutive ranks in order. ``rejected``
-    names each other schedule the planner considered and why it lost (out of memory, no
-    layout it runs, or slower). ``topology`` is the network planned for, in
-    :meth:`pipetrain.planning.Topology.parse` syntax. ``model`` is the profile's: the
-    model planned for (``""`` where the profile names none).
+    :data:`~pipetrain.planning.choice.VARIED_RUNS` (up to 64) simulated steps whose actions
+    vary as the profile's runs did; ``steady_step_s`` is the step with every action at its
+    median time (the two are equal for a profile without runs). Stages sit on consecutive
+    ranks in order. ``rejected`` names each other schedule the planner considered and why
+    it lost (out of memory, no layout it runs, or slower). ``topology`` is the network
+    planned for, in :meth:`pipetrain.planning.Topology.parse` syntax. ``model`` is the
+    profile's: the model planned for (``""`` where the profile names none).
     """
 
     stages: list[PlanStage]

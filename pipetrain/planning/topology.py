@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from functools import cached_property
 
 SYNTAX = (
     "COUNTxBANDWIDTH[@LATENCY] per level, lowest level first, separated by commas, "
@@ -137,14 +138,18 @@ class Topology:
     def _joining_level(self, first: int, last: int) -> int:
         """The lowest level whose component holds both ranks; ValueError for a rank outside."""
         for rank in (first, last):
-            if not 0 <= rank < self.workers:
+            if not 0 <= rank < self._component_sizes[-1]:  # the workers
                 raise ValueError(f"rank {rank} is outside this topology's {self.workers} workers")
         low, high = min(first, last), max(first, last)
-        for level in range(len(self.levels)):
-            size = self.component_size(level)
+        for level, size in enumerate(self._component_sizes):
             if low // size == high // size:
                 return level
         raise AssertionError("the top level holds every rank")
+
+    @cached_property
+    def _component_sizes(self) -> tuple[int, ...]:
+        """:meth:`component_size` of every level (the planner asks for spans by the thousand)."""
+        return tuple(self.component_size(level) for level in range(len(self.levels)))
 
     def __str__(self) -> str:
         """The topology in :meth:`parse` syntax."""

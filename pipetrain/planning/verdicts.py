@@ -18,6 +18,7 @@ class _Record:
     over_limit: tuple[float, Candidate] | None = None  # the smallest peak that did not fit
     fitting: tuple[float, Candidate] | None = None  # the smallest peak that fitted
     ceiling: float = 0.0  # the best throughput bound among those that fitted
+    ruled_out: float = 0.0  # the best ceiling of those a close bound ruled out unsimulated
     simulated: float = 0.0  # the best simulated throughput
 
 
@@ -48,6 +49,13 @@ class Verdicts:
         """A fitting ``candidate`` can reach at most ``ceiling`` samples per second."""
         record = self._records[candidate.schedule]
         record.ceiling = max(record.ceiling, ceiling)
+
+    def ruled_out(self, candidate: Candidate, ceiling: float) -> None:
+        """A fitting ``candidate`` was not simulated: it can reach at most ``ceiling``
+        samples per second (by its written bound, :mod:`pipetrain.planning.bounds`), too
+        few to be chosen."""
+        record = self._records[candidate.schedule]
+        record.ruled_out = max(record.ruled_out, ceiling)
 
     def simulated(self, candidate: Candidate, throughput: float) -> None:
         """A fitting ``candidate`` was simulated at ``throughput`` samples per second."""
@@ -85,17 +93,22 @@ class Verdicts:
                         f"recomputation {cheaper.recompute} ({format_bytes(over)} on a worker); "
                         + fits
                     )
-                if record.simulated >= self._chosen_throughput * (1 - 1e-9):
+                level = self._chosen_throughput * (1 - 1e-9)  # as fast as the plan chosen
+                best = max(record.simulated, record.ruled_out)
+                if best >= level:
+                    reaches = (
+                        f"reaches {record.simulated:.4g}"
+                        if record.simulated >= level
+                        else f"could reach at most {record.ruled_out:.4g}"
+                    )
                     reasons[name] = (
-                        f"{fits} and reaches {record.simulated:.4g} samples/s steady, but the "
+                        f"{fits} and {reaches} samples/s steady, but the "
                         f"plan chosen ({self._chosen_throughput:.4g} steady) is as fast or "
                         "within a few percent, with fewer stages or micro-batches (or less "
                         "memory)"
                     )
-                elif record.simulated > 0:
-                    reasons[name] = (
-                        f"{fits} but is slower: {record.simulated:.4g} samples/s steady at best"
-                    )
+                elif best > 0:
+                    reasons[name] = f"{fits} but is slower: {best:.4g} samples/s steady at best"
                 else:
                     reasons[name] = (
                         f"{fits} but cannot be faster: at most {record.ceiling:.4g} samples/s "

@@ -6,6 +6,7 @@ hand, saved to JSON and loaded back.
 
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 from collections.abc import Sequence
@@ -216,7 +217,9 @@ class Profile(JsonFile):
         ``parameter_bytes`` part (weight gradients) and scales the rest.
         """
         positive_int("microbatch_size", microbatch_size)
-        measured = [replace(self, other_sizes=()), *self.other_sizes]
+        alone = copy.copy(self)  # this profile without its other sizes: checked already
+        alone.other_sizes = ()
+        measured = [alone, *self.other_sizes]
         start = min(measured, key=lambda p: abs(math.log(microbatch_size / p.microbatch_size)))
         factor = microbatch_size / start.microbatch_size
         return replace(
@@ -345,20 +348,31 @@ def pooled(profiles: Sequence[Profile]) -> Profile:
     return replace(first, layers=layers, spread=spread, other_sizes=others)
 
 
+_CHECKED_FIELDS = tuple(
+    (field.name, field.name in (*_TIME_FIELDS, "optimizer_s"))
+    for field in fields(LayerCost)
+    if field.name != "name"
+)
+"""Each checked field of a layer, and whether it is a time (else bytes)."""
+
+
 def _check_layer(index: int, layer: object) -> None:
     """Raise if a layer entry is not a LayerCost or holds a negative or non-finite value."""
     if not isinstance(layer, LayerCost):
         raise TypeError(
             f"layer {index} is a {type(layer).__name__}; Profile.layers must hold LayerCost values"
         )
-    where = f"layer {index}" + (f" ({layer.name})" if layer.name else "")
-    for field in fields(LayerCost):
-        value = getattr(layer, field.name)
-        if field.name == "name" or (field.name in _OPTIONAL_FIELDS and value is None):
-            continue
-        non_negative_number(f"{where}: {field.name}", value)
-        _at_most(f"{where}: {field.name}", value, field.name in (*_TIME_FIELDS, "optimizer_s"))
+    for name, seconds in _CHECKED_FIELDS:
+        value = getattr(layer, name)
+        if (name in _OPTIONAL_FIELDS and value is None) or (
+            type(value) is float and 0 <= value <= (MAX_SECONDS if seconds else MAX_BYTES)
+        ):
+            continue  # the common case, without the messages' strings (profiles are rechecked)
+        where = f"layer {index}" + (f" ({layer.name})" if layer.name else "")
+        non_negative_number(f"{where}: {name}", value)
+        _at_most(f"{where}: {name}", value, seconds)
     if layer.weight_backward_s is not None and layer.weight_backward_s > layer.backward_s:
+        where = f"layer {index}" + (f" ({layer.name})" if layer.name else "")
         raise ValueError(
             f"{where}: weight_backward_s = {layer.weight_backward_s} exceeds backward_s = "
             f"{layer.backward_s}; backward_s is the full backward, so its weight share "

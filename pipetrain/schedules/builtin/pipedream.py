@@ -34,9 +34,9 @@ def generate(
     orders = []
     for stage, ranks_of_stage in enumerate(stage_ranks):
         limit = in_flight_limit(counts, stage)
-        for rank in ranks_of_stage:
+        for position in range(len(ranks_of_stage)):
             order: list[Action] = []
-            local = local_microbatches(ranks_of_stage, rank, microbatches)
+            local = local_microbatches(position, len(ranks_of_stage), microbatches)
             for action in one_f_one_b(stage, local, limit):
                 order.append(action)
                 if action.kind is Kind.BACKWARD:

@@ -14,15 +14,18 @@ import itertools
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 
+from pipetrain.allocation import collector_paused
 from pipetrain.schedules.actions import Action, Kind
+from pipetrain.schedules.builtin.unit_search import coded_peaks, shortest
 from pipetrain.schedules.builtin.unit_time import (
     PERIOD,
     Block,
-    Orders,
-    list_schedule,
-    peak_held,
+    Coded,
+    Coder,
+    Found,
+    Trial,
+    list_schedules,
     repeated_block,
-    shortest,
 )
 from pipetrain.schedules.registry import Generated, Option, Options, ScheduleSpec
 
@@ -52,12 +55,14 @@ def check_v(name: str) -> Check:
     return check
 
 
+@lru_cache(maxsize=64)
 def tight_block(ranks: int, delay: int) -> Block:
     """A V building block with every pass as early as its rank's free time units allow
     (each rank's six passes at distinct times modulo :data:`PERIOD`) and each W at the
-    first free unit at least ``delay`` units after its B."""
+    first free unit at least ``delay`` units after its B (kept: every micro-batch count's
+    search repeats the same blocks)."""
     taken: list[set[int]] = [set() for _ in range(ranks)]
-    block: Block = {}
+    block: dict[tuple[Kind, int], int] = {}
 
     def place(kind: Kind, stage: int, time: int) -> int:
         rank = v_placement(stage, ranks)
@@ -76,7 +81,7 @@ def tight_block(ranks: int, delay: int) -> Block:
     return block
 
 
-def zb_v_order(ranks: int, microbatches: int) -> Orders:
+def zb_v_order(ranks: int, microbatches: int) -> Trial:
     """The ZB-V paper's order (as ``torch.distributed.pipelining`` writes it), built for at
     least ``2p − 1`` micro-batches and the missing ones left out. Rank ``r``, whose chunks
     are ``c0 = r`` and ``c1 = 2p − 1 − r``: ``2(p − r) − 1`` forwards of ``c0``; ``r`` times
@@ -84,65 +89,71 @@ def zb_v_order(ranks: int, microbatches: int) -> Orders:
     B, W of ``c0``, F, B, W of ``c1`` until every forward ran; then ``r`` times B ``c0``,
     B ``c1``; ``p − r`` times B, W of ``c0``; and the ``r`` W's still owed on each chunk,
     ``c1``'s first."""
-    p, total = ranks, max(2 * ranks - 1, microbatches)
-    orders: Orders = []
+    p, m, total = ranks, microbatches, max(2 * ranks - 1, microbatches)
+    coder = Coder(2 * ranks, microbatches)
+    orders: Coded = []
     for rank in range(p):
-        c0, c1 = rank, 2 * p - 1 - rank
-        order: list[tuple[Kind, int]] = [(Kind.FORWARD, c0)] * (2 * (p - rank) - 1)
-        order += [(Kind.FORWARD, c1), (Kind.FORWARD, c0)] * rank
-        order += [(Kind.FORWARD, c1), (Kind.BACKWARD, c1), (Kind.WEIGHT, c1)] * (p - rank)
-        forwards = {c0: 2 * (p - rank) - 1 + rank, c1: p}
-        while forwards[c0] < total or forwards[c1] < forwards[c0]:
-            if forwards[c0] < total:
-                order.append((Kind.FORWARD, c0))
-                forwards[c0] += 1
-            order += [(Kind.BACKWARD, c0), (Kind.WEIGHT, c0)]
-            order += [(Kind.FORWARD, c1), (Kind.BACKWARD, c1), (Kind.WEIGHT, c1)]
-            forwards[c1] += 1
-        order += [(Kind.BACKWARD, c0), (Kind.BACKWARD, c1)] * rank
-        order += [(Kind.BACKWARD, c0), (Kind.WEIGHT, c0)] * (p - rank)
-        order += [(Kind.WEIGHT, c1)] * rank + [(Kind.WEIGHT, c0)] * rank
-        orders.append(_numbered(order, microbatches))
-    return orders
+        # each pass as its micro-batch 0's code: the numbering below adds the micro-batch
+        f0, b0, w0, f1, b1, w1 = (
+            coder.code(kind, chunk, 0)
+            for chunk in (rank, 2 * p - 1 - rank)
+            for kind in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT)
+        )
+        order = [f0] * (2 * (p - rank) - 1) + [f1, f0] * rank + [f1, b1, w1] * (p - rank)
+        forwards = [2 * (p - rank) - 1 + rank, p]  # of c0, of c1
+        while forwards[0] < total or forwards[1] < forwards[0]:
+            if forwards[0] < total:
+                order.append(f0)
+                forwards[0] += 1
+            order += [b0, w0, f1, b1, w1]
+            forwards[1] += 1
+        order += [b0, b1] * rank + [b0, w0] * (p - rank) + [w1] * rank + [w0] * rank
+        # the next micro-batch of each pass, -1 once past the last
+        numbering = {
+            pass_: itertools.chain(range(pass_, pass_ + m), itertools.repeat(-1)).__next__
+            for pass_ in (f0, b0, w0, f1, b1, w1)
+        }
+        orders.append([code for code in [numbering[pass_]() for pass_ in order] if code >= 0])
+    return Trial(orders)
 
 
-def _numbered(order: list[tuple[Kind, int]], microbatches: int) -> list[Action]:
-    """Each (kind, stage) pass given the next micro-batch of its kind and stage; those past
-    ``microbatches`` left out."""
-    count: dict[tuple[Kind, int], int] = {}
-    numbered = []
-    for kind, stage in order:
-        k = count.get((kind, stage), 0)
-        count[(kind, stage)] = k + 1
-        if k < microbatches:
-            numbered.append(Action(kind, stage, k))
-    return numbered
+def v_orders(ranks: int, microbatches: int, slots: int, exhaustive: bool = False) -> Found:
+    """The shortest order at unit costs, among list scheduling and repeated building blocks,
+    that holds at most ``slots`` chunk micro-batches on any rank (``slots`` ≥ 2), as
+    :class:`~pipetrain.schedules.builtin.unit_time.Coder` codes; ``exhaustive`` times every
+    candidate in full (see :func:`~pipetrain.schedules.builtin.unit_search.shortest`)."""
+    # a rank holds at most 2m chunk micro-batches, so every cap above that finds one order
+    return _orders(ranks, microbatches, min(slots, 2 * microbatches), exhaustive)
 
 
 @lru_cache(maxsize=256)
-def _orders(ranks: int, microbatches: int, slots: int) -> tuple[tuple[Action, ...], ...]:
+def _orders(ranks: int, microbatches: int, slots: int, exhaustive: bool) -> Found:
     placement = [v_placement(stage, ranks) for stage in range(2 * ranks)]
     cap = [slots] * ranks
     candidates = itertools.chain(
         [zb_v_order(ranks, microbatches)],
-        (list_schedule(placement, microbatches, cap, reserve) for reserve in (True, False)),
+        list_schedules(placement, microbatches, cap, both=exhaustive),
         (
             repeated_block(placement, microbatches, tight_block(ranks, delay))
             for delay in range(PERIOD)
         ),
     )
-    return tuple(tuple(order) for order in shortest(candidates, cap, 2 * ranks))
+    with collector_paused():  # the candidates are many small objects, none of them cyclic
+        found = shortest(candidates, cap, Coder(2 * ranks, microbatches), exhaustive)
+        return tuple(map(tuple, found))
 
 
-def v_orders(ranks: int, microbatches: int, slots: int) -> Orders:
-    """The shortest order at unit costs, among list scheduling and repeated building blocks,
-    that holds at most ``slots`` chunk micro-batches on any rank (``slots`` ≥ 2)."""
-    return [list(order) for order in _orders(ranks, microbatches, slots)]
+@lru_cache(maxsize=64)
+def _written(ranks: int, microbatches: int, slots: int) -> tuple[tuple[Action, ...], ...]:
+    """:func:`v_orders` as actions (kept: the planner bounds a candidate, then builds it)."""
+    with collector_paused():
+        orders = Coder(2 * ranks, microbatches).decode(v_orders(ranks, microbatches, slots))
+        return tuple(map(tuple, orders))
 
 
 def generate_v(ranks: int, microbatches: int, slots: int) -> Generated:
     """:func:`v_orders` with each rank's two optimizer steps at the end."""
-    orders = v_orders(ranks, microbatches, slots)
+    orders = [list(order) for order in _written(ranks, microbatches, min(slots, 2 * microbatches))]
     for rank, order in enumerate(orders):
         order += [Action(Kind.STEP, rank), Action(Kind.STEP, 2 * ranks - 1 - rank)]
     return Generated(orders, [(v_placement(stage, ranks),) for stage in range(2 * ranks)])
@@ -150,7 +161,8 @@ def generate_v(ranks: int, microbatches: int, slots: int) -> Generated:
 
 @lru_cache(maxsize=256)
 def _peaks(ranks: int, microbatches: int, slots: int) -> tuple[int, ...]:
-    return tuple(peak_held(v_orders(ranks, microbatches, slots)))
+    coder = Coder(2 * ranks, microbatches)
+    return tuple(coded_peaks(v_orders(ranks, microbatches, slots), coder))
 
 
 def v_in_flight(slots: int, stage: int, microbatches: int, replicas: Sequence[int]) -> int:

@@ -21,7 +21,16 @@ from pipetrain.schedules.registry import (
 def generate(
     ranks: int, microbatches: int, replicas: Sequence[int] | None, options: Options
 ) -> Generated:
-    """Built by list scheduling under unit costs (F = B = W = 1).
+    """Each rank's passes as list scheduling under unit costs orders them (see
+    :func:`_list_scheduled`), then its optimizer step."""
+    written = [
+        [*order, Action(Kind.STEP, rank)] for rank, order in enumerate(_orders(ranks, microbatches))
+    ]
+    return Generated(written, [(rank,) for rank in range(ranks)])
+
+
+def _list_scheduled(ranks: int, microbatches: int) -> list[list[Action]]:
+    """Each rank's passes, built by list scheduling under unit costs (F = B = W = 1).
 
     A rank runs a ready B first, then a forward while fewer than ``stages - s``
     micro-batches are in flight (the 1F1B memory limit), and a deferred W whenever it would
@@ -36,41 +45,45 @@ def generate(
     next_forward, next_backward = [0] * p, [0] * p
     pending_weight: list[deque[int]] = [deque() for _ in range(p)]
     busy_until = [0] * p
-    orders: list[list[Action]] = [[] for _ in range(p)]
+    built: list[list[Action]] = [[] for _ in range(p)]
     finished = time = 0
     while finished < p:
         for rank in range(p):
-            if busy_until[rank] > time or len(orders[rank]) == 3 * m:
+            if busy_until[rank] > time or len(built[rank]) == 3 * m:
                 continue
             limit = min(p - rank, m)
             f, b = next_forward[rank], next_backward[rank]
             b_ready = b < f and (rank == p - 1 or backward_done[rank + 1][b] <= time)
             f_ready = f < m and f - b < limit and (rank == 0 or forward_done[rank - 1][f] <= time)
             if b_ready:
-                orders[rank].append(Action(Kind.BACKWARD, rank, b))
+                built[rank].append(Action(Kind.BACKWARD, rank, b))
                 backward_done[rank][b] = time + 1
                 next_backward[rank] += 1
                 pending_weight[rank].append(b)
             elif pending_weight[rank] and (len(pending_weight[rank]) > p or not f_ready):
-                orders[rank].append(Action(Kind.WEIGHT, rank, pending_weight[rank].popleft()))
+                built[rank].append(Action(Kind.WEIGHT, rank, pending_weight[rank].popleft()))
             elif f_ready:
-                orders[rank].append(Action(Kind.FORWARD, rank, f))
+                built[rank].append(Action(Kind.FORWARD, rank, f))
                 forward_done[rank][f] = time + 1
                 next_forward[rank] += 1
             else:
                 continue
             busy_until[rank] = time + 1
-            if len(orders[rank]) == 3 * m:
+            if len(built[rank]) == 3 * m:
                 finished += 1
         time += 1
-    for rank in range(p):
-        orders[rank].append(Action(Kind.STEP, rank))
-    return Generated(orders, [(rank,) for rank in range(p)])
+    return built
+
+
+@lru_cache(maxsize=256)
+def _orders(ranks: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
+    """:func:`_list_scheduled`, kept: the planner's memory model, bound and build read it."""
+    return tuple(map(tuple, _list_scheduled(ranks, microbatches)))
 
 
 @lru_cache(maxsize=256)
 def _peaks(ranks: int, microbatches: int) -> tuple[int, ...]:
-    return tuple(peak_held([list(o) for o in generate(ranks, microbatches, None, {}).orders]))
+    return tuple(peak_held(_orders(ranks, microbatches)))
 
 
 def in_flight(stage: int, microbatches: int, replicas: Sequence[int], chunks: int) -> int:

@@ -1,0 +1,87 @@
+"""The stage layouts worth simulating for one step's costs: PipeDream's replicated pipeline
+(on the hierarchical topology and on one level at its slowest link, with the workers it
+leaves idle given to each stage in turn), the least-bottleneck pipeline of each depth, a
+straight pipeline, and one with :data:`VIRTUAL_CHUNKS` chunks per worker."""
+
+from __future__ import annotations
+
+from pipetrain.planning.candidates import VIRTUAL_CHUNKS, Layout
+from pipetrain.planning.depths import by_depth
+from pipetrain.planning.partition import partition
+from pipetrain.planning.replicate import replicate
+from pipetrain.planning.topology import Topology
+from pipetrain.profiler.costs import Profile
+
+
+def layouts(
+    step_profile: Profile, topology: Topology, replication: bool, interleaved: bool
+) -> list[Layout]:
+    """The stage layouts worth simulating for one step's costs.
+
+    ``step_profile`` holds costs for a whole step (all micro-batches), which is what the
+    replication planner weighs against one all-reduce per step. Layouts, where the layer
+    count allows:
+
+    - with ``replication``, PipeDream's replicated pipeline on the hierarchical topology and,
+      for several levels, on a flat topology priced at the slowest link (whole-component
+      levels cannot express plans such as "15-1" on 4×4 workers); where a plan leaves workers
+      idle, also with the idle workers added to each of its stages in turn; and, on the
+      flat topology, the least-bottleneck pipeline of each depth on every worker
+      (:func:`pipetrain.planning.depths.by_depth`: the cost model ranks plans of different
+      depths without their bubbles and latencies, which the simulation adds);
+    - a straight pipeline with one stage per worker;
+    - with ``interleaved`` (any schedule with chunks asked for), :data:`VIRTUAL_CHUNKS`
+      chunks per worker, split as if chunk ``c`` sat on rank ``c mod p`` (one split for
+      every such schedule: exact on one level of links).
+    """
+    layers = step_profile.layers
+    compute = [layer.compute_s for layer in layers]
+    activations = [layer.activation_bytes for layer in layers]
+    found: list[Layout] = []
+    if replication:
+        weights = [layer.parameter_bytes for layer in layers]
+        slowest = min(level.bandwidth for level in topology.levels)
+        networks = (
+            [topology]
+            if len(topology.levels) == 1
+            else [topology, Topology.flat(topology.workers, slowest)]
+        )
+        for network in networks:
+            replicated = replicate(compute, weights, activations, network, sync="step")
+            _add(
+                found,
+                _with_idle_workers(
+                    [(s.start, s.stop, s.replicas) for s in replicated.stages], topology.workers
+                ),
+            )
+        for stages in by_depth(compute, weights, activations, topology.workers, slowest):
+            _add(found, [Layout(tuple((s.start, s.stop, s.replicas) for s in stages))])
+    workers = topology.workers
+    for virtual in (1, VIRTUAL_CHUNKS) if interleaved and workers > 1 else (1,):
+        chunks = virtual * workers
+        if chunks > len(layers):
+            continue
+        links = [topology.span_bandwidth(c % workers, (c + 1) % workers) for c in range(chunks - 1)]
+        balance = partition(compute, chunks, activations, links)
+        bounds = [sum(balance[:index]) for index in range(chunks + 1)]
+        _add(found, [Layout(tuple((bounds[c], bounds[c + 1], 1) for c in range(chunks)), virtual)])
+    return found
+
+
+def _with_idle_workers(stages: list[tuple[int, int, int]], workers: int) -> list[Layout]:
+    """A replicated layout and, if it leaves workers idle, the variants that give them to
+    one stage."""
+    idle = workers - sum(replicas for _, _, replicas in stages)
+    variants = [Layout(tuple(stages))]
+    for index, (start, stop, replicas) in enumerate(stages if idle else []):
+        variants.append(
+            Layout((*stages[:index], (start, stop, replicas + idle), *stages[index + 1 :]))
+        )
+    return variants
+
+
+def _add(found: list[Layout], layouts_to_add: list[Layout]) -> None:
+    """Append the layouts not already in ``found``."""
+    for layout in layouts_to_add:
+        if layout not in found:
+            found.append(layout)
