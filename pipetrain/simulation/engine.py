@@ -105,25 +105,24 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
     ]
     runnable = deque(range(num_ranks))
     sends, receives, channels = SEND_KINDS, RECV_KINDS, CHANNELS
+    lanes, append, varied = schedule.ranks, events.append, bool(factors)
     while runnable:
         rank = runnable.popleft()
-        actions = schedule.ranks[rank]
+        actions, lane_scales = lanes[rank], scales[rank]
         now = clock[rank]
-        index = position[rank]
         stop = len(actions)
-        while index < stop:
-            action = actions[index]
-            kind, stage, mb, peer, _ = action
+        for index in range(position[rank], stop):
+            kind, stage, mb, peer, _ = actions[index]
             spans = duration.get(kind)
             if spans is not None:
                 cost = spans[stage]
                 if not uniform and mb is not None:
                     cost *= compute_scale[mb][stage]
-                if scales:
-                    cost *= scales.get((rank, index), 1.0)
-                if kind in factors:
+                if lane_scales:
+                    cost *= lane_scales.get(index, 1.0)
+                if varied and kind in factors:
                     cost *= draw(factors[kind][stage])
-                events.append(make((rank, names[kind], stage, mb, now, now + cost)))
+                append(make((rank, names[kind], stage, mb, now, now + cost)))
                 now += cost
             elif kind in sends:
                 peer = peer if peer is not None else -1
@@ -132,7 +131,7 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
                 key = (peer, family, boundary, mb)
                 # the sender packs the message, then the link carries it without the sender
                 busy = small_send_s if whole_step else send_s[mb or 0][boundary]
-                events.append(make((rank, names[kind], stage, mb, now, now + busy)))
+                append(make((rank, names[kind], stage, mb, now, now + busy)))
                 now += busy
                 # the bytes cross both ranks' links; the latency follows them off, so
                 # messages sent back to back overlap their latencies
@@ -157,10 +156,10 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
                     landed = last_byte + latency
                 busy = small_receive_s if whole_step else receive_s[mb or 0][boundary]
                 end = max(now, landed) + busy
-                events.append(make((rank, names[kind], stage, mb, now, end)))
+                append(make((rank, names[kind], stage, mb, now, end)))
                 now = end
             elif kind is Kind.OVERLAP:  # a marker: its pair's passes follow, scaled
-                events.append(make((rank, names[kind], stage, mb, now, now)))
+                append(make((rank, names[kind], stage, mb, now, now)))
             else:  # ALLREDUCE over the stage's replicas, LOSS over every rank
                 position[rank] = index
                 scope = stage if kind is Kind.ALLREDUCE else 0
@@ -173,16 +172,16 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
                 start = max(members.values())
                 end = start + collective_s[kind][scope]
                 for member in group:
-                    own = schedule.ranks[member][position[member]]  # each rank's own stage
-                    events.append(make((member, names[kind], own.stage, None, start, end)))
+                    own = lanes[member][position[member]]  # each rank's own stage
+                    append(make((member, names[kind], own.stage, None, start, end)))
                     clock[member] = end
                     collectives_done[member][(kind, scope)] += 1
                     position[member] += 1
                     if member != rank:
                         runnable.append(member)
-                now, index = end, position[rank]
-                continue
-            index += 1
+                now = end  # and on to the next action, as position[rank] now says
+        else:  # every action played
+            index = stop
         clock[rank], position[rank] = now, index
     unfinished = [r for r in range(num_ranks) if position[r] < len(schedule.ranks[r])]
     if unfinished:
@@ -210,17 +209,19 @@ def _durations(schedule: Schedule, costs: Costs) -> dict[Kind, list[float]]:
 
 def _overlap_scales(
     schedule: Schedule, duration: dict[Kind, list[float]], overlap: float
-) -> dict[tuple[int, int], float]:
-    """(rank, index) of each overlapped pass -> the factor on its cost that makes its pair
-    last ``max + (1 − overlap)·min`` of the two passes."""
-    scales: dict[tuple[int, int], float] = {}
-    for rank, lane in enumerate(schedule.ranks):
+) -> list[dict[int, float]]:
+    """Per rank, the index of each overlapped pass -> the factor on its cost that makes its
+    pair last ``max + (1 − overlap)·min`` of the two passes."""
+    scales: list[dict[int, float]] = []
+    for lane in schedule.ranks:
+        lane_scales: dict[int, float] = {}
         for backward, forward in pairs(lane).items():
             f = duration[Kind.FORWARD][lane[forward].stage]
             b = duration[Kind.BACKWARD][lane[backward].stage]
             if f + b > 0:
                 scale = (max(f, b) + (1 - overlap) * min(f, b)) / (f + b)
-                scales[(rank, forward)] = scales[(rank, backward)] = scale
+                lane_scales[forward] = lane_scales[backward] = scale
+        scales.append(lane_scales)
     return scales
 
 
