@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import TYPE_CHECKING
 
-from pipetrain.schedules.actions import Kind
+from pipetrain.schedules.actions import Action, Kind
 from pipetrain.schedules.errors import ScheduleError
 
 if TYPE_CHECKING:
@@ -24,18 +24,15 @@ def check_versions(schedule: Schedule) -> None:
     limit = schedule.options.get("max_versions")
     max_versions = limit if isinstance(limit, int) else None
     forward_version: dict[tuple[int, int | None], int] = {}
+    forward, backward, weight, step = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT, Kind.STEP
     for rank, lane in enumerate(schedule.ranks):
         steps: dict[int, int] = defaultdict(int)
         # in_use[stage][version]: forwards on that version whose backward is still to come
         in_use: dict[int, Counter[int]] = defaultdict(Counter)
         for index, action in enumerate(lane):
             kind, stage, mb, _, version = action
-            problem = None
-            if kind is Kind.STEP:
-                steps[stage] += 1
-                if version != steps[stage]:
-                    problem = f"{action} should produce version {steps[stage]}"
-            elif kind is Kind.FORWARD:
+            problem: str | None = None
+            if kind is forward:
                 if version is None or version > steps[stage]:
                     problem = (
                         f"{action} uses weight version {version}, but only "
@@ -44,26 +41,24 @@ def check_versions(schedule: Schedule) -> None:
                 else:
                     forward_version[(stage, mb)] = version
                     in_use[stage][version] += 1
-            elif kind is Kind.BACKWARD or kind is Kind.WEIGHT:
+                    problem = _too_many(action, steps, in_use, max_versions)
+            elif kind is backward or kind is weight:
                 used = forward_version.get((stage, mb))
                 if version != used:
                     problem = f"{action} uses version {version} but its forward used {used}"
-                elif kind is Kind.BACKWARD and version is not None:
+                elif kind is backward and version is not None:
                     held = in_use[stage]
                     held[version] -= 1
                     if not held[version]:
                         del held[version]
-            if (
-                problem is None
-                and max_versions is not None
-                and (kind is Kind.FORWARD or kind is Kind.STEP)
-            ):
-                live = len(in_use[stage]) + (steps[stage] not in in_use[stage])
-                if live > max_versions:
-                    problem = (
-                        f"stage {stage} needs {live} weight versions at {action}, at most "
-                        f"{max_versions} allowed"
-                    )
+            elif kind is step:
+                steps[stage] += 1
+                if version != steps[stage]:
+                    problem = f"{action} should produce version {steps[stage]}"
+                else:
+                    problem = _too_many(action, steps, in_use, max_versions)
+            else:  # transfers and collectives carry no version
+                continue
             if problem is not None:
                 raise ScheduleError(f"rank {rank}: {problem}", lane, rank, index)
     if schedule.options.get("vertical_sync"):
@@ -73,3 +68,20 @@ def check_versions(schedule: Schedule) -> None:
                     f"vertical sync: stage {stage} mini-batch {mb} uses version {version}, "
                     f"stage 0 used {forward_version[(0, mb)]}"
                 )
+
+
+def _too_many(
+    action: Action,
+    steps: dict[int, int],
+    in_use: dict[int, Counter[int]],
+    max_versions: int | None,
+) -> str | None:
+    """The problem if the versions live on ``action``'s stage (those forwards still use,
+    and the newest) are more than ``max_versions``."""
+    if max_versions is None:
+        return None
+    stage = action.stage
+    live = len(in_use[stage]) + (steps[stage] not in in_use[stage])
+    if live <= max_versions:
+        return None
+    return f"stage {stage} needs {live} weight versions at {action}, at most {max_versions} allowed"
