@@ -104,7 +104,9 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
         defaultdict(int) for _ in range(num_ranks)
     ]
     runnable = deque(range(num_ranks))
-    sends, receives, channels = SEND_KINDS, RECV_KINDS, CHANNELS
+    # send or receive kind -> its event's name and its channel's (family, offset, whole step)
+    sending = {kind: (kind.value, *CHANNELS[kind]) for kind in SEND_KINDS}
+    receiving = {kind: (kind.value, *CHANNELS[kind]) for kind in RECV_KINDS}
     lanes, append, varied = schedule.ranks, events.append, bool(factors)
     while runnable:
         rank = runnable.popleft()
@@ -124,14 +126,16 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
                     cost *= draw(factors[kind][stage])
                 append(make((rank, names[kind], stage, mb, now, now + cost)))
                 now += cost
-            elif kind in sends:
+                continue
+            transfer = sending.get(kind)
+            if transfer is not None:
                 peer = peer if peer is not None else -1
-                family, offset, whole_step = channels[kind]
+                name, family, offset, whole_step = transfer
                 boundary = 0 if whole_step else stage + offset
                 key = (peer, family, boundary, mb)
                 # the sender packs the message, then the link carries it without the sender
                 busy = small_send_s if whole_step else send_s[mb or 0][boundary]
-                append(make((rank, names[kind], stage, mb, now, now + busy)))
+                append(make((rank, name, stage, mb, now, now + busy)))
                 now += busy
                 # the bytes cross both ranks' links; the latency follows them off, so
                 # messages sent back to back overlap their latencies
@@ -143,8 +147,10 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
                 waiter = waiting_on.pop(key, None)
                 if waiter is not None:
                     runnable.append(waiter)
-            elif kind in receives:
-                family, offset, whole_step = channels[kind]
+                continue
+            transfer = receiving.get(kind)
+            if transfer is not None:
+                name, family, offset, whole_step = transfer
                 boundary = 0 if whole_step else stage + offset
                 key = (rank, family, boundary, mb)
                 landed = arrival.pop(key, None)
@@ -155,8 +161,8 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
                         break
                     landed = last_byte + latency
                 busy = small_receive_s if whole_step else receive_s[mb or 0][boundary]
-                end = max(now, landed) + busy
-                append(make((rank, names[kind], stage, mb, now, end)))
+                end = (landed if landed > now else now) + busy
+                append(make((rank, name, stage, mb, now, end)))
                 now = end
             elif kind is Kind.OVERLAP:  # a marker: its pair's passes follow, scaled
                 append(make((rank, names[kind], stage, mb, now, now)))
