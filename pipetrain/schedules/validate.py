@@ -79,7 +79,7 @@ def _check_lanes(schedule: Schedule) -> list[_Lane]:
         received: set[tuple[Kind, int, int | None]] = set()
         stepped: set[int] = set()
         waits: list[int] = []
-        early = len(lane)
+        early = nowhere = len(lane)  # the first use of data too early: none yet
         for index, action in enumerate(lane):
             kind, stage, mb, _, _ = action
             if stage not in held or (mb is not None and not 0 <= mb < microbatches):
@@ -98,7 +98,7 @@ def _check_lanes(schedule: Schedule) -> list[_Lane]:
                     raise _misordered(schedule, rank, index, stepped)
                 progress[key] = done + 1
                 need = needs(kind)
-                if need is not None and 0 <= stage + need[2] <= last and early == len(lane):
+                if need is not None and 0 <= stage + need[2] <= last and early == nowhere:
                     source = stage + need[2]
                     replicas = stage_ranks[source]
                     if replicas[mb % len(replicas)] == rank:
@@ -120,7 +120,7 @@ def _check_lanes(schedule: Schedule) -> list[_Lane]:
                 waits.append(index)
                 if kind in receives:
                     received.add((kind, stage, mb))
-                elif early == len(lane):
+                elif early == nowhere:
                     carried = carries(kind)
                     if carried is not None and (
                         mb is None

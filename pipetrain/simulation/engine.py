@@ -124,8 +124,9 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
                     cost *= lane_scales.get(index, 1.0)
                 if varied and kind in factors:
                     cost *= draw(factors[kind][stage])
-                append(make((rank, names[kind], stage, mb, now, now + cost)))
-                now += cost
+                end = now + cost
+                append(make((rank, names[kind], stage, mb, now, end)))
+                now = end
                 continue
             transfer = sending.get(kind)
             if transfer is not None:
@@ -135,8 +136,9 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
                 key = (peer, family, boundary, mb)
                 # the sender packs the message, then the link carries it without the sender
                 busy = small_send_s if whole_step else send_s[mb or 0][boundary]
-                append(make((rank, name, stage, mb, now, now + busy)))
-                now += busy
+                end = now + busy
+                append(make((rank, name, stage, mb, now, end)))
+                now = end
                 # the bytes cross both ranks' links; the latency follows them off, so
                 # messages sent back to back overlap their latencies
                 wire = 0.0 if whole_step else wire_s[mb or 0][boundary]
