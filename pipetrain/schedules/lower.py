@@ -110,6 +110,10 @@ def lower(
         for (kind, stage, mb), slot in zip(receives, slots):
             waiting[slot].append(_action((kind, stage, mb, sender, None)))
 
+    highest: dict[int, int] = {}  # the highest stage each rank holds
+    for stage, holders in enumerate(stage_ranks):
+        for rank in holders:
+            highest[rank] = stage
     lanes = []
     for rank, actions in enumerate(with_sends):
         # splice each batch of receives in before its user, copying the runs between in C
@@ -122,8 +126,7 @@ def lower(
                 done = at[index]
         merged += actions[done:]
         if loss:
-            held = [s for s, ranks in enumerate(stage_ranks) if rank in ranks]
-            merged.append(Action(Kind.LOSS, max(held) if held else 0))
+            merged.append(Action(Kind.LOSS, highest.get(rank, 0)))
         lanes.append(tuple(merged))
     return tuple(lanes)
 

@@ -212,7 +212,7 @@ def _execute(schedule: Schedule, checked: list[_Lane]) -> None:
     channels: dict[tuple[int, int], deque[tuple[Kind, int, int | None]]] = defaultdict(deque)
     blocked_on: dict[tuple[int, int], int] = {}  # (sender, receiver) -> receiver
     everyone = tuple(range(num_ranks))
-    arrived: dict[tuple[Kind, int, int], list[int]] = defaultdict(list)
+    arrived: dict[tuple[Kind, int, int], dict[int, None]] = defaultdict(dict)  # in order
     collectives: list[Counter[tuple[Kind, int]]] = [Counter() for _ in range(num_ranks)]
     runnable = deque(range(num_ranks))
     sends, receives, receives_of = SEND_KINDS, RECV_KINDS, RECEIVES.get
@@ -275,7 +275,7 @@ def _arrive(
     action: Action,
     stage_ranks: tuple[tuple[int, ...], ...],
     everyone: tuple[int, ...],
-    arrived: dict[tuple[Kind, int, int], list[int]],
+    arrived: dict[tuple[Kind, int, int], dict[int, None]],
     collectives: list[Counter[tuple[Kind, int]]],
     position: list[int],
     runnable: deque[int],
@@ -288,8 +288,7 @@ def _arrive(
         (stage_ranks[action.stage], action.stage) if kind is Kind.ALLREDUCE else (everyone, 0)
     )
     members = arrived[(kind, scope, collectives[rank][(kind, scope)])]
-    if rank not in members:
-        members.append(rank)
+    members.setdefault(rank)
     if len(members) < len(group):
         return False
     for member in members:
