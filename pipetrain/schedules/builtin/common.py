@@ -27,9 +27,10 @@ def assign_ranks(replicas: Sequence[int]) -> StageRanks:
     return stage_ranks
 
 
-def local_microbatches(ranks_of_stage: Sequence[int], rank: int, total: int) -> range:
-    """The micro-batches of ``total`` that round-robin routing gives ``rank``."""
-    return range(ranks_of_stage.index(rank), total, len(ranks_of_stage))
+def local_microbatches(replicas: int, total: int) -> list[range]:
+    """For each of a stage's ``replicas`` ranks in turn, the micro-batches of ``total`` that
+    round-robin routing gives it."""
+    return [range(position, total, replicas) for position in range(replicas)]
 
 
 def in_flight_limit(replicas: Sequence[int], stage: int) -> int:

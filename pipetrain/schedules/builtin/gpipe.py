@@ -22,8 +22,7 @@ def generate(
     stage_ranks = assign_ranks(stage_replicas(ranks, replicas))
     orders = []
     for stage, ranks_of_stage in enumerate(stage_ranks):
-        for rank in ranks_of_stage:
-            local = local_microbatches(ranks_of_stage, rank, microbatches)
+        for local in local_microbatches(len(ranks_of_stage), microbatches):
             order = [Action(Kind.FORWARD, stage, k) for k in local]
             order += [Action(Kind.BACKWARD, stage, k) for k in local]
             orders.append(order + flush(stage, len(ranks_of_stage) > 1))

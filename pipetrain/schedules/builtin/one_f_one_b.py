@@ -27,8 +27,7 @@ def generate(
     orders = []
     for stage, ranks_of_stage in enumerate(stage_ranks):
         limit = in_flight_limit(counts, stage)
-        for rank in ranks_of_stage:
-            local = local_microbatches(ranks_of_stage, rank, microbatches)
+        for local in local_microbatches(len(ranks_of_stage), microbatches):
             orders.append(one_f_one_b(stage, local, limit) + flush(stage, len(ranks_of_stage) > 1))
     return Generated(orders, stage_ranks)
 

@@ -34,9 +34,8 @@ def generate(
     orders = []
     for stage, ranks_of_stage in enumerate(stage_ranks):
         limit = in_flight_limit(counts, stage)
-        for rank in ranks_of_stage:
+        for local in local_microbatches(len(ranks_of_stage), microbatches):
             order: list[Action] = []
-            local = local_microbatches(ranks_of_stage, rank, microbatches)
             for action in one_f_one_b(stage, local, limit):
                 order.append(action)
                 if action.kind is Kind.BACKWARD:
