@@ -79,10 +79,18 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
     latency = costs.latency_s
     compute_scale, bytes_scale = costs.microbatch_scales(stages, schedule.microbatches)
     uniform = not costs.compute_scale and not costs.bytes_scale
-    # a message's wire and busy times per (micro-batch, boundary); whole-step ones carry no bytes
-    wire_s = [[size * k / speed for size, speed in zip(activation, bandwidth)] for k in bytes_scale]
-    send_s = [[costs.send_busy_s(size * k) for size in activation] for k in bytes_scale]
-    receive_s = [[costs.receive_busy_s(size * k) for size in activation] for k in bytes_scale]
+    # a message's wire and busy times per (micro-batch, boundary), one row per distinct size
+    # factor (often only 1.0); whole-step messages carry no bytes
+    rows = {
+        k: (
+            [size * k / speed for size, speed in zip(activation, bandwidth)],
+            [costs.send_busy_s(size * k) for size in activation],
+            [costs.receive_busy_s(size * k) for size in activation],
+        )
+        for k in set(bytes_scale)
+    }
+    wire_s, send_s, receive_s = ([rows[k][part] for k in bytes_scale] for part in range(3))
+    wired = any(wire > 0 for row in rows.values() for wire in row[0])  # else no ports used
     small_send_s, small_receive_s = costs.send_s, costs.receive_s
     collective_s = {
         Kind.ALLREDUCE: costs.per_stage("allreduce_s", stages),
@@ -157,7 +165,7 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
                 key = (rank, family, boundary, mb)
                 landed = arrival.pop(key, None)
                 if landed is None:
-                    last_byte = ports.take(key)
+                    last_byte = ports.take(key) if wired else None
                     if last_byte is None:
                         waiting_on[key] = rank
                         break
