@@ -69,12 +69,12 @@ def _check_lanes(schedule: Schedule) -> list[_Lane]:
     rank_in_order = {forward: 0, backward: 1, weight: 2}
     covered = 0
     checked = []
-    holds: list[set[int]] = [set() for _ in schedule.ranks]
+    holds: dict[int, list[int]] = {}  # the stages each rank holds, in increasing order
     for stage, ranks in enumerate(stage_ranks):
         for rank in ranks:
-            holds[rank].add(stage)
+            holds.setdefault(rank, []).append(stage)
     for rank, lane in enumerate(schedule.ranks):
-        held = holds[rank]
+        held = {stage for stage in holds.get(rank, ()) if stage < stages}
         progress: dict[int, int] = {}  # stage · microbatches + micro-batch -> passes run
         received: set[tuple[Kind, int, int | None]] = set()
         stepped: set[int] = set()
@@ -100,8 +100,8 @@ def _check_lanes(schedule: Schedule) -> list[_Lane]:
                 need = needs(kind)
                 if need is not None and 0 <= stage + need[2] <= last and early == nowhere:
                     source = stage + need[2]
-                    replicas = stage_ranks[source]
-                    if replicas[mb % len(replicas)] == rank:
+                    replicas = stage_ranks[source]  # held by none: placement or coverage fails
+                    if replicas and replicas[mb % len(replicas)] == rank:
                         if progress.get(source * microbatches + mb, 0) <= rank_in_order[need[1]]:
                             early = index
                     elif (need[0], stage, mb) not in received:
@@ -129,7 +129,7 @@ def _check_lanes(schedule: Schedule) -> list[_Lane]:
                         early = index
         covered += sum(progress.values())
         if synchronous:
-            for stage in sorted(held):
+            for stage in holds.get(rank, ()):
                 if stage not in stepped:
                     raise ScheduleError(
                         f"rank {rank}: stage {stage} has 0 optimizer steps, expected 1"
