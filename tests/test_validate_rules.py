@@ -1,14 +1,25 @@
-"""The validator's rules one by one, and the overlapped-pair rule against a plain reading."""
+"""The validator's rules one by one, the overlapped-pair rule against a plain reading, and
+mutated schedules: refused with a ScheduleError, or valid and playable."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipetrain.schedules import COMPUTE_KINDS, Action, Kind, Schedule, ScheduleError, validate
+from pipetrain import Costs, simulate
+from pipetrain.schedules import (
+    COMPUTE_KINDS,
+    Action,
+    Kind,
+    Schedule,
+    ScheduleError,
+    build,
+    validate,
+)
 from pipetrain.schedules.overlap import check_pairs, pairs
 
 F, B, W, STEP = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT, Kind.STEP
@@ -119,3 +130,45 @@ def test_data_used_too_early_is_reported_only_where_the_rank_gets() -> None:
     # an early forward before the wait is found first
     with pytest.raises(ScheduleError, match=re.escape("F1.0 runs before its RECV_F")):
         validate(two_ranks(waits_first, "F1.0 RECV_F1.0@0 B1.0 SEND_B1.0@0 STEP1"))
+
+
+small = [
+    build(name, ranks, microbatches)
+    for name, ranks, microbatches in [
+        ("1f1b", 3, 4),
+        ("zb-h1", 2, 3),
+        ("interleaved", 2, 4),
+        ("2bw", 2, 2),
+        ("pipedream", 2, 3),
+        ("zb-v", 2, 4),
+        ("dualpipev", 2, 4),
+    ]
+]
+
+
+@settings(max_examples=400, deadline=None)
+@given(data=st.data())
+def test_a_mutated_schedule_is_refused_with_a_schedule_error_or_plays(data: st.DataObject) -> None:
+    schedule = data.draw(st.sampled_from(small))
+    lanes = [list(lane) for lane in schedule.ranks]
+    for _ in range(data.draw(st.integers(1, 3))):
+        rank = data.draw(st.integers(0, len(lanes) - 1))
+        lane = lanes[rank]
+        index = data.draw(st.integers(0, len(lane) - 1))
+        change = data.draw(st.sampled_from(["swap", "delete", "repeat", "move", "renumber"]))
+        if change == "swap" and index + 1 < len(lane):
+            lane[index], lane[index + 1] = lane[index + 1], lane[index]
+        elif change == "delete" and len(lane) > 1:
+            del lane[index]
+        elif change == "repeat":
+            lane.insert(data.draw(st.integers(0, len(lane))), lane[index])
+        elif change == "move":
+            lanes[data.draw(st.integers(0, len(lanes) - 1))].insert(0, lane.pop(index))
+        elif change == "renumber":
+            lane[index] = lane[index]._replace(microbatch=data.draw(st.sampled_from([None, 0, 1])))
+    mutated = replace(schedule, ranks=tuple(tuple(lane) for lane in lanes))
+    try:
+        validate(mutated)
+    except ScheduleError:
+        return
+    simulate(mutated, Costs(forward_s=1.0, backward_s=2.0))
