@@ -66,7 +66,7 @@ def _check_lanes(schedule: Schedule) -> list[_Lane]:
     )
     compute, receives, needs, carries = COMPUTE_KINDS, RECV_KINDS, NEEDS.get, CARRIES.get
     # a micro-batch's passes on a stage come in this order; its progress counts them
-    rank_in_order = {forward: 0, backward: 1, weight: 2}
+    pass_order = {forward: 0, backward: 1, weight: 2}
     covered = 0
     checked = []
     holds: dict[int, list[int]] = {}  # the stages each rank holds, in increasing order
@@ -92,7 +92,7 @@ def _check_lanes(schedule: Schedule) -> list[_Lane]:
                 done = progress.get(key, 0)
                 if (
                     replicas[mb % len(replicas)] != rank
-                    or done != rank_in_order[kind]
+                    or done != pass_order[kind]
                     or (synchronous and stage in stepped)
                 ):
                     raise _misordered(schedule, rank, index, stepped)
@@ -102,7 +102,7 @@ def _check_lanes(schedule: Schedule) -> list[_Lane]:
                     source = stage + need[2]
                     replicas = stage_ranks[source]  # held by none: placement or coverage fails
                     if replicas and replicas[mb % len(replicas)] == rank:
-                        if progress.get(source * microbatches + mb, 0) <= rank_in_order[need[1]]:
+                        if progress.get(source * microbatches + mb, 0) <= pass_order[need[1]]:
                             early = index
                     elif (need[0], stage, mb) not in received:
                         early = index
@@ -124,7 +124,7 @@ def _check_lanes(schedule: Schedule) -> list[_Lane]:
                     carried = carries(kind)
                     if carried is not None and (
                         mb is None
-                        or progress.get(stage * microbatches + mb, 0) <= rank_in_order[carried]
+                        or progress.get(stage * microbatches + mb, 0) <= pass_order[carried]
                     ):
                         early = index
         covered += sum(progress.values())
