@@ -1,17 +1,23 @@
-"""Pure core speed: large schedules built, validated and simulated, and plans chosen.
+"""Pure core speed: every schedule family built, validated and simulated at scale, and plans.
 
-(a) ``1f1b`` at several sizes (ranks × micro-batches): the seconds to build it (generate,
-lower, validate) and to simulate it with forward 1 s and backward 2 s, its action count, and
-the exponent ``k`` of time ∝ actions^k (a least-squares line through the log-log points).
+(a) Each registered schedule family at ``--size`` (ranks × micro-batches, default 64 × 512):
+the seconds to build it (generate, lower, validate) and to simulate it with forward 1 s and
+backward 2 s, its action count, and its first build (which pays for any order search its
+family caches, for ``zb-v``, ``v-half``, ``v-min``, ``interleaved-zb`` and ``dualpipev``).
+Then each family again at ``--exponent-sizes`` (fastest of ``--exponent-rounds``, the first
+of which is the cold build), and the exponent ``k`` of time ∝ actions^k over the three
+sizes (a least-squares line through the log-log points).
 (b) :func:`pipetrain.plan` on a synthetic profile (``bench_planner.synthetic_profile``) over a
 two-level topology with replication, and on many workers of one fast level.
 
 Each row gives the fastest of ``--rounds`` timings and, in brackets, their median, beside a
 reference loop timed just before it (``sum(range(10**6))``): the machine's speed changes
-from minute to minute, and the last column, time in reference loops, does not. Run from
-the repository root; prints markdown tables:
+from minute to minute, and the last column, time in reference loops, does not. Freeing a
+round's schedule and timeline is not timed. Run from the repository root; prints markdown
+tables:
 
-    python benchmarks/bench_core.py [--sizes 64x512,128x1024,256x2048] [--rounds 5]
+    python benchmarks/bench_core.py [--size 64x512] [--rounds 5]
+        [--exponent-sizes 32x256,128x1024] [--exponent-rounds 2] [--families 1f1b,zb-v]
         [--layers 500] [--topology 8x100GB/s,8x10Gbit/s] [--workers 4096]
 """
 
@@ -23,13 +29,13 @@ import gc
 import statistics
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 from bench_planner import synthetic_profile
 
 import pipetrain
-from pipetrain.schedules import build
+from pipetrain.schedules import build, names
 
 T = TypeVar("T")
 
@@ -67,40 +73,93 @@ def exponent(actions: list[int], seconds: list[float]) -> float:
     return float(np.polyfit(np.log(actions), np.log(seconds), 1)[0])
 
 
-def schedules(sizes: list[tuple[int, int]], rounds: int) -> None:
-    """Time ``1f1b`` at each size; print its rows and the fitted exponents."""
+class Timing(NamedTuple):
+    """One family at one size: its actions, the first build's seconds, the fastest build
+    and simulation, the median build plus simulation, and the reference loop before."""
+
+    actions: int
+    first_s: float
+    build_s: float
+    simulate_s: float
+    median_s: float
+    reference_s: float
+
+    @property
+    def total_s(self) -> float:
+        """The fastest build plus the fastest simulation."""
+        return self.build_s + self.simulate_s
+
+
+def measure(name: str, ranks: int, microbatches: int, rounds: int) -> Timing:
+    """Build and simulate ``name`` ``rounds`` times; the first build is the cold one."""
     costs = pipetrain.Costs(forward_s=1.0, backward_s=2.0)
-    print(
-        "| work | actions | build + validate s | simulate s | total s (median) "
-        "| reference loop ms | total in reference loops |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    counts: list[int] = []
-    columns: dict[str, list[float]] = {"build": [], "simulate": [], "total": []}
-    for ranks, microbatches in sizes:
-        reference = reference_s()
-        build_s, build_median, schedule, _ = timed(
-            rounds, functools.partial(build, "1f1b", ranks, microbatches)
-        )
-        simulate_s, simulate_median, _, _ = timed(
-            rounds, functools.partial(pipetrain.simulate, schedule, costs)
-        )
+    reference = reference_s()
+    builds, simulations = [], []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        schedule = build(name, ranks, microbatches)
+        built = time.perf_counter()
+        timeline = pipetrain.simulate(schedule, costs)
+        builds.append(built - start)
+        simulations.append(time.perf_counter() - built)
         actions = sum(len(lane) for lane in schedule.ranks)
-        counts.append(actions)
-        total = build_s + simulate_s
-        for key, value in zip(columns, (build_s, simulate_s, total)):
-            columns[key].append(value)
+        del schedule, timeline
+    gc.collect()
+    totals = [b + s for b, s in zip(builds, simulations)]
+    return Timing(
+        actions,
+        builds[0],
+        min(builds),
+        min(simulations),
+        statistics.median(totals),
+        reference,
+    )
+
+
+def schedules(
+    families: list[str],
+    size: tuple[int, int],
+    rounds: int,
+    exponent_sizes: list[tuple[int, int]],
+    exponent_rounds: int,
+) -> None:
+    """Time every family at ``size``, then at ``exponent_sizes``; print both tables."""
+    ranks, microbatches = size
+    print(f"Every family at {ranks} ranks × {microbatches} micro-batches:\n")
+    print(
+        "| family | actions | first build s | build + validate s | simulate s "
+        "| total s (median) | reference loop ms | total in reference loops |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    at_size: dict[str, Timing] = {}
+    for name in families:
+        timing = at_size[name] = measure(name, ranks, microbatches, rounds)
         print(
-            f"| 1f1b, {ranks} ranks × {microbatches} micro-batches | {actions:,} | "
-            f"{build_s:.3f} | {simulate_s:.3f} | "
-            f"{total:.3f} ({build_median + simulate_median:.3f}) "
-            f"| {reference * 1e3:.1f} | {total / reference:.0f} |"
+            f"| {name} | {timing.actions:,} | {timing.first_s:.2f} | {timing.build_s:.3f} "
+            f"| {timing.simulate_s:.3f} | {timing.total_s:.3f} ({timing.median_s:.3f}) "
+            f"| {timing.reference_s * 1e3:.1f} | {timing.total_s / timing.reference_s:.0f} |"
         )
-        del schedule
-        gc.collect()
-    if len(counts) > 1:
-        fitted = " | ".join(f"{exponent(counts, columns[key]):.2f}" for key in columns)
-        print(f"| exponent k, time ∝ actions^k | | {fitted} | | |")
+    if not exponent_sizes:
+        return
+    every = sorted([size, *exponent_sizes], key=lambda pair: pair[0] * pair[1])
+    labels = " | ".join(f"{r} × {m} s" for r, m in every)
+    print(f"\nThe exponent k of time ∝ actions^k over {len(every)} sizes:\n")
+    print(f"| family | {labels} | actions | k build | k simulate | k total |")
+    print(f"|---|{'---:|' * len(every)}---:|---:|---:|---:|")
+    for name in families:
+        timings = [
+            at_size[name] if pair == size else measure(name, *pair, exponent_rounds)
+            for pair in every
+        ]
+        counts = [timing.actions for timing in timings]
+        fitted = [
+            exponent(counts, [getattr(timing, field) for timing in timings])
+            for field in ("build_s", "simulate_s", "total_s")
+        ]
+        print(
+            f"| {name} | {' | '.join(f'{timing.total_s:.3f}' for timing in timings)} "
+            f"| {counts[0]:,} to {counts[-1]:,} | {' | '.join(f'{k:.2f}' for k in fitted)} |"
+        )
 
 
 def plans(layers: int, topology: str, workers: int, rounds: int) -> None:
@@ -129,19 +188,28 @@ def plans(layers: int, topology: str, workers: int, rounds: int) -> None:
 
 
 def main() -> None:
-    """Time the schedule sizes and the plans; print the tables."""
+    """Time the schedule families and the plans; print the tables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=sizes, default=sizes("64x512,128x1024,256x2048"))
+    parser.add_argument("--size", type=sizes, default=sizes("64x512"))
     parser.add_argument(
         "--rounds", type=int, default=5, help="timings per row (the fastest, and the median)"
     )
+    parser.add_argument("--exponent-sizes", type=sizes, default=sizes("32x256,128x1024"))
+    parser.add_argument("--exponent-rounds", type=int, default=2)
+    parser.add_argument("--families", default=",".join(names()), help="comma-separated")
     parser.add_argument("--layers", type=int, default=500)
     parser.add_argument("--topology", default="8x100GB/s,8x10Gbit/s")
     parser.add_argument("--workers", type=int, default=4096)
     args = parser.parse_args()
-    if args.rounds < 1 or args.layers < 1 or args.workers < 1:
-        parser.error("--rounds, --layers and --workers must be at least 1")
-    schedules(args.sizes, args.rounds)
+    if min(args.rounds, args.exponent_rounds, args.layers, args.workers) < 1:
+        parser.error("--rounds, --exponent-rounds, --layers and --workers must be at least 1")
+    if len(args.size) != 1:
+        parser.error("--size takes one RANKSxMICROBATCHES")
+    families = args.families.split(",")
+    unknown = sorted(set(families) - set(names()))
+    if unknown:
+        parser.error(f"unknown families {unknown}; choose from {', '.join(names())}")
+    schedules(families, args.size[0], args.rounds, args.exponent_sizes, args.exponent_rounds)
     gc.collect()  # the large schedules are gone: the planner's collections should not walk them
     print()
     plans(args.layers, args.topology, args.workers, args.rounds)

@@ -20,13 +20,17 @@ linear in the number of actions.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 
 from pipetrain.schedules.actions import Action, Kind
-from pipetrain.schedules.messages import HANDS_ON, NEEDS, RECEIVES, rank_of
+from pipetrain.schedules.messages import HANDS_ON, NEEDS, RECEIVES
 from pipetrain.schedules.overlap import pairs
 
 Lanes = tuple[tuple[Action, ...], ...]
+
+_action: Callable[[tuple[Kind, int, int, int, None]], Action] = partial(tuple.__new__, Action)
+"""An action from all five of its fields, made in C (lowering makes one per transfer)."""
 
 
 def lower(
@@ -47,32 +51,43 @@ def lower(
     # consumer[rank][(receive kind, stage, micro-batch)]: index of the written action using it
     consumer: list[dict[tuple[Kind, int, int], int]] = [{} for _ in compute_orders]
     with_sends: list[list[Action]] = []
+    # starts[rank][i]: where the i-th written action without a peer sits in with_sends
+    starts: list[list[int]] = []
     for rank, order in enumerate(compute_orders):
         actions: list[Action] = []
+        at: list[int] = []
         uses = consumer[rank]
         paired = pairs(order)  # an overlapped backward takes its inputs when its pair starts
         deferred: list[Action] = []  # a full backward's send, due after its W
         for index, action in enumerate(order):
+            kind, stage, mb, peer, _ = action
+            if peer is None:
+                at.append(len(actions))
             actions.append(action)
-            actions.extend(deferred)
-            deferred.clear()
-            kind, stage, mb, _, _ = action
+            if deferred:
+                actions += deferred
+                deferred.clear()
             need = needs(kind)
             if need is None or mb is None:
                 continue
             source = stage + need[2]
-            if 0 <= source <= last and rank_of(stage_ranks, source, mb) != rank:
-                uses[(need[0], stage, mb)] = paired.get(index, index)
+            if 0 <= source <= last:
+                replicas = stage_ranks[source]  # messages.rank_of, inline: it runs per action
+                if replicas[mb % len(replicas)] != rank:
+                    uses[(need[0], stage, mb)] = paired.get(index, index)
             send, offset = hands_on(kind)  # type: ignore[misc]  # NEEDS and HANDS_ON share keys
             target_stage = stage + offset
             if 0 <= target_stage <= last:
-                target = rank_of(stage_ranks, target_stage, mb)
+                replicas = stage_ranks[target_stage]
+                target = replicas[mb % len(replicas)]
                 if target != rank:
-                    following = order[index + 1] if index + 1 < len(order) else None
-                    full = full_backwards and weight_pass_of(action, following)
-                    (deferred if full else actions).append(Action(send, stage, mb, target))
+                    full = full_backwards and weight_pass_of(
+                        action, order[index + 1] if index + 1 < len(order) else None
+                    )
+                    (deferred if full else actions).append(_action((send, stage, mb, target, None)))
                     sent[(rank, target)].append((RECEIVES[send][0], target_stage, mb))
         with_sends.append(actions)
+        starts.append(at)
 
     # before[receiver][index]: receives to issue right before written action index
     before: list[dict[int, list[Action]]] = [defaultdict(list) for _ in compute_orders]
@@ -88,25 +103,30 @@ def lower(
                     f"rank {sender} sends {kind.value}{stage}.{mb} to rank {receiver}, which "
                     "never uses it"
                 )
-            slot = min(slot, user)
+            if user < slot:
+                slot = user
             slots[i] = slot
-        for (kind, stage, mb), at in zip(receives, slots):
-            before[receiver][at].append(Action(kind, stage, mb, sender))
+        waiting = before[receiver]
+        for (kind, stage, mb), slot in zip(receives, slots):
+            waiting[slot].append(_action((kind, stage, mb, sender, None)))
 
+    highest: dict[int, int] = {}  # the highest stage each rank holds
+    for stage, holders in enumerate(stage_ranks):
+        for rank in holders:
+            highest[rank] = stage
     lanes = []
     for rank, actions in enumerate(with_sends):
-        waiting = before[rank]
+        # splice each batch of receives in before its user, copying the runs between in C
         merged: list[Action] = []
-        index = 0
-        for action in actions:
-            if action.peer is None:  # a written action (sends carry a peer)
-                if index in waiting:
-                    merged.extend(waiting[index])
-                index += 1
-            merged.append(action)
+        done, at, waiting = 0, starts[rank], before[rank]
+        for index in sorted(waiting):
+            if index < len(at):
+                merged += actions[done : at[index]]
+                merged += waiting[index]
+                done = at[index]
+        merged += actions[done:]
         if loss:
-            held = [s for s, ranks in enumerate(stage_ranks) if rank in ranks]
-            merged.append(Action(Kind.LOSS, max(held) if held else 0))
+            merged.append(Action(Kind.LOSS, highest.get(rank, 0)))
         lanes.append(tuple(merged))
     return tuple(lanes)
 

@@ -12,47 +12,59 @@ stage and then a backward.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
+from operator import itemgetter
 
 from pipetrain.schedules.actions import COMPUTE_KINDS, Action, Kind
 from pipetrain.schedules.errors import ScheduleError
+
+# A lane as one letter per action, so that its pairs are found by patterns that run in C:
+# F, B and W for compute, O for a marker, "." for anything else.
+_LETTER = {
+    kind: "O" if kind is Kind.OVERLAP else kind.value if kind in COMPUTE_KINDS else "."
+    for kind in Kind
+}
+_PAIR = re.compile(r"O[^FBWO]*(F)[^FBWO]*B")  # a marker, its first compute F, its second B
+_MARKED = re.compile(r"O[^FBW]*")  # markers and what follows them up to the next compute
+_KIND = itemgetter(0)
+
+
+def _letters(lane: Sequence[Action]) -> str | None:
+    """``lane`` as letters, or ``None`` if it has no marker (most lanes)."""
+    kinds = list(map(_KIND, lane))
+    if Kind.OVERLAP not in kinds:
+        return None
+    return "".join(map(_LETTER.__getitem__, kinds))
 
 
 def pairs(lane: Sequence[Action]) -> dict[int, int]:
     """For each overlapped pair in ``lane``, the index of its backward -> that of its
     forward (pairs that break the rule are left out; :func:`check_pairs` names them)."""
-    found: dict[int, int] = {}
-    forward: int | None = None
-    waiting = False
-    for index, action in enumerate(lane):
-        kind = action.kind
-        if kind is Kind.OVERLAP:
-            waiting, forward = True, None
-        elif waiting and kind in COMPUTE_KINDS:
-            if forward is None and kind is Kind.FORWARD:
-                forward = index
-            else:
-                if forward is not None and kind is Kind.BACKWARD:
-                    found[index] = forward
-                waiting, forward = False, None
-    return found
+    letters = _letters(lane)
+    if letters is None:
+        return {}
+    return {found.end() - 1: found.start(1) for found in _PAIR.finditer(letters)}
 
 
 def check_pairs(lanes: Sequence[Sequence[Action]]) -> None:
     """Raise :class:`ScheduleError` unless every ``OVERLAP`` is followed by a forward of its
     stage and then a backward, among the rank's compute actions."""
     for rank, lane in enumerate(lanes):
-        markers = [index for index, action in enumerate(lane) if action.kind is Kind.OVERLAP]
-        found = {forward: backward for backward, forward in pairs(lane).items()}
-        for marker in markers:
-            forward = next(
-                (i for i in range(marker + 1, len(lane)) if lane[i].kind in COMPUTE_KINDS), None
-            )
-            if forward is None or forward not in found or lane[forward].stage != lane[marker].stage:
-                raise ScheduleError(
-                    f"rank {rank}: {lane[marker]} must be followed by a forward of stage "
-                    f"{lane[marker].stage} and then a backward",
-                    lane,
-                    rank,
-                    marker,
-                )
+        letters = _letters(lane)
+        if letters is None:
+            continue
+        forwards = {found.start(1) for found in _PAIR.finditer(letters)}
+        for run in _MARKED.finditer(letters):
+            forward = run.end()  # the first compute action after each marker of the run
+            marker = run.start()
+            while marker >= 0:
+                if forward not in forwards or lane[forward].stage != lane[marker].stage:
+                    raise ScheduleError(
+                        f"rank {rank}: {lane[marker]} must be followed by a forward of stage "
+                        f"{lane[marker].stage} and then a backward",
+                        lane,
+                        rank,
+                        marker,
+                    )
+                marker = letters.find("O", marker + 1, forward)

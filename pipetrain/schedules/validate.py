@@ -3,22 +3,26 @@
 It checks placement (each action on a rank that holds its stage), coverage (every
 micro-batch of every stage forwarded and backwarded exactly once, backward after forward),
 the flush of synchronous schedules, overlapped pairs, the weight-version rules of
-asynchronous ones, and then executes the schedule abstractly — sends never block, a receive
-waits for its message, an all-reduce for every member of its group — to find deadlocks,
-data used before it exists, and channels whose messages would be matched out of order.
-Every check is linear in the number of actions.
+asynchronous ones (:mod:`~pipetrain.schedules.versions`), and then executes the schedule
+abstractly — sends never block, a receive waits for its message, an all-reduce for every
+member of its group — to find deadlocks, data used before it exists, and channels whose
+messages would be matched out of order.
+
+Every check is linear in the number of actions, and each lane is read in Python once: that
+pass also finds where a rank would first use data it does not have, so the execution visits
+only the actions that may wait (sends, receives, collectives).
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict, deque
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from pipetrain.schedules.actions import COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, Action, Kind
 from pipetrain.schedules.errors import ScheduleError
-from pipetrain.schedules.messages import CARRIES, NEEDS, RECEIVES, rank_of
+from pipetrain.schedules.messages import CARRIES, NEEDS, RECEIVES
 from pipetrain.schedules.overlap import check_pairs
+from pipetrain.schedules.versions import check_versions
 
 if TYPE_CHECKING:
     from pipetrain.schedules.schedule import Schedule
@@ -26,64 +30,114 @@ if TYPE_CHECKING:
 
 def validate(schedule: Schedule) -> None:
     """Raise :class:`ScheduleError` if ``schedule`` could deadlock or breaks a training rule."""
-    _check_placement_and_coverage(schedule)
+    lanes = _check_lanes(schedule)
     check_pairs(schedule.ranks)
     if schedule.asynchronous:
-        _check_versions(schedule)
-    _execute(schedule)
+        check_versions(schedule)
+    _execute(schedule, lanes)
 
 
-def _check_placement_and_coverage(schedule: Schedule) -> None:
+class _Lane(NamedTuple):
+    """What the abstract execution needs of a rank's actions: the indices of its sends,
+    receives and collectives (compute never waits), and the first index that uses data the
+    rank does not have yet (its length if none)."""
+
+    waits: list[int]
+    early: int
+
+
+def _check_lanes(schedule: Schedule) -> list[_Lane]:
     """Each action on a rank holding its stage, each compute where routing puts it and in
     order, every (kind, stage, micro-batch) once, and a synchronous stage stepped once after
-    all of its rank's work on it."""
+    all of its rank's work on it; each rank's :class:`_Lane`.
+
+    Whether an action uses data the rank has depends only on what comes before it in its own
+    lane (a receive either yields its own message or fails), so it is found here, in one
+    pass per lane; the abstract execution raises it only when the rank gets that far."""
     expected = {Kind.FORWARD, Kind.BACKWARD} | ({Kind.WEIGHT} if schedule.split_backward else set())
     stage_ranks, stages, microbatches = schedule.stage_ranks, schedule.stages, schedule.microbatches
-    synchronous = not schedule.asynchronous
-    forward, backward, weight, step = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT, Kind.STEP
+    synchronous, last = not schedule.asynchronous, stages - 1
+    forward, backward, weight, step, overlap = (
+        Kind.FORWARD,
+        Kind.BACKWARD,
+        Kind.WEIGHT,
+        Kind.STEP,
+        Kind.OVERLAP,
+    )
+    compute, receives, needs, carries = COMPUTE_KINDS, RECV_KINDS, NEEDS.get, CARRIES.get
+    # a micro-batch's passes on a stage come in this order; its progress counts them
+    pass_order = {forward: 0, backward: 1, weight: 2}
     covered = 0
+    checked = []
+    holds: dict[int, list[int]] = {}  # the stages each rank holds, in increasing order
+    for stage, ranks in enumerate(stage_ranks):
+        for rank in ranks:
+            holds.setdefault(rank, []).append(stage)
     for rank, lane in enumerate(schedule.ranks):
-        seen: set[tuple[Kind, int, int | None]] = set()
+        held = {stage for stage in holds.get(rank, ()) if stage < stages}
+        progress: dict[int, int] = {}  # stage · microbatches + micro-batch -> passes run
+        received: set[tuple[Kind, int, int | None]] = set()
         stepped: set[int] = set()
+        waits: list[int] = []
+        early = nowhere = len(lane)  # the first use of data too early: none yet
         for index, action in enumerate(lane):
-            kind, stage, mb = action.kind, action.stage, action.microbatch
-            if (
-                not 0 <= stage < stages
-                or rank not in stage_ranks[stage]
-                or (mb is not None and not 0 <= mb < microbatches)
-            ):
+            kind, stage, mb, _, _ = action
+            if stage not in held or (mb is not None and not 0 <= mb < microbatches):
                 raise _misplaced(schedule, rank, index)
-            if kind in COMPUTE_KINDS:
-                key = (kind, stage, mb)
+            if kind in compute:
+                if mb is None or kind not in expected:
+                    raise _misordered(schedule, rank, index, stepped)
+                replicas = stage_ranks[stage]  # messages.rank_of, inline: it runs per action
+                key = stage * microbatches + mb
+                done = progress.get(key, 0)
                 if (
-                    mb is None
-                    or kind not in expected
-                    or rank_of(stage_ranks, stage, mb) != rank
-                    or key in seen
-                    or (kind is backward and (forward, stage, mb) not in seen)
-                    or (kind is weight and (backward, stage, mb) not in seen)
+                    replicas[mb % len(replicas)] != rank
+                    or done != pass_order[kind]
                     or (synchronous and stage in stepped)
                 ):
-                    raise _misordered(schedule, rank, index, seen, stepped)
-                seen.add(key)
-            elif kind is step and synchronous:
-                if stage in stepped:
-                    raise ScheduleError(
-                        f"rank {rank}: stage {stage} has 2 optimizer steps, expected 1",
-                        lane,
-                        rank,
-                        index,
-                    )
-                stepped.add(stage)
-        covered += len(seen)
+                    raise _misordered(schedule, rank, index, stepped)
+                progress[key] = done + 1
+                need = needs(kind)
+                if need is not None and 0 <= stage + need[2] <= last and early == nowhere:
+                    source = stage + need[2]
+                    replicas = stage_ranks[source]  # held by none: placement or coverage fails
+                    if replicas and replicas[mb % len(replicas)] == rank:
+                        if progress.get(source * microbatches + mb, 0) <= pass_order[need[1]]:
+                            early = index
+                    elif (need[0], stage, mb) not in received:
+                        early = index
+            elif kind is step:
+                if synchronous:
+                    if stage in stepped:
+                        raise ScheduleError(
+                            f"rank {rank}: stage {stage} has 2 optimizer steps, expected 1",
+                            lane,
+                            rank,
+                            index,
+                        )
+                    stepped.add(stage)
+            elif kind is not overlap:  # a send, a receive or a collective: it may wait
+                waits.append(index)
+                if kind in receives:
+                    received.add((kind, stage, mb))
+                elif early == nowhere:
+                    carried = carries(kind)
+                    if carried is not None and (
+                        mb is None
+                        or progress.get(stage * microbatches + mb, 0) <= pass_order[carried]
+                    ):
+                        early = index
+        covered += sum(progress.values())
         if synchronous:
-            for stage in schedule.stages_of(rank):
+            for stage in holds.get(rank, ()):
                 if stage not in stepped:
                     raise ScheduleError(
                         f"rank {rank}: stage {stage} has 0 optimizer steps, expected 1"
                     )
+        checked.append(_Lane(waits, early))
     if covered != len(expected) * stages * microbatches:
         _report_missing(schedule, expected)
+    return checked
 
 
 def _misplaced(schedule: Schedule, rank: int, index: int) -> ScheduleError:
@@ -99,15 +153,10 @@ def _misplaced(schedule: Schedule, rank: int, index: int) -> ScheduleError:
     return ScheduleError(f"rank {rank}: {message}", lane, rank, index)
 
 
-def _misordered(
-    schedule: Schedule,
-    rank: int,
-    index: int,
-    seen: set[tuple[Kind, int, int | None]],
-    stepped: set[int],
-) -> ScheduleError:
+def _misordered(schedule: Schedule, rank: int, index: int, stepped: set[int]) -> ScheduleError:
     lane = schedule.ranks[rank]
     action = lane[index]
+    seen = {a[:3] for a in lane[:index] if a.kind in COMPUTE_KINDS}
     kind, stage, mb = action.kind, action.stage, action.microbatch
     if mb is None:
         message = f"{action} names no micro-batch"
@@ -149,105 +198,36 @@ def _report_missing(schedule: Schedule, expected: set[Kind]) -> None:
                     )
 
 
-def _check_versions(schedule: Schedule) -> None:
-    """Each forward on a version already made, its backward and weight pass on the same one,
-    each step producing the next, and no more live versions than ``max_versions``."""
-    limit = schedule.options.get("max_versions")
-    max_versions = limit if isinstance(limit, int) else None
-    forward_version: dict[tuple[int, int | None], int] = {}
-    for rank, lane in enumerate(schedule.ranks):
-        steps: dict[int, int] = defaultdict(int)
-        # in_use[stage][version]: forwards on that version whose backward is still to come
-        in_use: dict[int, Counter[int]] = defaultdict(Counter)
-        for index, action in enumerate(lane):
-            kind, stage, mb, _, version = action
-            problem = None
-            if kind is Kind.STEP:
-                steps[stage] += 1
-                if version != steps[stage]:
-                    problem = f"{action} should produce version {steps[stage]}"
-            elif kind is Kind.FORWARD:
-                if version is None or version > steps[stage]:
-                    problem = (
-                        f"{action} uses weight version {version}, but only "
-                        f"{steps[stage]} updates have been applied"
-                    )
-                else:
-                    forward_version[(stage, mb)] = version
-                    in_use[stage][version] += 1
-            elif kind is Kind.BACKWARD or kind is Kind.WEIGHT:
-                used = forward_version.get((stage, mb))
-                if version != used:
-                    problem = f"{action} uses version {version} but its forward used {used}"
-                elif kind is Kind.BACKWARD and version is not None:
-                    held = in_use[stage]
-                    held[version] -= 1
-                    if not held[version]:
-                        del held[version]
-            if (
-                problem is None
-                and max_versions is not None
-                and (kind is Kind.FORWARD or kind is Kind.STEP)
-            ):
-                live = len(in_use[stage]) + (steps[stage] not in in_use[stage])
-                if live > max_versions:
-                    problem = (
-                        f"stage {stage} needs {live} weight versions at {action}, at most "
-                        f"{max_versions} allowed"
-                    )
-            if problem is not None:
-                raise ScheduleError(f"rank {rank}: {problem}", lane, rank, index)
-    if schedule.options.get("vertical_sync"):
-        for (stage, mb), version in forward_version.items():
-            if version != forward_version[(0, mb)]:
-                raise ScheduleError(
-                    f"vertical sync: stage {stage} mini-batch {mb} uses version {version}, "
-                    f"stage 0 used {forward_version[(0, mb)]}"
-                )
-
-
-def _execute(schedule: Schedule) -> None:
+def _execute(schedule: Schedule, checked: list[_Lane]) -> None:
     """Play the schedule with non-blocking sends; raise on deadlock or misuse.
 
     Each rank runs until it blocks on a receive or a collective; the send or the last
-    arrival that unblocks it puts it back on the work list, so every action runs once.
+    arrival that unblocks it puts it back on the work list, so every action runs once. Only
+    the actions that may wait are visited (``checked``): a rank passing its early index
+    uses data it does not have.
     """
     lanes, num_ranks, last = schedule.ranks, schedule.num_ranks, schedule.stages - 1
     stage_ranks = schedule.stage_ranks
-    position = [0] * num_ranks
-    done: list[set[tuple[Kind, int, int | None]]] = [set() for _ in range(num_ranks)]
+    position = [0] * num_ranks  # into each rank's waits
     channels: dict[tuple[int, int], deque[tuple[Kind, int, int | None]]] = defaultdict(deque)
     blocked_on: dict[tuple[int, int], int] = {}  # (sender, receiver) -> receiver
     everyone = tuple(range(num_ranks))
-    arrived: dict[tuple[Kind, int, int], list[int]] = defaultdict(list)
+    arrived: dict[tuple[Kind, int, int], dict[int, None]] = defaultdict(dict)  # in order
     collectives: list[Counter[tuple[Kind, int]]] = [Counter() for _ in range(num_ranks)]
     runnable = deque(range(num_ranks))
-    compute, sends, receives = COMPUTE_KINDS, SEND_KINDS, RECV_KINDS
-    needs, receives_of, carries = NEEDS.get, RECEIVES.get, CARRIES.get
+    sends, receives, receives_of = SEND_KINDS, RECV_KINDS, RECEIVES.get
     targets_key = (Kind.RECV_T, last, None)  # the targets go to the last stage
     while runnable:
         rank = runnable.popleft()
-        lane, mine = lanes[rank], done[rank]
-        index, end = position[rank], len(lane)
-        while index < end:
+        lane, (waits, early) = lanes[rank], checked[rank]
+        at, end = position[rank], len(waits)
+        while at < end:
+            index = waits[at]
+            if index >= early:
+                raise _used_too_early(schedule, rank, early)
             action = lane[index]
             kind, stage, mb, peer, _ = action
-            if kind in compute:
-                need = needs(kind)
-                source = -1 if need is None else stage + need[2]
-                if 0 <= source <= last and mb is not None:
-                    local = rank_of(stage_ranks, source, mb) == rank
-                    wanted = (need[1], source, mb) if local else (need[0], stage, mb)  # type: ignore[index]
-                    if wanted not in mine:
-                        raise _used_too_early(lane, rank, index, local)
-                mine.add((kind, stage, mb))
-            elif kind in sends:
-                carried = carries(kind)
-                if carried is not None and (carried, stage, mb) not in mine:
-                    text = f"{carried.value}{stage}.{mb}"
-                    raise ScheduleError(
-                        f"rank {rank}: {action} sends before computing {text}", lane, rank, index
-                    )
+            if kind in sends:
                 pair = (rank, peer if peer is not None else -1)
                 found = receives_of(kind)
                 channels[pair].append(
@@ -271,18 +251,23 @@ def _execute(schedule: Schedule) -> None:
                         rank,
                         index,
                     )
-                mine.add(head)
-            elif kind is Kind.ALLREDUCE or kind is Kind.LOSS:
-                position[rank] = index
+            else:  # ALLREDUCE or LOSS
+                position[rank] = at
                 if not _arrive(
                     rank, action, stage_ranks, everyone, arrived, collectives, position, runnable
                 ):
                     break
-                index = position[rank]
+                at = position[rank]
                 continue
-            index += 1
-        position[rank] = index
-    _report_stuck(schedule, position, channels)
+            at += 1
+        position[rank] = at
+        if at == end and early < len(lane):
+            raise _used_too_early(schedule, rank, early)
+    reached = [
+        waits[at] if at < len(waits) else len(lane)
+        for lane, (waits, _), at in zip(lanes, checked, position)
+    ]
+    _report_stuck(schedule, reached, channels)
 
 
 def _arrive(
@@ -290,7 +275,7 @@ def _arrive(
     action: Action,
     stage_ranks: tuple[tuple[int, ...], ...],
     everyone: tuple[int, ...],
-    arrived: dict[tuple[Kind, int, int], list[int]],
+    arrived: dict[tuple[Kind, int, int], dict[int, None]],
     collectives: list[Counter[tuple[Kind, int]]],
     position: list[int],
     runnable: deque[int],
@@ -303,8 +288,7 @@ def _arrive(
         (stage_ranks[action.stage], action.stage) if kind is Kind.ALLREDUCE else (everyone, 0)
     )
     members = arrived[(kind, scope, collectives[rank][(kind, scope)])]
-    if rank not in members:
-        members.append(rank)
+    members.setdefault(rank)
     if len(members) < len(group):
         return False
     for member in members:
@@ -315,11 +299,21 @@ def _arrive(
     return True
 
 
-def _used_too_early(lane: Sequence[Action], rank: int, index: int, local: bool) -> ScheduleError:
+def _used_too_early(schedule: Schedule, rank: int, index: int) -> ScheduleError:
+    """The error for a compute action whose input, or a send whose tensor, the rank does
+    not have yet."""
+    lane = schedule.ranks[rank]
     action = lane[index]
+    carried = CARRIES.get(action.kind)
+    if carried is not None:
+        text = f"{carried.value}{action.stage}.{action.microbatch}"
+        return ScheduleError(
+            f"rank {rank}: {action} sends before computing {text}", lane, rank, index
+        )
     receive, produce, offset = NEEDS[action.kind]
-    source = action.stage + offset
-    what = f"{produce.value}{source}.{action.microbatch}" if local else f"its {receive.value}"
+    source, mb = action.stage + offset, action.microbatch
+    local = mb is not None and schedule.rank_of(source, mb) == rank
+    what = f"{produce.value}{source}.{mb}" if local else f"its {receive.value}"
     return ScheduleError(f"rank {rank}: {action} runs before {what}", lane, rank, index)
 
 

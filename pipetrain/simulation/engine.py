@@ -79,10 +79,18 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
     latency = costs.latency_s
     compute_scale, bytes_scale = costs.microbatch_scales(stages, schedule.microbatches)
     uniform = not costs.compute_scale and not costs.bytes_scale
-    # a message's wire and busy times per (micro-batch, boundary); whole-step ones carry no bytes
-    wire_s = [[size * k / speed for size, speed in zip(activation, bandwidth)] for k in bytes_scale]
-    send_s = [[costs.send_busy_s(size * k) for size in activation] for k in bytes_scale]
-    receive_s = [[costs.receive_busy_s(size * k) for size in activation] for k in bytes_scale]
+    # a message's wire and busy times per (micro-batch, boundary), one row per distinct size
+    # factor (often only 1.0); whole-step messages carry no bytes
+    rows = {
+        k: (
+            [size * k / speed for size, speed in zip(activation, bandwidth)],
+            [costs.send_busy_s(size * k) for size in activation],
+            [costs.receive_busy_s(size * k) for size in activation],
+        )
+        for k in set(bytes_scale)
+    }
+    wire_s, send_s, receive_s = ([rows[k][part] for k in bytes_scale] for part in range(3))
+    wired = any(wire > 0 for row in rows.values() for wire in row[0])  # else no ports used
     small_send_s, small_receive_s = costs.send_s, costs.receive_s
     collective_s = {
         Kind.ALLREDUCE: costs.per_stage("allreduce_s", stages),
@@ -104,36 +112,41 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
         defaultdict(int) for _ in range(num_ranks)
     ]
     runnable = deque(range(num_ranks))
-    sends, receives, channels = SEND_KINDS, RECV_KINDS, CHANNELS
+    # send or receive kind -> its event's name and its channel's (family, offset, whole step)
+    sending = {kind: (kind.value, *CHANNELS[kind]) for kind in SEND_KINDS}
+    receiving = {kind: (kind.value, *CHANNELS[kind]) for kind in RECV_KINDS}
+    lanes, append, varied = schedule.ranks, events.append, bool(factors)
     while runnable:
         rank = runnable.popleft()
-        actions = schedule.ranks[rank]
+        actions, lane_scales = lanes[rank], scales[rank]
         now = clock[rank]
-        index = position[rank]
         stop = len(actions)
-        while index < stop:
-            action = actions[index]
-            kind, stage, mb, peer, _ = action
+        for index in range(position[rank], stop):
+            kind, stage, mb, peer, _ = actions[index]
             spans = duration.get(kind)
             if spans is not None:
                 cost = spans[stage]
                 if not uniform and mb is not None:
                     cost *= compute_scale[mb][stage]
-                if scales:
-                    cost *= scales.get((rank, index), 1.0)
-                if kind in factors:
+                if lane_scales:
+                    cost *= lane_scales.get(index, 1.0)
+                if varied and kind in factors:
                     cost *= draw(factors[kind][stage])
-                events.append(make((rank, names[kind], stage, mb, now, now + cost)))
-                now += cost
-            elif kind in sends:
+                end = now + cost
+                append(make((rank, names[kind], stage, mb, now, end)))
+                now = end
+                continue
+            transfer = sending.get(kind)
+            if transfer is not None:
                 peer = peer if peer is not None else -1
-                family, offset, whole_step = channels[kind]
+                name, family, offset, whole_step = transfer
                 boundary = 0 if whole_step else stage + offset
                 key = (peer, family, boundary, mb)
                 # the sender packs the message, then the link carries it without the sender
                 busy = small_send_s if whole_step else send_s[mb or 0][boundary]
-                events.append(make((rank, names[kind], stage, mb, now, now + busy)))
-                now += busy
+                end = now + busy
+                append(make((rank, name, stage, mb, now, end)))
+                now = end
                 # the bytes cross both ranks' links; the latency follows them off, so
                 # messages sent back to back overlap their latencies
                 wire = 0.0 if whole_step else wire_s[mb or 0][boundary]
@@ -144,23 +157,25 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
                 waiter = waiting_on.pop(key, None)
                 if waiter is not None:
                     runnable.append(waiter)
-            elif kind in receives:
-                family, offset, whole_step = channels[kind]
+                continue
+            transfer = receiving.get(kind)
+            if transfer is not None:
+                name, family, offset, whole_step = transfer
                 boundary = 0 if whole_step else stage + offset
                 key = (rank, family, boundary, mb)
                 landed = arrival.pop(key, None)
                 if landed is None:
-                    last_byte = ports.take(key)
+                    last_byte = ports.take(key) if wired else None
                     if last_byte is None:
                         waiting_on[key] = rank
                         break
                     landed = last_byte + latency
                 busy = small_receive_s if whole_step else receive_s[mb or 0][boundary]
-                end = max(now, landed) + busy
-                events.append(make((rank, names[kind], stage, mb, now, end)))
+                end = (landed if landed > now else now) + busy
+                append(make((rank, name, stage, mb, now, end)))
                 now = end
             elif kind is Kind.OVERLAP:  # a marker: its pair's passes follow, scaled
-                events.append(make((rank, names[kind], stage, mb, now, now)))
+                append(make((rank, names[kind], stage, mb, now, now)))
             else:  # ALLREDUCE over the stage's replicas, LOSS over every rank
                 position[rank] = index
                 scope = stage if kind is Kind.ALLREDUCE else 0
@@ -173,16 +188,16 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
                 start = max(members.values())
                 end = start + collective_s[kind][scope]
                 for member in group:
-                    own = schedule.ranks[member][position[member]]  # each rank's own stage
-                    events.append(make((member, names[kind], own.stage, None, start, end)))
+                    own = lanes[member][position[member]]  # each rank's own stage
+                    append(make((member, names[kind], own.stage, None, start, end)))
                     clock[member] = end
                     collectives_done[member][(kind, scope)] += 1
                     position[member] += 1
                     if member != rank:
                         runnable.append(member)
-                now, index = end, position[rank]
-                continue
-            index += 1
+                now = end  # and on to the next action, as position[rank] now says
+        else:  # every action played
+            index = stop
         clock[rank], position[rank] = now, index
     unfinished = [r for r in range(num_ranks) if position[r] < len(schedule.ranks[r])]
     if unfinished:
@@ -210,17 +225,19 @@ def _durations(schedule: Schedule, costs: Costs) -> dict[Kind, list[float]]:
 
 def _overlap_scales(
     schedule: Schedule, duration: dict[Kind, list[float]], overlap: float
-) -> dict[tuple[int, int], float]:
-    """(rank, index) of each overlapped pass -> the factor on its cost that makes its pair
-    last ``max + (1 − overlap)·min`` of the two passes."""
-    scales: dict[tuple[int, int], float] = {}
-    for rank, lane in enumerate(schedule.ranks):
+) -> list[dict[int, float]]:
+    """Per rank, the index of each overlapped pass -> the factor on its cost that makes its
+    pair last ``max + (1 − overlap)·min`` of the two passes."""
+    scales: list[dict[int, float]] = []
+    for lane in schedule.ranks:
+        lane_scales: dict[int, float] = {}
         for backward, forward in pairs(lane).items():
             f = duration[Kind.FORWARD][lane[forward].stage]
             b = duration[Kind.BACKWARD][lane[backward].stage]
             if f + b > 0:
                 scale = (max(f, b) + (1 - overlap) * min(f, b)) / (f + b)
-                scales[(rank, forward)] = scales[(rank, backward)] = scale
+                lane_scales[forward] = lane_scales[backward] = scale
+        scales.append(lane_scales)
     return scales
 
 

@@ -1,0 +1,87 @@
+"""The weight-version rules of asynchronous schedules, for the validator.
+
+A forward uses a version its stage's steps have already made, its backward and weight pass
+the same one, each step makes the next, a stage keeps no more live versions than the
+schedule's ``max_versions`` fact allows, and with ``vertical_sync`` every stage of a
+mini-batch uses the version stage 0 used.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import TYPE_CHECKING
+
+from pipetrain.schedules.actions import Action, Kind
+from pipetrain.schedules.errors import ScheduleError
+
+if TYPE_CHECKING:
+    from pipetrain.schedules.schedule import Schedule
+
+
+def check_versions(schedule: Schedule) -> None:
+    """Each forward on a version already made, its backward and weight pass on the same one,
+    each step producing the next, and no more live versions than ``max_versions``."""
+    limit = schedule.options.get("max_versions")
+    max_versions = limit if isinstance(limit, int) else None
+    forward_version: dict[tuple[int, int | None], int] = {}
+    forward, backward, weight, step = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT, Kind.STEP
+    for rank, lane in enumerate(schedule.ranks):
+        steps: dict[int, int] = defaultdict(int)
+        # in_use[stage][version]: forwards on that version whose backward is still to come
+        in_use: dict[int, Counter[int]] = defaultdict(Counter)
+        for index, action in enumerate(lane):
+            kind, stage, mb, _, version = action
+            problem: str | None = None
+            if kind is forward:
+                if version is None or version > steps[stage]:
+                    problem = (
+                        f"{action} uses weight version {version}, but only "
+                        f"{steps[stage]} updates have been applied"
+                    )
+                else:
+                    forward_version[(stage, mb)] = version
+                    in_use[stage][version] += 1
+                    problem = _too_many(action, steps, in_use, max_versions)
+            elif kind is backward or kind is weight:
+                used = forward_version.get((stage, mb))
+                if version != used:
+                    problem = f"{action} uses version {version} but its forward used {used}"
+                elif kind is backward and version is not None:
+                    held = in_use[stage]
+                    held[version] -= 1
+                    if not held[version]:
+                        del held[version]
+            elif kind is step:
+                steps[stage] += 1
+                if version != steps[stage]:
+                    problem = f"{action} should produce version {steps[stage]}"
+                else:
+                    problem = _too_many(action, steps, in_use, max_versions)
+            else:  # transfers and collectives carry no version
+                continue
+            if problem is not None:
+                raise ScheduleError(f"rank {rank}: {problem}", lane, rank, index)
+    if schedule.options.get("vertical_sync"):
+        for (stage, mb), version in forward_version.items():
+            if version != forward_version[(0, mb)]:
+                raise ScheduleError(
+                    f"vertical sync: stage {stage} mini-batch {mb} uses version {version}, "
+                    f"stage 0 used {forward_version[(0, mb)]}"
+                )
+
+
+def _too_many(
+    action: Action,
+    steps: dict[int, int],
+    in_use: dict[int, Counter[int]],
+    max_versions: int | None,
+) -> str | None:
+    """The problem if the versions live on ``action``'s stage (those forwards still use,
+    and the newest) are more than ``max_versions``."""
+    if max_versions is None:
+        return None
+    stage = action.stage
+    live = len(in_use[stage]) + (steps[stage] not in in_use[stage])
+    if live <= max_versions:
+        return None
+    return f"stage {stage} needs {live} weight versions at {action}, at most {max_versions} allowed"
