@@ -166,7 +166,7 @@ def run_all(layers: int, microbatches: int, rows: int, steps: int) -> dict[str, 
             "pipetrain": lambda pipe=pipe: pipe.train_step(x, y),
             "torch": torch_step,
             "floor": lambda floor=floor: floor.step(x, y),
-            "compute": compute_only(alone, microbatches, x if rank == 0 else x.detach()),
+            "compute": compute_only(alone, microbatches, x),
         }
     times = {name: {runner: [] for runner in RUNNERS} for name in SCHEDULES}
     for index in range(steps):

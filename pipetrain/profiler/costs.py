@@ -356,6 +356,11 @@ _CHECKED_FIELDS = tuple(
 """Each checked field of a layer, and whether it is a time (else bytes)."""
 
 
+def _layer_name(index: int, layer: LayerCost) -> str:
+    """How errors name a layer: its index, and its name where it has one."""
+    return f"layer {index}" + (f" ({layer.name})" if layer.name else "")
+
+
 def _check_layer(index: int, layer: object) -> None:
     """Raise if a layer entry is not a LayerCost or holds a negative or non-finite value."""
     if not isinstance(layer, LayerCost):
@@ -368,11 +373,11 @@ def _check_layer(index: int, layer: object) -> None:
             type(value) is float and 0 <= value <= (MAX_SECONDS if seconds else MAX_BYTES)
         ):
             continue  # the common case, without the messages' strings (profiles are rechecked)
-        where = f"layer {index}" + (f" ({layer.name})" if layer.name else "")
+        where = _layer_name(index, layer)
         non_negative_number(f"{where}: {name}", value)
         _at_most(f"{where}: {name}", value, seconds)
     if layer.weight_backward_s is not None and layer.weight_backward_s > layer.backward_s:
-        where = f"layer {index}" + (f" ({layer.name})" if layer.name else "")
+        where = _layer_name(index, layer)
         raise ValueError(
             f"{where}: weight_backward_s = {layer.weight_backward_s} exceeds backward_s = "
             f"{layer.backward_s}; backward_s is the full backward, so its weight share "
