@@ -66,11 +66,15 @@ def message_bytes(metas: Sequence[TensorMeta]) -> int:
 
 
 def _offsets(metas: Sequence[TensorMeta]) -> tuple[list[int], int]:
+    """Each tensor's byte offset in a message of tensors ``metas``, and the data's size."""
     offsets, position = [], 0
     for meta in metas:
         offsets.append(position)
         position += -(-meta.nbytes // _ALIGN) * _ALIGN
     return offsets, position
+
+
+packed_offsets = _offsets
 
 
 def encode_header(metas: Sequence[TensorMeta]) -> torch.Tensor:

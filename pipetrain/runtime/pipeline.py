@@ -110,7 +110,7 @@ class Pipeline(HeldStages):
         )
         self.config = PipelineConfig.from_arguments(config, plan, **flat)
         self.update_config = (update or UpdateConfig()).including(max_grad_norm, precision)
-        self.group, self.rank = runtime.group, dist.get_rank(runtime.group)
+        self.group, self.rank = runtime.group, self.config.rank_of(dist.get_rank(runtime.group))
         prepared = self._prepare(front, (runtime, source), optimizer is not None)
         self.schedule, self.balance = prepared.schedule, prepared.balance
         self.window, self.per_update = self.schedule.microbatches, prepared.per_update

@@ -42,7 +42,9 @@ class UpdateCycle:
     ``weights`` holds this rank's stages and applies their updates; ``reducers`` all-reduce
     the gradients of its replicated stages; ``all_reduce`` sums a tensor over every rank;
     ``per_update`` counts the micro-batches of one update (by default every micro-batch of
-    a run), which turns a run's summed loss into the mean over its updates.
+    a run), which turns a run's summed loss into the mean over its updates. A ``mirror``
+    (a tensor-parallel process other than its rank's first) computes the same losses as
+    the first, which alone counts them.
     """
 
     def __init__(
@@ -52,8 +54,10 @@ class UpdateCycle:
         all_reduce: Callable[[torch.Tensor], None],
         device: torch.device,
         per_update: int | None = None,
+        mirror: bool = False,
     ) -> None:
         """Own the update cycle of ``weights``' stages."""
+        self._mirror = mirror
         self._weights, self._updater = weights, weights.updater
         self._reducers = dict(reducers)
         self._all_reduce, self._device, self._per_update = all_reduce, device, per_update
@@ -188,6 +192,8 @@ class UpdateCycle:
     def add_loss(self, loss: Loss) -> None:
         """Add a last-stage forward's loss (and count, for a pair-returning loss)."""
         schedule = self._running
+        if self._mirror:
+            return
         self._loss += loss[0]
         if loss[1] is None:
             return

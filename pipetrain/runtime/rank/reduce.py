@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from pipetrain.runtime.rank.shard import local
 from pipetrain.schedules import Action, Kind, Schedule
 
 DEFAULT_BUCKET_BYTES = 4 << 20
@@ -135,7 +136,7 @@ class GradientReducer:
         tensor = self._tensors[index]
         if tensor.grad is None:
             tensor.grad = torch.zeros_like(tensor)
-        return tensor.grad
+        return local(tensor.grad)  # a tensor-parallel shard sums with the same shards
 
     @property
     def started(self) -> int:

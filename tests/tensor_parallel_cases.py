@@ -1,0 +1,147 @@
+"""Worker functions for the tensor-parallel tests (importable by spawned workers), and the
+unpipelined loops they are compared with."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import training_cases as cases
+from pipeline_cases import CLASSES, FEATURES
+from settings import make_pipeline
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from pipetrain.app.models.gpt import build_gpt, gpt_loss
+
+# the MLP given as layers: two (colwise, rowwise) pairs, one per stage of balance [3, 3]
+MLP_PLAN = {"0": "colwise", "2": "rowwise", "3": "colwise", "5": "rowwise"}
+GPT = {"d_model": 16, "heads": 4, "n_layers": 2, "context": 8, "vocab": 32}
+
+
+def tp_mlp(seed: int = 3) -> nn.Sequential:
+    """Six layers: Linear, Tanh, Linear, Linear, Tanh, Linear."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(FEATURES, 8),
+        nn.Tanh(),
+        nn.Linear(8, 12),
+        nn.Linear(12, 8),
+        nn.Tanh(),
+        nn.Linear(8, CLASSES),
+    )
+
+
+def gpt(seed: int = 4) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return build_gpt(**GPT)
+
+
+def gpt_calls() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Token batches (8 rows of 8 tokens) and their next tokens, one per call."""
+    generator = torch.Generator().manual_seed(7)
+    calls = []
+    for _ in range(cases.UPDATES * cases.ACCUMULATE):
+        tokens = torch.randint(0, GPT["vocab"], (8, GPT["context"] + 1), generator=generator)
+        calls.append((tokens[:, :-1], tokens[:, 1:]))
+    return calls
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], Any, Callable[[], list[Any]]]] = {
+    "mlp": (tp_mlp, nn.functional.cross_entropy, cases.calls),
+    "gpt": (gpt, gpt_loss, gpt_calls),
+}
+
+
+def reference(model_name: str) -> dict[str, Any]:
+    """The unpipelined loop: accumulate two calls, clip, step AdamW and the schedule."""
+    build, loss_fn, calls = MODELS[model_name]
+    model = build()
+    optimizer = cases.adamw(model.parameters())
+    schedule = cases.scheduler(optimizer)
+    losses, norms = [], []
+    data = calls()
+    for update in range(cases.UPDATES):
+        optimizer.zero_grad()
+        for x, y in data[update * cases.ACCUMULATE : (update + 1) * cases.ACCUMULATE]:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            losses.append(loss.item())
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cases.MAX_NORM)))
+        optimizer.step()
+        schedule.step()
+    return {"losses": losses, "norms": norms, "state": model.state_dict()}
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A parameter whole: a split one gathered from its shards (every mirror calls it)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def tensor_parallel_loop(model_name: str, schedule: str, **settings: Any) -> dict[str, Any]:
+    """The reference loop on a pipeline of tensor-parallel stages: every call's loss, the
+    whole weights this process's stage ends with, how many messages it sent itself, and
+    how many of its stage's parameters it holds."""
+    build, loss_fn, calls = MODELS[model_name]
+    config: dict[str, Any] = {"balance": [3, 3]} if model_name == "mlp" else {"balance": [2, 2]}
+    if model_name == "mlp":
+        config["tensor_parallel_plan"] = MLP_PLAN
+    pipe = make_pipeline(
+        build(),
+        loss_fn=loss_fn,
+        optimizer=cases.adamw,
+        lr_scheduler=cases.scheduler,
+        max_grad_norm=cases.MAX_NORM,
+        schedule=schedule,
+        microbatches=4,
+        tensor_parallel=2,
+        **{**config, **settings},
+    )
+    world = pipe.transport.world  # type: ignore[attr-defined]
+    sent = []
+    send = world.send
+    world.send = lambda tensors, peer, channel: (sent.append(peer), send(tensors, peer, channel))
+    losses = []
+    for k, (x, y) in enumerate(calls()):
+        update = k % cases.ACCUMULATE == cases.ACCUMULATE - 1
+        losses.append(pipe.train_step(x, y, update=update))
+    held = sum(
+        p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in pipe.parameters()
+    )
+    return {
+        "losses": losses,
+        "state": {name: _full(t).clone() for name, t in pipe.state_dict().items()},
+        "updates": pipe.updates,
+        "sent_to": sorted(set(sent)),
+        "held": held,
+        "whole": sum(p.numel() for p in pipe.parameters()),
+    }
+
+
+def refusals() -> list[str]:
+    """What tensor parallelism refuses, with the reason: one message per setting."""
+    attempts: list[tuple[Callable[[], nn.Module], dict[str, Any]]] = [
+        (tp_mlp, {"balance": [3, 3]}),  # no plan
+        (tp_mlp, {"balance": [2, 4], "tensor_parallel_plan": MLP_PLAN}),  # a pair cut apart
+        (tp_mlp, {"balance": [3, 3], "tensor_parallel_plan": {"0": "colwise", "9": "rowwise"}}),
+        (tp_mlp, {"balance": [3, 3], "tensor_parallel_plan": {"1": "colwise"}}),  # a Tanh
+        (tp_mlp, {"balance": [3, 3], "tensor_parallel_plan": {"0": "sideways"}}),
+        (tp_mlp, {"balance": [3, 3], "tensor_parallel": 3}),  # 4 processes
+        (lambda: build_gpt(d_model=18, heads=3, n_layers=2), {"balance": [2, 2]}),  # 3 heads
+        (tp_mlp, {"balance": [3, 3], "schedule": "pipedream", "tensor_parallel_plan": MLP_PLAN}),
+    ]
+    messages = []
+    for build, settings in attempts:
+        try:
+            make_pipeline(
+                build(),
+                loss_fn=nn.functional.cross_entropy,
+                optimizer=cases.adamw,
+                microbatches=4,
+                **{"tensor_parallel": 2, **settings},
+            )
+            messages.append("accepted")
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
