@@ -80,6 +80,8 @@ def _placement(config: TrainConfig) -> str:
     if config.pipeline.data_parallel > 1:
         how = f" ({config.pipeline.data_parallel} replicas each)"
     how += ", sharded" if config.pipeline.shard else ""
+    tp = config.pipeline.tensor_parallel
+    how += f", tensor-parallel over {tp}" if tp > 1 else ""
     return f"{counted(schedule.stages, 'stage')} on {counted(ranks, 'rank')}{how}"
 
 

@@ -174,7 +174,7 @@ def assemble(
         )
         for index in stages
     }
-    recorder = Recorder(rank, device, enabled=runtime.record)
+    recorder = Recorder(rank, device, enabled=runtime.record, mirrors=degree)
     unsharded = {s: m for s, m in stages.items() if s not in sharded}
     reducers: dict[int, Reducer] = {s: ShardedReducer(m) for s, m in sharded.items()}
     reducers.update(replica_reducers(unsharded, schedule, groups, device, runtime.bucket_bytes))
