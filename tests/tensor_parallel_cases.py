@@ -145,3 +145,8 @@ def refusals() -> list[str]:
         except ValueError as error:
             messages.append(str(error))
     return messages
+
+
+def data_parallel_loop(model_name: str, schedule: str) -> dict[str, Any]:
+    """:func:`tensor_parallel_loop` with two replicas of every stage."""
+    return tensor_parallel_loop(model_name, schedule, data_parallel=2)
