@@ -132,9 +132,7 @@ def test_the_train_command_hands_its_workers_the_tensor_parallelism() -> None:
 
 @pytest.mark.slow  # 4 processes training the built-in GPT
 def test_train_tensor_parallel_from_the_command_line() -> None:
-    done = run_cli(
-        "train", *("--model", "gpt", "--tensor-parallel", "2", "--steps", "3", "--json")
-    )
+    done = run_cli("train", *("--model", "gpt", "--tensor-parallel", "2", "--steps", "3", "--json"))
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["ranks"] == 4 and report["stages"] == 2
