@@ -79,10 +79,12 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def tensor_parallel_loop(model_name: str, schedule: str, **settings: Any) -> dict[str, Any]:
+def tensor_parallel_loop(
+    model_name: str, schedule: str, keep: bool = False, **settings: Any
+) -> dict[str, Any]:
     """The reference loop on a pipeline of tensor-parallel stages: every call's loss, the
-    whole weights this process's stage ends with, how many messages it sent itself, and
-    how many of its stage's parameters it holds."""
+    whole weights this process's stage ends with, whom it sent messages itself, and how
+    many of its stage's parameters it holds (with ``keep``, the pipeline too)."""
     build, loss_fn, calls = MODELS[model_name]
     config: dict[str, Any] = {"balance": [3, 3]} if model_name == "mlp" else {"balance": [2, 2]}
     if model_name == "mlp":
@@ -116,6 +118,7 @@ def tensor_parallel_loop(model_name: str, schedule: str, **settings: Any) -> dic
         "sent_to": sorted(set(sent)),
         "held": held,
         "whole": sum(p.numel() for p in pipe.parameters()),
+        **({"pipe": pipe} if keep else {}),
     }
 
 
@@ -150,3 +153,23 @@ def refusals() -> list[str]:
 def data_parallel_loop(model_name: str, schedule: str) -> dict[str, Any]:
     """:func:`tensor_parallel_loop` with two replicas of every stage."""
     return tensor_parallel_loop(model_name, schedule, data_parallel=2)
+
+
+def recomputed_evaluated_and_saved(root: str) -> dict[str, Any]:
+    """The MLP's reference loop on 2 stages x 2 mirrors recomputing every forward, then an
+    evaluation of the first call's inputs on every process, saved under ``root``."""
+    result = tensor_parallel_loop("mlp", "gpipe", recompute="always", keep=True)
+    pipe = result.pop("pipe")
+    result["evaluated"] = pipe.eval_step(cases.calls()[0][0])
+    result["saved"] = str(pipe.save(root))
+    return result
+
+
+def loaded_without_tensor_parallel(path: str) -> dict[str, Any]:
+    """A tensor-parallel checkpoint loaded by 2 stages of one process each: the weights this
+    process's stage holds, and the update count found."""
+    pipe = make_pipeline(
+        tp_mlp(seed=11), loss_fn=nn.functional.cross_entropy, optimizer=cases.adamw, balance=[3, 3]
+    )
+    found = pipe.load(path)
+    return {"state": {k: v.clone() for k, v in pipe.state_dict().items()}, "updates": found.updates}

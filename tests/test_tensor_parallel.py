@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from test_cli import run_cli
 
 import pipetrain
+from pipetrain.checkpoint import load_full
 
 CASES = [(model, schedule) for model in ("mlp", "gpt") for schedule in ("gpipe", "1f1b", "zb-h1")]
 
@@ -144,3 +146,25 @@ def test_train_refuses_tensor_parallel_with_a_plan_or_ddp() -> None:
     assert done.returncode == 2 and "leave --plan out with --tensor-parallel 2" in done.stderr
     done = run_cli("train", "--model", "gpt", "--ddp", "--tensor-parallel", "2")
     assert done.returncode == 2 and "--tensor-parallel set a pipeline" in done.stderr
+
+
+def test_recomputation_evaluation_and_checkpoints_of_tensor_parallel_stages(
+    tmp_path: Path,
+) -> None:
+    per_rank = pipetrain.launch(tp.recomputed_evaluated_and_saved, 4, str(tmp_path), timeout_s=300)
+    assert_like_the_unpipelined_model(per_rank, "mlp")
+    expected = tp.reference("mlp")
+    model = tp.tp_mlp()
+    model.load_state_dict(expected["state"])
+    with torch.no_grad():
+        outputs = model(tp.cases.calls()[0][0])
+    for result in per_rank:  # every process of every rank gets the outputs
+        torch.testing.assert_close(result["evaluated"], outputs, rtol=1e-5, atol=1e-6)
+    # into the unpipelined model, and into 2 stages without tensor parallelism
+    unpipelined = tp.tp_mlp(seed=12)
+    assert load_full(Path(per_rank[0]["saved"]), unpipelined).updates == tp.cases.UPDATES
+    loaded = pipetrain.launch(tp.loaded_without_tensor_parallel, 2, per_rank[0]["saved"])
+    state = {**loaded[0]["state"], **loaded[1]["state"]}
+    for name, value in expected["state"].items():
+        torch.testing.assert_close(unpipelined.state_dict()[name], value, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6)

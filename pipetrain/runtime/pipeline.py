@@ -252,7 +252,7 @@ class Pipeline(HeldStages):
     def eval_step(self, inputs: Data | None = None, *, to: Destination = "all") -> Outputs | None:
         """Forward only, without gradients, as ``model.eval()`` runs, on the newest weights:
         the outputs on every rank (``to="all"``), or on rank ``to`` (see ``ModelIO``)."""
-        check_destination(to, dist.get_world_size(self.group))
+        check_destination(to, self.schedule.num_ranks)
         data = self._player.data(self._io.evaluation_inputs(inputs), None, training=False)
         with evaluating(self.stages.values()), torch.no_grad():
             _, outputs = self._player.play(self._evaluation, data, to=to)
@@ -277,7 +277,7 @@ class Pipeline(HeldStages):
             self.balance,
             self._cycle,
             self.group,
-            self.rank,
+            dist.get_rank(self.group),  # a process's own: tensor-parallel mirrors share ranks
         )
 
     def save(
