@@ -3,9 +3,11 @@ unpipelined loops they are compared with."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
+import precision_cases
 import torch
 import training_cases as cases
 from pipeline_cases import CLASSES, FEATURES
@@ -71,7 +73,11 @@ def reference(model_name: str) -> dict[str, Any]:
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cases.MAX_NORM)))
         optimizer.step()
         schedule.step()
-    return {"losses": losses, "norms": norms, "state": model.state_dict()}
+    # the gradient norm of the first call's batch on the final weights
+    optimizer.zero_grad()
+    loss_fn(model(data[0][0]), data[0][1]).backward()
+    final = float(torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf))
+    return {"losses": losses, "norms": norms, "state": model.state_dict(), "final_norm": final}
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -108,6 +114,10 @@ def tensor_parallel_loop(
     for k, (x, y) in enumerate(calls()):
         update = k % cases.ACCUMULATE == cases.ACCUMULATE - 1
         losses.append(pipe.train_step(x, y, update=update))
+    final_norm = None
+    if not keep:  # the global norm of the first call's gradients on the final weights
+        pipe.train_step(*calls()[0], update=False)
+        final_norm = pipe.clip_grad_norm_(math.inf)
     held = sum(
         p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in pipe.parameters()
     )
@@ -115,6 +125,7 @@ def tensor_parallel_loop(
         "losses": losses,
         "state": {name: _full(t).clone() for name, t in pipe.state_dict().items()},
         "updates": pipe.updates,
+        "final_norm": final_norm,
         "sent_to": sorted(set(sent)),
         "held": held,
         "whole": sum(p.numel() for p in pipe.parameters()),
@@ -173,3 +184,21 @@ def loaded_without_tensor_parallel(path: str) -> dict[str, Any]:
     )
     found = pipe.load(path)
     return {"state": {k: v.clone() for k, v in pipe.state_dict().items()}, "updates": found.updates}
+
+
+def fp16_loop() -> dict[str, Any]:
+    """The mixed-precision tests' fp16 loop (a loss scale that overflows, backs off and
+    grows) with the first stage split over 2 mirrors (the test MLP: its first Linear
+    colwise, its third rowwise)."""
+    results = precision_cases.pipelined_loop(
+        [
+            {
+                "precision": "fp16",
+                "balance": [4, 1],
+                "microbatches": 4,
+                "tensor_parallel": 2,
+                "tensor_parallel_plan": {"0": "colwise", "3": "rowwise"},
+            }
+        ]
+    )
+    return {**results[0], "state": {k: _full(v).clone() for k, v in results[0]["state"].items()}}
