@@ -115,7 +115,9 @@ def tensor_parallel_loop(
         update = k % cases.ACCUMULATE == cases.ACCUMULATE - 1
         losses.append(pipe.train_step(x, y, update=update))
     final_norm = None
-    if not keep:  # the global norm of the first call's gradients on the final weights
+    # the global norm of the first call's gradients on the final weights (without replicas:
+    # theirs wait unreduced for an update)
+    if not keep and settings.get("data_parallel", 1) == 1:
         pipe.train_step(*calls()[0], update=False)
         final_norm = pipe.clip_grad_norm_(math.inf)
     held = sum(
@@ -161,9 +163,10 @@ def refusals() -> list[str]:
     return messages
 
 
-def data_parallel_loop(model_name: str, schedule: str) -> dict[str, Any]:
-    """:func:`tensor_parallel_loop` with two replicas of every stage."""
-    return tensor_parallel_loop(model_name, schedule, data_parallel=2)
+def data_parallel_loop(model_name: str, schedule: str, shard: bool) -> dict[str, Any]:
+    """:func:`tensor_parallel_loop` with two replicas of every stage (``shard``: each
+    holding a shard of what tensor parallelism leaves it)."""
+    return tensor_parallel_loop(model_name, schedule, data_parallel=2, shard=shard)
 
 
 def recomputed_evaluated_and_saved(root: str) -> dict[str, Any]:

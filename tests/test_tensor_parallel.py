@@ -113,14 +113,22 @@ def test_a_dimension_that_does_not_divide_is_refused_by_name() -> None:
         model_plan(layers, {"0": "colwise", "2": "rowwise"}, 3)
 
 
-@pytest.mark.slow  # 8 processes
-def test_data_parallel_replicas_of_tensor_parallel_stages() -> None:
-    # 2 stages x 2 replicas x 2 mirrors: processes 4s + 2d + t
+@pytest.mark.slow  # 8 processes a case
+@pytest.mark.parametrize(
+    ("model", "schedule", "shard"),
+    [("mlp", "1f1b", False), ("mlp", "1f1b", True), ("gpt", "zb-h1", True)],
+)
+def test_data_parallel_replicas_of_tensor_parallel_stages(
+    model: str, schedule: str, shard: bool
+) -> None:
+    # 2 stages x 2 replicas x 2 mirrors: processes 4s + 2d + t; sharded, FSDP over each
+    # stage's replicas of what tensor parallelism split (a dp x tp mesh)
     per_rank = pipetrain.launch(
-        tp.data_parallel_loop, 8, "mlp", "1f1b", timeout_s=300, threads_per_worker=1
+        tp.data_parallel_loop, 8, model, schedule, shard, timeout_s=300, threads_per_worker=1
     )
-    assert_like_the_unpipelined_model(per_rank, "mlp")
-    assert [result["sent_to"] for result in per_rank] == [[4], [], [6], [], [0], [], [2], []]
+    assert_like_the_unpipelined_model(per_rank, model)
+    # ranks 0, 1 hold stage 0 (replicas under 1f1b, copies under zb-h1), 2, 3 stage 1
+    assert [r["sent_to"] for r in per_rank] == [[4], [], [6], [], [0], [], [2], []]
 
 
 def test_the_train_command_hands_its_workers_the_tensor_parallelism() -> None:

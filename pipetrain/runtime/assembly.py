@@ -119,23 +119,30 @@ def assemble(
         device = device or default_device(runtime.group)
         transport = TorchTransport(device, runtime.group, runtime.timeout_s, runtime.frozen_after_s)
         if plan is not None:
-            mirrors = Mirrors(degree, runtime.group)
-            groups = mirrors.replica_groups(schedule, transport.global_rank)
+            mirrors = Mirrors(degree, runtime.group, transport.global_rank)
+            groups = mirrors.replica_groups(schedule)
             transport = MirroredTransport(transport, mirrors.degree, mirrors.messages)
     device = transport.device
     stages = _stage_modules(schedule, rank, front, balance, device, source or ModelSource())
     shared = shared_parameters(front, balance)
     check_sharing(shared, schedule)
+    meshes = {}  # a sharded tensor-parallel stage's (dp, tp) mesh
     if mirrors is None or plan is None:
         groups = replica_groups(schedule, transport.global_rank)
     else:
-        stages = {s: mirrors.parallelize(m, plan, device) for s, m in stages.items()}
+        for s in stages:
+            ranks, group = schedule.stage_ranks[s], groups.get(s) if config.shard else None
+            meshes[s] = mirrors.mesh(device, ranks, group)
+            stages[s] = mirrors.parallelize(stages[s], plan, meshes[s])
     replicated = [s for s in stages if config.shard and s in groups]
     sharing = SharedGradients(
         shared, schedule, stages, transport.global_rank, rank, sharded=config.shard
     )
     sharing.synchronize()  # whole copies, before any is sharded
-    sharded = {s: shard_stage(stages[s], groups[s], device) for s in replicated}
+    sharded = {
+        s: shard_stage(stages[s], groups[s], device, meshes[s]["dp"] if s in meshes else None)
+        for s in replicated
+    }
     # a parameter two of this rank's stages use is one tensor: optimized once
     parameters = list({id(p): p for m in stages.values() for p in m.parameters()}.values())
     updates = optimizer is not None  # the same on every rank, unlike the optimizer built

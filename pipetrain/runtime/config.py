@@ -147,7 +147,7 @@ class PipelineConfig:
                 "optimizer; pass optimizer=..."
             )
         tokens = self.microbatch_tokens is not None
-        check_mirrorable(self.tensor_parallel, schedule.asynchronous, self.shard, tokens)
+        check_mirrorable(self.tensor_parallel, schedule.asynchronous, tokens)
         if self.shard:
             _check_shardable(schedule)
         if self.microbatch_tokens is not None:

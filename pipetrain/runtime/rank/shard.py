@@ -23,17 +23,25 @@ import torch.distributed as dist
 from torch import nn
 
 if TYPE_CHECKING:  # FSDP takes seconds to import: a run that shards imports it
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule
 
 
-def shard_stage(module: nn.Module, group: dist.ProcessGroup, device: torch.device) -> FSDPModule:
+def shard_stage(
+    module: nn.Module,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    mesh: DeviceMesh | None = None,
+) -> FSDPModule:
     """Wrap ``module`` (a stage's, on every rank of its replica ``group``) so that each replica
     holds a shard of its parameters; gradients wait unreduced until :class:`ShardedReducer`
-    reduces them. Every replica must hold the same initial weights."""
+    reduces them. Every replica must hold the same initial weights. ``mesh``: the replicas'
+    dimension of a mesh whose other dimension splits the stage's parameters already
+    (tensor parallelism; by default a mesh of ``group``)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = DeviceMesh.from_group(group, device.type)
+    mesh = mesh or DeviceMesh.from_group(group, device.type)
     sharded: FSDPModule = fully_shard(module, mesh=mesh)
     sharded.set_gradient_divide_factor(1.0)  # replicas' weighted losses sum, as all-reduces do
     sharded.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no scaled one

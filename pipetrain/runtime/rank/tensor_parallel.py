@@ -23,10 +23,15 @@ from __future__ import annotations
 import fnmatch
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+if TYPE_CHECKING:  # DTensor takes seconds to import: a run that splits stages imports it
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
 
 from pipetrain.model.frontend import FrontEnd, shared_parameters
 from pipetrain.model.graph import GraphModel
@@ -132,11 +137,10 @@ def mirror_groups(degree: int, group: dist.ProcessGroup | None) -> list[dist.Pro
 
 
 def parallelize_stage(
-    module: nn.Module, plan: Mapping[str, str], group: dist.ProcessGroup, device: torch.device
+    module: nn.Module, plan: Mapping[str, str], group: dist.ProcessGroup, mesh: DeviceMesh
 ) -> nn.Module:
-    """Split ``module``'s (a stage's) entries of ``plan`` over ``group`` (its mirrors), after
-    giving every mirror the first one's weights."""
-    from torch.distributed.device_mesh import DeviceMesh
+    """Split ``module``'s (a stage's) entries of ``plan`` over ``mesh`` (its mirrors, whose
+    process group is ``group``), after giving every mirror the first one's weights."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -151,7 +155,7 @@ def parallelize_stage(
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     held = {name: styles[style]() for name, style in plan.items() if name in names}
     if held:
-        parallelize_module(module, DeviceMesh.from_group(group, device.type), held)
+        parallelize_module(module, mesh, held)
     return module
 
 
@@ -164,11 +168,14 @@ def counted_by_mirror(parameters: Sequence[torch.Tensor], leads: bool) -> list[t
     dtensor = sys.modules.get("torch.distributed.tensor")
     if dtensor is None:
         return []
-    return [
-        p
-        for p in parameters
-        if isinstance(p, dtensor.DTensor) and any(pl.is_shard() for pl in p.placements)
-    ]
+    return [p for p in parameters if isinstance(p, dtensor.DTensor) and _split_over_mirrors(p)]
+
+
+def _split_over_mirrors(parameter: DTensor) -> bool:
+    """Whether ``parameter`` is sharded over its mesh's ``tp`` dimension (the mirrors), not
+    only over its replicas (``dp``)."""
+    names = parameter.device_mesh.mesh_dim_names or ()
+    return "tp" in names and parameter.placements[names.index("tp")].is_shard()
 
 
 def schedule_ranks(processes: int, degree: int) -> int:
@@ -184,20 +191,19 @@ def schedule_ranks(processes: int, degree: int) -> int:
     return processes // degree
 
 
-def check_mirrorable(degree: int, asynchronous: bool, shard: bool, token_budget: bool) -> None:
+def check_mirrorable(degree: int, asynchronous: bool, token_budget: bool) -> None:
     """ValueError for what ``tensor_parallel=degree`` > 1 does not run with yet, naming it."""
     if degree == 1:
         return
     refused = {
         "an asynchronous schedule (its weight versions)": asynchronous,
-        "shard=True": shard,
         "microbatch_tokens": token_budget,
     }
     found = [what for what, given in refused.items() if given]
     if found:
         raise ValueError(
             f"tensor_parallel={degree} does not run with {found[0]} yet; use a synchronous "
-            "schedule (gpipe, 1f1b, zb-h1) with replicated data parallelism, or tensor_parallel=1"
+            "schedule (gpipe, 1f1b, zb-h1) by name, or tensor_parallel=1"
         )
 
 
@@ -206,34 +212,56 @@ class Mirrors:
     pipeline's, ``None``: the default one) that play its schedule rank, and their groups.
     Every process must make it at the same point: it creates every group of mirrors."""
 
-    def __init__(self, degree: int, group: dist.ProcessGroup | None) -> None:
-        """Make the groups of mirrors of every rank, keeping this process's."""
-        self.degree = degree
+    def __init__(
+        self, degree: int, group: dist.ProcessGroup | None, global_rank: Callable[[int], int]
+    ) -> None:
+        """Make the groups of mirrors of every rank, keeping this process's (``global_rank``:
+        a process of the pipeline's group to the default group's rank)."""
+        self.degree, self.global_rank = degree, global_rank
         self.messages, self.tensors = mirror_groups(degree, group)
         self.index = dist.get_rank(group) % degree
         self.leads = self.index == 0
 
-    def replica_groups(
-        self, schedule: Schedule, global_rank: Callable[[int], int]
-    ) -> dict[int, dist.ProcessGroup]:
+    def replica_groups(self, schedule: Schedule) -> dict[int, dist.ProcessGroup]:
         """The replica groups (:func:`~pipetrain.runtime.rank.reduce.replica_groups`) of this
         process's place among its mirrors: a split parameter's shards sum with the same
-        shards of the other replicas (``global_rank``: a process of the pipeline's group to
-        the default group's rank). Every process creates every place's groups."""
+        shards of the other replicas. Every process creates every place's groups."""
         made = []
         for place in range(self.degree):
 
             def process(rank: int, place: int = place) -> int:
-                return global_rank(rank * self.degree + place)
+                return self.global_rank(rank * self.degree + place)
 
             made.append(replica_groups(schedule, process))
         return made[self.index]
 
+    def mesh(
+        self,
+        device: torch.device,
+        replicas: Sequence[int] = (),
+        group: dist.ProcessGroup | None = None,
+    ) -> DeviceMesh:
+        """The device mesh of this process's mirrors (``tp``), or, for a stage sharded over
+        its ``replicas`` (schedule ranks; ``group``: their group of this place), of them all
+        (``dp`` × ``tp``: FSDP over ``dp`` of what tensor parallelism splits over ``tp``)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if group is None:
+            return DeviceMesh.from_group(self.tensors, device.type, mesh_dim_names=("tp",))
+        places = range(self.degree)
+        layout = [[self.global_rank(r * self.degree + t) for t in places] for r in replicas]
+        return DeviceMesh.from_group(
+            [group, self.tensors],
+            device.type,
+            mesh=torch.tensor(layout),
+            mesh_dim_names=("dp", "tp"),
+        )
+
     def parallelize(
-        self, module: nn.Module, plan: Mapping[str, str], device: torch.device
+        self, module: nn.Module, plan: Mapping[str, str], mesh: DeviceMesh
     ) -> nn.Module:
-        """``module`` (a stage's) split over this process's mirrors as ``plan`` says."""
-        return parallelize_stage(module, plan, self.tensors, device)
+        """``module`` (a stage's) split over the ``tp`` dimension of ``mesh`` as ``plan`` says."""
+        return parallelize_stage(module, plan, self.tensors, mesh["tp"])
 
 
 def stage_plan(
