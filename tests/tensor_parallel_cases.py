@@ -205,3 +205,8 @@ def fp16_loop() -> dict[str, Any]:
         ]
     )
     return {**results[0], "state": {k: _full(v).clone() for k, v in results[0]["state"].items()}}
+
+
+def chunked_loop(schedule: str, options: dict[str, Any]) -> dict[str, Any]:
+    """:func:`tensor_parallel_loop` of the GPT's 4 layers as 4 stages, two on each rank."""
+    return tensor_parallel_loop("gpt", schedule, balance=[1, 1, 1, 1], schedule_options=options)

@@ -92,6 +92,17 @@ def test_each_mirror_holds_part_of_its_stage(
         assert result["held"] < 0.75 * result["whole"]
 
 
+@pytest.mark.slow  # 4 processes a case
+@pytest.mark.parametrize(("schedule", "options"), [("interleaved", {"virtual": 2}), ("zb-v", {})])
+def test_two_stages_a_rank_on_tensor_parallel_stages(
+    schedule: str, options: dict[str, Any]
+) -> None:
+    # the GPT's 4 layers as 4 stages on 2 ranks of 2 processes each
+    per_rank = pipetrain.launch(tp.chunked_loop, 4, schedule, options, timeout_s=300)
+    assert_like_the_unpipelined_model(per_rank, "gpt")
+    assert [result["sent_to"] for result in per_rank] == [[2], [], [0], []]
+
+
 def test_tensor_parallelism_refuses_what_it_cannot_split() -> None:
     messages = pipetrain.launch(tp.refusals, 4, timeout_s=300)[0]
     assert "tensor_parallel=2 needs a plan of how to split the model" in messages[0]
