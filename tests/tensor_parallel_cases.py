@@ -210,3 +210,40 @@ def fp16_loop() -> dict[str, Any]:
 def chunked_loop(schedule: str, options: dict[str, Any]) -> dict[str, Any]:
     """:func:`tensor_parallel_loop` of the GPT's 4 layers as 4 stages, two on each rank."""
     return tensor_parallel_loop("gpt", schedule, balance=[1, 1, 1, 1], schedule_options=options)
+
+
+def mirrored_messages() -> list[Any]:
+    """Two schedule ranks of 2 processes each: rank 0 sends rank 1 three messages of mixed
+    dtypes on one channel (the shapes change in the third) and one back; what every process
+    received, and whom each sent to itself."""
+    import torch.distributed as dist
+
+    from pipetrain.distributed.mirrored import MirroredTransport
+    from pipetrain.distributed.torch_transport import TorchTransport
+    from pipetrain.runtime.rank.tensor_parallel import mirror_groups
+
+    messages, _ = mirror_groups(2, None)
+    transport = MirroredTransport(TorchTransport(torch.device("cpu"), timeout_s=60), 2, messages)
+    rank = dist.get_rank() // 2
+    sent = []
+    send = transport.world.send
+    transport.world.send = lambda tensors, peer, channel: (  # type: ignore[method-assign]
+        sent.append(peer),
+        send(tensors, peer, channel),
+    )
+    received: list[Any] = []
+    if rank == 0:
+        for rows in (2, 2, 3):
+            tensors = (
+                torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3).requires_grad_(),
+                torch.arange(rows, dtype=torch.int64) * 7,
+                torch.tensor([True, False] * rows),
+                torch.full((rows,), 0.5, dtype=torch.float16),
+            )
+            transport.send(tensors, 1, ("F", 0))
+        received.append(transport.receive(1, ("B", 0)))
+    else:
+        received = [transport.receive(0, ("F", 0)) for _ in range(3)]
+        transport.send((torch.ones(4) * dist.get_rank(),), 0, ("B", 0))
+    transport.flush()
+    return [[tuple(t.detach().clone() for t in message) for message in received], sent]

@@ -207,3 +207,23 @@ def test_fp16_on_tensor_parallel_stages_skips_overflowing_updates_as_grad_scaler
     # agree to fp16's rounding (2e-4 measured), not float32's
     for name, value in expected["state"].items():
         torch.testing.assert_close(state[name], value, rtol=1e-3, atol=1e-3, msg=name)
+
+
+def test_a_message_crosses_once_and_reaches_every_mirror() -> None:
+    per_process = pipetrain.launch(tp.mirrored_messages, 4, timeout_s=120)
+    assert [sent for _, sent in per_process] == [[2, 2, 2], [], [0], []]
+    for rows, message in zip((2, 2, 3), per_process[2][0]):
+        expected = (
+            torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3),
+            torch.arange(rows, dtype=torch.int64) * 7,
+            torch.tensor([True, False] * rows),
+            torch.full((rows,), 0.5, dtype=torch.float16),
+        )
+        for got, want in zip(message, expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for mirrored, message in zip(per_process[3][0], per_process[2][0], strict=True):
+        for got, want in zip(mirrored, message, strict=True):  # the leader's, to the mirror
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    gradient = torch.ones(4) * 2  # process 2 sent it; process 3's own was never sent
+    for received, _ in per_process[:2]:
+        torch.testing.assert_close(received[0][0], gradient, rtol=0, atol=0)
