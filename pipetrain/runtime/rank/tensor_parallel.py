@@ -15,7 +15,9 @@ process: a stage's boundary tensors are sent once per group of mirrors
 A parameter split over the mirrors is a ``DTensor`` sharded over them; one that is not split
 (a layer norm, a rowwise bias) is replicated: the same on every mirror. The global gradient
 norm counts each element once: the shards' squares on every mirror, a replicated
-parameter's on the group's first process only (:func:`counted_by_mirror`).
+parameter's on the group's first process only (:func:`counted_by_mirror`). With
+``shard=True`` a replicated stage's mesh has two dimensions, its replicas (``dp``) by its
+mirrors (``tp``), and FSDP shards over ``dp`` what tensor parallelism left on each mirror.
 """
 
 from __future__ import annotations
@@ -29,15 +31,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-if TYPE_CHECKING:  # DTensor takes seconds to import: a run that splits stages imports it
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor
-
 from pipetrain.model.frontend import FrontEnd, shared_parameters
 from pipetrain.model.graph import GraphModel
 from pipetrain.model.layers import Layer, stage_bounds
 from pipetrain.runtime.rank.reduce import replica_groups
 from pipetrain.schedules import Schedule
+
+if TYPE_CHECKING:  # DTensor takes seconds to import: a run that splits stages imports it
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
 
 STYLES = ("colwise", "rowwise")
 _FIX = (
@@ -104,12 +106,13 @@ def _check_entry(name: str, style: str, module: nn.Module | None, degree: int) -
 def check_stage_plans(
     plan: Mapping[str, str], layers: Sequence[Layer], balance: Sequence[int]
 ) -> None:
-    """ValueError unless each stage's modules in ``plan`` come in (colwise, rowwise) pairs, so
+    """ValueError unless each stage's modules in ``plan`` come in (colwise, rowwise) pairs, in
+    the order the layers register them (which the plan takes as their order of use), so
     that the tensors leaving every stage are whole on each process."""
     for stage, (start, stop) in enumerate(stage_bounds(balance)):
-        styles = [plan[n] for n in _modules(layers[start:stop]) if n in plan]
-        if styles != ["colwise", "rowwise"] * (len(styles) // 2) or len(styles) % 2:
-            named = [n for n in _modules(layers[start:stop]) if n in plan]
+        named = [name for name in _modules(layers[start:stop]) if name in plan]
+        styles = [plan[name] for name in named]
+        if styles != ["colwise", "rowwise"] * (len(styles) // 2):  # an odd count differs too
             raise ValueError(
                 f"stage {stage}'s tensor-parallel modules {named} ({', '.join(styles)}) must "
                 "come as pairs, each colwise module followed by a rowwise one in the same "
