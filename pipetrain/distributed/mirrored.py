@@ -20,6 +20,8 @@ import torch.distributed as dist
 
 from pipetrain.distributed.framing import (
     HEADER_SLOTS,
+    SHAPES_FOLLOW,
+    TRAILER,
     TensorMeta,
     decode_header,
     describe,
@@ -34,12 +36,14 @@ from pipetrain.distributed.transport import PendingReceive, Tensors
 def _packed(
     tensors: Sequence[torch.Tensor], metas: Sequence[TensorMeta], device: torch.device
 ) -> torch.Tensor:
-    """``tensors`` in one byte buffer on ``device``, laid out as a framed message's."""
+    """``tensors`` in one byte buffer on ``device``, laid out as a framed message's, with
+    its trailer."""
     buffer = torch.empty(message_bytes(metas), dtype=torch.uint8, device=device)
     for tensor, meta, offset in zip(tensors, metas, packed_offsets(metas)[0]):
         buffer[offset : offset + meta.nbytes].view(meta.dtype).view(meta.shape).copy_(
             tensor.detach()
         )
+    buffer[-TRAILER:] = 0  # no new shapes follow
     return buffer
 
 
@@ -63,12 +67,15 @@ def _settle(tensors: Sequence[torch.Tensor]) -> None:
 class _Mirrored:
     """A receive that the leader takes from the link and the group gets by broadcast."""
 
-    def __init__(self, transport: MirroredTransport, inner: PendingReceive | None) -> None:
-        self._transport, self._inner = transport, inner
+    def __init__(
+        self, transport: MirroredTransport, inner: PendingReceive | None, key: Hashable
+    ) -> None:
+        self._transport, self._inner, self._key = transport, inner, key
 
     def wait(self) -> Tensors:
         """The message's tensors, on every process of the group (blocking)."""
-        return self._transport.broadcast(None if self._inner is None else self._inner.wait())
+        tensors = None if self._inner is None else self._inner.wait()
+        return self._transport.broadcast(tensors, self._key)
 
 
 class MirroredTransport:
@@ -83,6 +90,9 @@ class MirroredTransport:
         me = dist.get_rank(world.group)
         self.leader = me - me % degree  # this group's first process, in world's group
         self.leads = me == self.leader
+        self._source = dist.get_global_rank(group, 0)
+        self._wire = world.wire_device
+        self._shapes: dict[Hashable, tuple[TensorMeta, ...]] = {}  # by (peer, channel)
 
     @property
     def device(self) -> torch.device:
@@ -105,31 +115,46 @@ class MirroredTransport:
         """Post the receive of the next message from ``peer`` on ``channel``: the leader's
         from the link; every process gets it by broadcast when it waits."""
         inner = self.world.post_receive(peer * self.degree, channel) if self.leads else None
-        return _Mirrored(self, inner)
+        return _Mirrored(self, inner, (peer, channel))
 
     def receive(self, peer: int, channel: Hashable) -> Tensors:
         """Receive the next message from ``peer`` on ``channel`` (blocking)."""
         return self.post_receive(peer, channel).wait()
 
-    def broadcast(self, tensors: Tensors | None) -> Tensors:
-        """The leader's ``tensors`` on every process of the group (others give ``None``):
-        their shapes and dtypes first, then their bytes in one buffer."""
-        device = self.world.wire_device
-        source = dist.get_global_rank(self.group, 0)
+    def broadcast(self, tensors: Tensors | None, key: Hashable) -> Tensors:
+        """The leader's ``tensors`` on every process of the group (others give ``None``), as
+        framed messages travel: shapes and dtypes once per ``key`` (peer and channel), then
+        each message's bytes in one buffer; a change of shapes is announced by the trailer
+        of a buffer of the old size, which the new shapes and the message's buffer follow."""
+        previous = self._shapes.get(key)
         if tensors is not None:
             metas = describe(tensors)
-            header = encode_header(metas).to(device)
-        else:
-            header = torch.zeros(HEADER_SLOTS, dtype=torch.int64, device=device)
-        dist.broadcast(header, src=source, group=self.group)
-        if tensors is not None:
-            buffer = _packed(tensors, metas, device)
-        else:
-            metas = decode_header(header.cpu())
-            buffer = torch.empty(message_bytes(metas), dtype=torch.uint8, device=device)
-        dist.broadcast(buffer, src=source, group=self.group)
-        if tensors is not None:
+            if previous is not None and previous != metas:
+                stale = torch.zeros(message_bytes(previous), dtype=torch.uint8, device=self._wire)
+                stale[-TRAILER] = SHAPES_FOLLOW
+                self._share(stale)
+            if previous != metas:
+                self._share(encode_header(metas).to(self._wire))
+            self._share(_packed(tensors, metas, self._wire))
+            self._shapes[key] = metas
             return tensors
+        if previous is not None:
+            buffer = self._share(
+                torch.empty(message_bytes(previous), dtype=torch.uint8, device=self._wire)
+            )
+            if int(buffer[-TRAILER]) != SHAPES_FOLLOW:
+                return self._received(buffer, previous)
+        header = self._share(torch.zeros(HEADER_SLOTS, dtype=torch.int64, device=self._wire))
+        metas = self._shapes[key] = decode_header(header.cpu())
+        buffer = torch.empty(message_bytes(metas), dtype=torch.uint8, device=self._wire)
+        return self._received(self._share(buffer), metas)
+
+    def _share(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` as the group's first process has it (a broadcast from it)."""
+        dist.broadcast(tensor, src=self._source, group=self.group)
+        return tensor
+
+    def _received(self, buffer: torch.Tensor, metas: Sequence[TensorMeta]) -> Tensors:
         return tuple(t.to(self.device) for t in _unpacked(buffer, metas))
 
     def flush(self) -> None:
