@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from enum import Enum
+from functools import partial
 from typing import NamedTuple
 
 
@@ -91,3 +93,11 @@ class Action(NamedTuple):
             None if peer is None else int(peer),
             None if version is None else int(version),
         )
+
+
+trusted_action: Callable[[tuple[Kind, int, int | None, int | None, int | None]], Action] = partial(
+    tuple.__new__, Action
+)
+"""An :class:`Action` from a ``(kind, stage, microbatch, peer, version)`` tuple of the right
+types, unchecked and made in C: how lowering and generators make actions by the hundred
+thousand."""

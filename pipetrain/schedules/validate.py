@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, NamedTuple
 from pipetrain.schedules.actions import COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, Action, Kind
 from pipetrain.schedules.errors import ScheduleError
 from pipetrain.schedules.messages import CARRIES, NEEDS, RECEIVES
-from pipetrain.schedules.overlap import check_pairs
 from pipetrain.schedules.versions import check_versions
 
 if TYPE_CHECKING:
@@ -31,7 +30,7 @@ if TYPE_CHECKING:
 def validate(schedule: Schedule) -> None:
     """Raise :class:`ScheduleError` if ``schedule`` could deadlock or breaks a training rule."""
     lanes = _check_lanes(schedule)
-    check_pairs(schedule.ranks)
+    schedule.overlapped  # noqa: B018  # finding the pairs checks them; the simulator reuses them
     if schedule.asynchronous:
         check_versions(schedule)
     _execute(schedule, lanes)

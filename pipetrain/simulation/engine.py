@@ -28,7 +28,6 @@ from pipetrain.allocation import collector_paused
 from pipetrain.checks import positive_int
 from pipetrain.schedules import RECV_KINDS, SEND_KINDS, Kind, Schedule
 from pipetrain.schedules.messages import CHANNELS
-from pipetrain.schedules.overlap import pairs
 from pipetrain.simulation.costs import Costs, Variation
 from pipetrain.simulation.ports import Ports
 from pipetrain.timeline import Event, Timeline, trusted_event
@@ -228,15 +227,23 @@ def _overlap_scales(
 ) -> list[dict[int, float]]:
     """Per rank, the index of each overlapped pass -> the factor on its cost that makes its
     pair last ``max + (1 − overlap)·min`` of the two passes."""
+    forward, backward = duration[Kind.FORWARD], duration[Kind.BACKWARD]
+    # (forward's stage, backward's stage) -> factor, or None for two passes of no time:
+    # a V schedule pairs few distinct stages, many times over
+    by_stages: dict[tuple[int, int], float | None] = {}
     scales: list[dict[int, float]] = []
-    for lane in schedule.ranks:
+    for lane, lane_pairs in zip(schedule.ranks, schedule.overlapped):
         lane_scales: dict[int, float] = {}
-        for backward, forward in pairs(lane).items():
-            f = duration[Kind.FORWARD][lane[forward].stage]
-            b = duration[Kind.BACKWARD][lane[backward].stage]
-            if f + b > 0:
-                scale = (max(f, b) + (1 - overlap) * min(f, b)) / (f + b)
-                lane_scales[forward] = lane_scales[backward] = scale
+        for b_index, f_index in lane_pairs.items():
+            key = (lane[f_index][1], lane[b_index][1])
+            if key not in by_stages:
+                f, b = forward[key[0]], backward[key[1]]
+                by_stages[key] = (
+                    (max(f, b) + (1 - overlap) * min(f, b)) / (f + b) if f + b > 0 else None
+                )
+            scale = by_stages[key]
+            if scale is not None:
+                lane_scales[f_index] = lane_scales[b_index] = scale
         scales.append(lane_scales)
     return scales
 
