@@ -204,7 +204,7 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
             f"simulation of {schedule.name} stopped with ranks {unfinished} waiting; "
             "validate the schedule first"
         )
-    return Timeline(events, num_ranks, label=schedule.name)
+    return Timeline.trusted(events, num_ranks, schedule.name)  # events of ranks 0..n-1
 
 
 def _durations(schedule: Schedule, costs: Costs) -> dict[Kind, list[float]]:
