@@ -24,6 +24,7 @@ from pipetrain.model.weights_source import WeightsArg
 from pipetrain.runtime.rank.recompute import check_mode
 from pipetrain.schedules import Kind, Schedule, ScheduleSpec, build, spec, validate
 from pipetrain.schedules.copies import data_parallel_copies
+from pipetrain.schedules.gathers import with_gathers
 
 if TYPE_CHECKING:
     from pipetrain.planning import Plan
@@ -135,6 +136,7 @@ class PipelineConfig:
             )
         if self.shard:
             _check_shardable(schedule)
+            schedule = with_gathers(schedule)
         if self.microbatch_tokens is not None:
             self._check_token_budget(schedule)
         return schedule

@@ -93,9 +93,14 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
     small_send_s, small_receive_s = costs.send_s, costs.receive_s
     collective_s = {
         Kind.ALLREDUCE: costs.per_stage("allreduce_s", stages),
+        Kind.GATHER: costs.per_stage("gather_s", stages),
         Kind.LOSS: [costs.loss_s],
     }
-    groups = {Kind.ALLREDUCE: schedule.stage_ranks, Kind.LOSS: [tuple(range(num_ranks))]}
+    groups = {
+        Kind.ALLREDUCE: schedule.stage_ranks,
+        Kind.GATHER: schedule.stage_ranks,
+        Kind.LOSS: [tuple(range(num_ranks))],
+    }
 
     names = {kind: kind.value for kind in Kind}  # plain strings, looked up fast
     make = trusted_event  # every value below is already a plain int, str or float
@@ -175,9 +180,9 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
                 now = end
             elif kind is Kind.OVERLAP:  # a marker: its pair's passes follow, scaled
                 append(make((rank, names[kind], stage, mb, now, now)))
-            else:  # ALLREDUCE over the stage's replicas, LOSS over every rank
+            else:  # ALLREDUCE and GATHER over the stage's replicas, LOSS over every rank
                 position[rank] = index
-                scope = stage if kind is Kind.ALLREDUCE else 0
+                scope = 0 if kind is Kind.LOSS else stage
                 group = groups[kind][scope]
                 count = collectives_done[rank][(kind, scope)]
                 members = arrived[(kind, scope, count)]
