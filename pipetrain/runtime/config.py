@@ -25,6 +25,7 @@ from pipetrain.runtime.rank.recompute import check_mode
 from pipetrain.runtime.rank.tensor_parallel import check_mirrorable, schedule_ranks
 from pipetrain.schedules import Kind, Schedule, ScheduleSpec, build, spec, validate
 from pipetrain.schedules.copies import data_parallel_copies
+from pipetrain.schedules.gathers import with_gathers
 
 if TYPE_CHECKING:
     from pipetrain.planning import Plan
@@ -150,6 +151,7 @@ class PipelineConfig:
         check_mirrorable(self.tensor_parallel, schedule.asynchronous, tokens)
         if self.shard:
             _check_shardable(schedule)
+            schedule = with_gathers(schedule)
         if self.microbatch_tokens is not None:
             self._check_token_budget(schedule)
         return schedule

@@ -15,11 +15,12 @@ keeps everything about that between the executor's actions and across calls:
 - **the update**: ``STEP`` hands the stage to the weights, which apply it when every held
   stage has stepped (synchronous) or at once (asynchronous) under the
   :class:`~pipetrain.runtime.rank.update.Updater`'s policies; ``ALLREDUCE`` finishes a
-  replicated stage's gradient all-reduce, which the update's last gradient pass started;
+  replicated stage's gradient all-reduce, which the update's last gradient pass started,
+  and ``GATHER`` all-gathers a sharded stage's parameters;
 - **the counters**: updates applied and skipped, restored from a checkpoint.
 
-The executor only dispatches: its ``STEP``, ``LOSS`` and ``ALLREDUCE`` handlers each make
-one call here.
+The executor only dispatches: its ``STEP``, ``LOSS``, ``ALLREDUCE`` and ``GATHER`` handlers
+each make one call here.
 """
 
 from __future__ import annotations
@@ -206,6 +207,10 @@ class UpdateCycle:
             )
         self._count += loss[1].double()
         self._pairs += 1
+
+    def on_gather(self, stage: int) -> None:
+        """``GATHER``: all-gather a sharded stage's parameters for the step's passes."""
+        self._reducers[stage].gather()
 
     def on_allreduce(self, stage: int) -> None:
         """``ALLREDUCE``: finish a replicated stage's gradient all-reduce (when updating)."""

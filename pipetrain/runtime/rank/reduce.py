@@ -63,7 +63,11 @@ def completing_passes(
 
 class Reducer(Protocol):
     """What a replicated stage's gradients are reduced by: armed before the update's last
-    gradient pass, finished at the stage's ``ALLREDUCE``."""
+    gradient pass, finished at the stage's ``ALLREDUCE``; ``gather`` at its ``GATHER``."""
+
+    def gather(self) -> None:
+        """Make the stage's whole parameters present for the step's passes."""
+        ...
 
     def arm(self, tensors: Sequence[torch.Tensor]) -> None:
         """Prepare for the update's last backward, which fills ``tensors``' gradients."""
@@ -93,6 +97,9 @@ class GradientReducer:
         self.buckets = buckets_of(parameters, bucket_bytes)
         self._bucket_of = {index: b for b, bucket in enumerate(self.buckets) for index in bucket}
         self._reset()
+
+    def gather(self) -> None:
+        """Nothing to gather: every replica holds the whole stage."""
 
     def _reset(self) -> None:
         self._tensors: Sequence[torch.Tensor] = ()
