@@ -33,7 +33,7 @@ def _noise_only(name: str, model: str) -> torch.Tensor | None:
     """Where a parameter's gradient is zero up to rounding (the GPT's key biases: attention
     ignores a constant added to every key), which Adam turns into steps of its learning
     rate whatever the rounding: those entries, compared loosely."""
-    if model != "gpt" or not name.endswith("attn.qkv.bias"):
+    if model != "gpt" or not name.endswith("attn.qkv_by_head.bias"):
         return None
     size = tp.GPT["d_model"] // tp.GPT["heads"]
     key = torch.zeros(tp.GPT["heads"], 3, size, dtype=torch.bool)

@@ -55,9 +55,10 @@ class Embedding(nn.Module):
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention using ``scaled_dot_product_attention``.
 
-    ``qkv``'s output features are laid out head by head (each head's query, key and value
-    together), so that a contiguous share of them holds whole heads: split colwise over
-    tensor-parallel processes, each computes its heads' attention alone.
+    ``qkv_by_head``'s output features are laid out head by head (each head's query, key and
+    value together), so that a contiguous share of them holds whole heads: split colwise
+    over tensor-parallel processes, each computes its heads' attention alone. (Its name is
+    not the earlier layout's ``qkv``, so an earlier checkpoint is refused, not misread.)
     """
 
     def __init__(self, d_model: int, heads: int, dropout: float) -> None:
@@ -66,7 +67,7 @@ class CausalSelfAttention(nn.Module):
         self.heads = heads
         self.head_size = d_model // heads
         self.dropout = dropout
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.qkv_by_head = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
         self.proj_dropout = nn.Dropout(dropout)
 
@@ -74,8 +75,8 @@ class CausalSelfAttention(nn.Module):
         """Attend each position to itself and earlier positions (of its own document, with
         ``documents``): (B, T, C) -> (B, T, C) (C / tp of the heads' features, split)."""
         batch, length, _ = x.shape
-        # the heads this process holds: all, or its share when qkv is split colwise
-        by_head = self.qkv(x).view(batch, length, -1, 3, self.head_size)
+        # the heads this process holds: all, or its share when the projection is split colwise
+        by_head = self.qkv_by_head(x).view(batch, length, -1, 3, self.head_size)
         q, k, v = (by_head[:, :, :, part].transpose(1, 2) for part in range(3))
         mask = None
         if documents is not None:
@@ -120,7 +121,7 @@ class Block(nn.Module):
                 f"do not divide by {degree}; give a tensor_parallel that divides {heads}"
             )
         return {
-            "attn.qkv": "colwise",
+            "attn.qkv_by_head": "colwise",
             "attn.proj": "rowwise",
             "mlp.0": "colwise",
             "mlp.2": "rowwise",
