@@ -192,9 +192,9 @@ class UpdateCycle:
 
     def add_loss(self, loss: Loss) -> None:
         """Add a last-stage forward's loss (and count, for a pair-returning loss)."""
-        schedule = self._running
         if self._mirror:
             return
+        schedule = self._running
         self._loss += loss[0]
         if loss[1] is None:
             return
