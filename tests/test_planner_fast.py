@@ -57,7 +57,8 @@ def test_the_interleaved_zero_bubble_search_finds_the_exhaustive_order(
 
 
 def _without_reasons(plan_dict: dict[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in plan_dict.items() if key != "rejected"}
+    reasons = ("rejected", "rejected_layouts")
+    return {key: value for key, value in plan_dict.items() if key not in reasons}
 
 
 # the last seeds are cases where schedules with chunks win
@@ -79,6 +80,7 @@ def test_the_plan_is_the_one_every_simulation_would_choose(seeds: Sequence[int])
         fast = plan(profile, **arguments)
         assert _without_reasons(fast.to_dict()) == _without_reasons(exhaustive.to_dict()), seed
         assert set(fast.rejected) == set(exhaustive.rejected), seed
+        assert set(fast.rejected_layouts) == set(exhaustive.rejected_layouts), seed
 
 
 @pytest.mark.parametrize("seed", range(8))

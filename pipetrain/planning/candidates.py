@@ -7,6 +7,16 @@ into :class:`pipetrain.simulation.Costs` for its stages. Workers are
 placed as :func:`pipetrain.schedules.build` places them: each stage on consecutive ranks,
 and chunk ``c`` of a schedule with chunks where its spec's ``placement`` puts it
 (``c mod p`` for ``interleaved``, a V for ``zb-v``).
+
+A layout with ``shard`` has every replicated stage's replicas hold shards of it
+(``PipelineConfig(shard=True)``): less memory (:func:`~pipetrain.planning.memory.worker_memory`),
+and the step's collectives move: the stage's weights are all-gathered before its first
+forward (after its input arrives, as the runtime's FSDP2 gathers them) and its gradients
+reduce-scattered after its last backward, each a ring pass carrying ``(r - 1) / r`` of the
+weights, where a replicated stage all-reduces (two such passes) at the end. The
+reduce-scatter is the schedule's ``ALLREDUCE``; the gathers delay the first micro-batch at
+each sharded stage it passes, so they are added to the simulated step
+(:meth:`Candidate.gathers_s`).
 """
 
 from __future__ import annotations
@@ -31,10 +41,12 @@ VIRTUAL_CHUNKS = 2
 
 @dataclass(frozen=True)
 class Layout:
-    """Stages as ``(start, stop, replicas)`` in pipeline order; ``virtual`` chunks per rank."""
+    """Stages as ``(start, stop, replicas)`` in pipeline order; ``virtual`` chunks per rank;
+    ``shard``: the replicated stages' replicas hold shards."""
 
     stages: tuple[tuple[int, int, int], ...]
     virtual: int = 1
+    shard: bool = False
 
     @cached_property
     def replicas(self) -> list[int]:
@@ -57,13 +69,16 @@ class Layout:
         """Whether ``schedule`` can run this layout with ``microbatches`` micro-batches.
 
         Replicated layouts go to synchronous replicable families only: the replication
-        planner proposes them under one all-reduce per step.
+        planner proposes them under one all-reduce per step. A sharded one also needs every
+        replica to run a micro-batch (as many micro-batches as the most replicas).
         """
         family = spec(schedule)
         if self.virtual > 1:
             chunked = {family.chunk_option: self.virtual} if family.chunk_option else None
             return chunked is not None and family.accepts(self.workers, microbatches, None, chunked)
         if family.chunk_option is not None:
+            return False
+        if self.shard and microbatches < max(self.replicas):
             return False
         if max(self.replicas) > 1:
             return (
@@ -108,7 +123,13 @@ class Candidate:
             replicas = self.layout.replicas
             return [
                 worker_memory(
-                    [footprints[s]], [flags[s]], self.schedule, s, self.microbatches, replicas
+                    [footprints[s]],
+                    [flags[s]],
+                    self.schedule,
+                    s,
+                    self.microbatches,
+                    replicas,
+                    shard=self.layout.shard,
                 )
                 for s in range(len(stages))
             ]
@@ -179,17 +200,9 @@ class Candidate:
             if replicas == 1:  # no all-reduce (and no span of ranks to look up)
                 allreduce.append(0.0)
                 continue
-            weights = sum(layer.parameter_bytes for layer in part)
-            ranks = self.ranks_of(stage)
-            allreduce.append(
-                # a ring all-reduce: 2 (r - 1) messages in turn, carrying 2 (r - 1) / r of it
-                2
-                * (replicas - 1)
-                * (
-                    topology.span_latency(*ranks)
-                    + weights / replicas / topology.span_bandwidth(*ranks)
-                )
-            )
+            # a ring all-reduce: a reduce-scatter and an all-gather; sharded, only the first
+            passes = 1 if layout.shard else 2
+            allreduce.append(passes * self._ring_pass_s(stage, topology))
         boundaries = range(len(layout.stages) - 1)
         sizes = [layers[layout.stages[b][1] - 1].activation_bytes for b in boundaries] or [0.0]
         spans = [self._span(b) for b in boundaries]
@@ -222,6 +235,28 @@ class Candidate:
             receive_byte_s=self.profile.receive_byte_s,
             # the loss all-reduce that ends the step: one small message, round the ring
             loss_s=message + everyone,
+        )
+
+    def _ring_pass_s(self, stage: int, topology: Topology) -> float:
+        """A ring reduce-scatter or all-gather of ``stage``'s weights over its replicas:
+        ``r - 1`` messages in turn, each carrying ``1/r`` of them."""
+        start, stop, replicas = self.layout.stages[stage]
+        weights = sum(layer.parameter_bytes for layer in self.profile.layers[start:stop])
+        ranks = self.ranks_of(stage)
+        return (replicas - 1) * (
+            topology.span_latency(*ranks) + weights / replicas / topology.span_bandwidth(*ranks)
+        )
+
+    def gathers_s(self, topology: Topology) -> float:
+        """What the all-gathers of sharded stages add to a step: each sharded stage gathers
+        its weights once its first micro-batch's input has arrived, so the first
+        micro-batch waits for every gather on its way (none unsharded)."""
+        if not self.layout.shard:
+            return 0.0
+        return sum(
+            self._ring_pass_s(stage, topology)
+            for stage, replicas in enumerate(self.layout.replicas)
+            if replicas > 1
         )
 
     def _span(self, boundary: int) -> tuple[int, int]:

@@ -55,12 +55,14 @@ _TIED = 1e-9
 
 
 class _Entry(NamedTuple):
-    """A fitting candidate, its memory, costs, and its peak (the order's tie-break)."""
+    """A fitting candidate, its memory, costs, its peak (the order's tie-break) and what its
+    sharded stages' all-gathers add to its simulated step."""
 
     candidate: Candidate
     memory: list[float]
     costs: Costs
     peak: float
+    gathers_s: float
 
 
 class _Simulated(NamedTuple):
@@ -96,8 +98,9 @@ def fastest(
     line: list[tuple[float, _Entry]] = []
     for candidate, memory in fitting:
         costs = candidate.costs(topology)
-        ceiling = _throughput(candidate, candidate.lower_bound(costs))
-        line.append((ceiling, _Entry(candidate, memory, costs, max(memory))))
+        gathers = candidate.gathers_s(topology)
+        ceiling = _throughput(candidate, candidate.lower_bound(costs) + gathers)
+        line.append((ceiling, _Entry(candidate, memory, costs, max(memory), gathers)))
         verdicts.bounded(candidate, ceiling)
     line.sort(key=lambda pair: (-pair[0], pair[1].peak))
     results, ruled_out = _simulated(line, report, verdicts, cores, exhaustive)
@@ -110,7 +113,9 @@ def fastest(
     if variation is not None:
         report("planning: simulating the chosen plan's steps with the measured variation")
     step_s = (
-        best.makespan if variation is None else _varied_step_s(best.schedule, best.costs, variation)
+        best.makespan
+        if variation is None
+        else _varied_step_s(best.schedule, best.costs, variation) + best.entry.gathers_s
     )
     plan = _as_plan(candidate, best.entry.memory, step_s, best.makespan, best.processed, best.costs)
     plan.topology = str(topology)
@@ -148,7 +153,7 @@ def _simulated(
         if not tightened:
             bound = entry.candidate.written_bound(entry.costs)
             if bound is not None:  # less a rounding's worth: it can equal the simulated step
-                slack = _throughput(entry.candidate, bound * (1 - _TIED))
+                slack = _throughput(entry.candidate, (bound + entry.gathers_s) * (1 - _TIED))
                 ruled_out[place] = ceilings[place] = min(ceiling, slack)
             heapq.heappush(waiting, (-ceilings[place], place, True))
             continue
@@ -156,7 +161,7 @@ def _simulated(
         schedule = entry.candidate.build()
         timeline, processed, costs = entry.candidate.simulate(schedule, entry.costs, cores)
         size = entry.candidate.profile.microbatch_size
-        makespan = timeline.makespan
+        makespan = timeline.makespan + entry.gathers_s
         throughput = processed * size / makespan if makespan > 0 else math.inf
         verdicts.simulated(entry.candidate, throughput)
         fastest = max(fastest, throughput)
@@ -194,11 +199,13 @@ def _outdone(candidate: Candidate, ceiling: float, results: list[_Simulated]) ->
 
 
 def _summary(candidate: Candidate) -> str:
-    """``"1f1b, 8 stages on 64 ranks, 16 micro-batches"``."""
+    """``"1f1b, 8 stages on 64 ranks, 16 micro-batches"`` (``sharded`` after the ranks
+    where the replicas hold shards)."""
     layout = candidate.layout
+    sharded = " sharded" if layout.shard else ""
     return (
         f"{candidate.schedule}, {counted(len(layout.stages), 'stage')} on "
-        f"{counted(layout.workers, 'rank')}, "
+        f"{counted(layout.workers, 'rank')}{sharded}, "
         f"{counted(candidate.microbatches, 'micro-batch', 'micro-batches')}"
     )
 
@@ -230,7 +237,13 @@ def _chosen(results: list[_Simulated], fastest: float) -> _Simulated:
     quickest = max(r.throughput for r in near)
     return min(
         (r for r in near if r.throughput >= quickest * (1 - _TIED)),
-        key=lambda r: (r.entry.candidate.layout.workers, r.entry.peak, r.place),
+        # whole copies before shards: gathering costs copies the model leaves out
+        key=lambda r: (
+            r.entry.candidate.layout.workers,
+            r.entry.candidate.layout.shard,
+            r.entry.peak,
+            r.place,
+        ),
     )
 
 
@@ -252,6 +265,7 @@ def _as_plan(
     weight = costs.per_stage("weight_s", count)
     return Plan(
         stages=[PlanStage(start, stop, replicas) for start, stop, replicas in layout.stages],
+        shard=layout.shard,
         schedule=candidate.schedule,
         microbatches=candidate.microbatches,
         recompute=candidate.recompute,
