@@ -26,12 +26,13 @@ tensors autograd saves and the output, as profiled) and ``I`` its input alone,
   waited for), so the peak comes late in the step, when every forward has sent its
   output and every backward but the ``n`` held micro-batches' its input gradient.
 
-A stage sharded over its ``r`` replicas (``PipelineConfig(shard=True)``, FSDP2) keeps
-``(|W| + |W| + |optimizer|) / r`` between steps: its shards of the weights, of the
-gradients (the last step's, kept until the next update) and of the optimizer state. During
-a step the runtime gathers the weights whole before the first forward and keeps them
-gathered until the reduce-scatter after the last backward, while the backwards accumulate
-whole, unsharded gradients, so its peak is the larger of two moments:
+A stage sharded over its ``r`` replicas (``PipelineConfig(shard=True)``, FSDP2) keeps its
+shards of the weights and of the optimizer state, ``shards = (|W| + |optimizer|) / r``,
+through a step; the last update's gradient shards are dropped as the call starts. The
+runtime gathers the weights whole before the first forward and keeps them gathered until
+the reduce-scatter after the last backward, while the backwards accumulate whole, unsharded
+gradients, so the peak is the larger of two moments (measured on every rank of 2 stages x 2
+sharded replicas within 5%: ``benchmarks/bench_shard_memory.py --peaks``):
 
 ``shards + |W| (gathered) + activations + workspace + sent + unsharded`` where
 ``unsharded = |W|`` if a forward follows a backward on the worker (the gradients of the
@@ -177,7 +178,7 @@ def worker_memory(
     gradients_sent = max(window * len(chunks) - count, 0) / len(chunks)
     sent = sum(window * c.output_bytes + gradients_sent * c.gradient_bytes for c in chunks)
     if shard and replicas[stage] > 1:
-        shards = (2 * weights + optimizer) / replicas[stage]
+        shards = (weights + optimizer) / replicas[stage]
         # a forward after a backward: the first backward's gradients meet n micro-batches
         refilled = count < window
         unsharded = weights if refilled else max(0.0, weights - kept)
