@@ -5,6 +5,12 @@ buffer, the optimizer state, and the activations of the micro-batches in flight:
 
 ``peak = versions·|W| + |W| (gradients) + |optimizer| + activations + workspace + sent``
 
+A replicated stage of a synchronous schedule also meets the all-reduce at the step's end,
+when the gradients' flat copy in the reducer's buckets is alive with them:
+``3|W| + |optimizer| + sent``, where that is higher (measured within 1% on 2 stages x 2
+replicas whose weights outweigh their activations: ``benchmarks/bench_shard_memory.py
+--peaks``).
+
 The gradient buffer is left out where an asynchronous schedule updates after every
 micro-batch (``pipedream``): its update frees the gradients right after the backward that
 made them, so they never meet the in-flight activations at the peak.
@@ -188,4 +194,8 @@ def worker_memory(
     versions = family.weight_versions(stage, replicas, options)
     freed = family.asynchronous and family.per_update(microbatches, options) == 1
     gradients = 0.0 if freed else weights
-    return versions * weights + gradients + optimizer + activations + workspace + sent
+    peak = versions * weights + gradients + optimizer + activations + workspace + sent
+    if replicas[stage] > 1 and not family.asynchronous:
+        # the all-reduce at the step's end: the gradients' flat copy in its buckets
+        peak = max(peak, 3 * weights + optimizer + sent)
+    return peak
