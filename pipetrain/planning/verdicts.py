@@ -111,8 +111,7 @@ class Verdicts:
             peak, candidate = record.over_limit
             return (
                 f"over the memory limit of {format_bytes(memory_limit or 0.0)}: needs at "
-                f"least {format_bytes(peak)} on a worker ({format_bytes(peak)} > "
-                f"{format_bytes(memory_limit or 0.0)}; {candidate.microbatches} "
+                f"least {format_bytes(peak)} on a worker ({candidate.microbatches} "
                 f"micro-batches, recomputation {candidate.recompute})"
             )
         if record.fitting is None:
