@@ -218,4 +218,13 @@ def test_a_sharded_plan_trains_as_the_unpipelined_model() -> None:
     for name, value in expected["state"].items():
         torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
     assert spec(chosen.schedule).replicable
-    assert Plan.from_dict(chosen.to_dict()).shard
+
+
+def test_plans_of_format_4_load_as_whole_copies() -> None:
+    chosen = plan(HEAVY, workers=4, memory_limit=4.5e8, schedules=("1f1b",), microbatches=(4,))
+    assert Plan.from_dict(chosen.to_dict()) == chosen
+    older = {**chosen.to_dict(), "format_version": 4}
+    del older["shard"], older["rejected_layouts"]
+    loaded = Plan.from_dict(older)
+    assert not loaded.shard and loaded.rejected_layouts == {}
+    assert loaded.replicas == chosen.replicas

@@ -12,9 +12,10 @@ from pipetrain.planning.topology import Topology
 from pipetrain.schedules import spec
 from pipetrain.units import counted, format_bytes
 
-FORMAT_VERSION = 4
-"""Version of the JSON layout written by :meth:`Plan.save` (4: ``ranks``, which version 3
-called ``workers``; version 3 files are still read)."""
+FORMAT_VERSION = 5
+"""Version of the JSON layout written by :meth:`Plan.save` (5: ``shard`` and
+``rejected_layouts``; 4: ``ranks``, which version 3 called ``workers``; version 4 and 3
+files are still read, as plans of whole copies)."""
 
 
 @dataclass
@@ -114,8 +115,10 @@ class Plan(JsonFile):
         """Rebuild a plan from :meth:`to_dict` output; raise ValueError on another format."""
         advice = "Make it again with `pipetrain plan` (or pipetrain.plan())."
         if isinstance(data, dict) and data.get("format_version") == 3:
-            data = {**data, "format_version": FORMAT_VERSION, "ranks": data.get("workers")}
+            data = {**data, "format_version": 4, "ranks": data.get("workers")}
             data.pop("workers")
+        if isinstance(data, dict) and data.get("format_version") == 4:
+            data = {**data, "format_version": FORMAT_VERSION}
         fields = unversioned(data, "plan", FORMAT_VERSION, advice)
         try:
             fields["stages"] = [PlanStage(**stage) for stage in fields["stages"]]
