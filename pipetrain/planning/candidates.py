@@ -8,15 +8,10 @@ placed as :func:`pipetrain.schedules.build` places them: each stage on consecuti
 and chunk ``c`` of a schedule with chunks where its spec's ``placement`` puts it
 (``c mod p`` for ``interleaved``, a V for ``zb-v``).
 
-A layout with ``shard`` has every replicated stage's replicas hold shards of it
-(``PipelineConfig(shard=True)``): less memory (:func:`~pipetrain.planning.memory.worker_memory`),
-and the step's collectives move: the stage's weights are all-gathered before its first
-forward (after its input arrives, as the runtime's FSDP2 gathers them) and its gradients
-reduce-scattered after its last backward, each a ring pass carrying ``(r - 1) / r`` of the
-weights, where a replicated stage all-reduces (two such passes) at the end. The
-reduce-scatter is the schedule's ``ALLREDUCE``; the gathers delay the first micro-batch at
-each sharded stage it passes, so they are added to the simulated step
-(:meth:`Candidate.gathers_s`).
+A layout with ``shard`` has its replicated stages held as shards (less memory, see
+:func:`~pipetrain.planning.memory.worker_memory`): such a stage's ``ALLREDUCE`` is a ring
+reduce-scatter, and the ring all-gather before its first forward delays the first
+micro-batch, so :meth:`Candidate.gathers_s` is added to the simulated step.
 """
 
 from __future__ import annotations
@@ -248,9 +243,8 @@ class Candidate:
         )
 
     def gathers_s(self, topology: Topology) -> float:
-        """What the all-gathers of sharded stages add to a step: each sharded stage gathers
-        its weights once its first micro-batch's input has arrived, so the first
-        micro-batch waits for every gather on its way (none unsharded)."""
+        """What sharded stages' all-gathers add to a step: each gathers its weights once its
+        first micro-batch's input has arrived, which waits for every gather on its way."""
         if not self.layout.shard:
             return 0.0
         return sum(
