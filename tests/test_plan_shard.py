@@ -198,6 +198,22 @@ def test_plan_prints_the_mesh(tmp_path: Any) -> None:
     assert refused.returncode == 2 and "no candidate plan fits" in refused.stderr
 
 
+def test_memory_plans_only_with_plan_auto() -> None:
+    done = run_cli("train", "--model", "mlp", "--memory", "300kB")
+    assert done.returncode == 2
+    assert "--memory is the limit --plan auto plans within" in done.stderr
+
+
+def test_train_plans_within_memory_and_trains_sharded() -> None:
+    # the built-in MLP on 4 ranks: whole copies need more than 300 kB a rank
+    train = ["train", "--model", "mlp", "--ranks", "4", "--batch-size", "64", "--steps", "2"]
+    done = run_cli(*train, "--plan", "auto", "--memory", "300kB", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["shard"] is True and max(report["replicas"]) > 1
+    assert "layouts rejected:\n  replicated: over the memory limit of 300 kB" in done.stderr
+
+
 def test_a_sharded_plan_trains_as_the_unpipelined_model() -> None:
     # the test MLP's 5 layers, profiled by hand so that only shards fit on 4 ranks
     mlp = Profile(

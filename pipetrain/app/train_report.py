@@ -180,6 +180,7 @@ class TrainReport:
             "planned_topology": config.planned_topology,
             "balance": _listed(config.pipeline.balance),
             "replicas": _listed(config.pipeline.replicas),
+            "shard": config.pipeline.shard,
             "microbatch_tokens": config.pipeline.microbatch_tokens,
             "last_step_microbatches": self._last().microbatches,
             "tokens_per_s": self.tokens_per_s,
