@@ -29,5 +29,10 @@ def disagreements() -> dict[str, str]:
         ),
         "microbatches": _message(lambda: make_pipeline(mlp(), microbatches=2 + rank, loss_fn=loss)),
         "model": _message(lambda: make_pipeline([mlp(), wide()][rank], loss_fn=loss)),
+        "mesh": _message(
+            lambda: make_pipeline(
+                mlp(), data_parallel=[2, 1][rank], shard=[True, False][rank], loss_fn=loss
+            )
+        ),
         "agreed": _message(lambda: make_pipeline(mlp(), balance=[2, 3], loss_fn=loss)),
     }

@@ -9,7 +9,15 @@ import pipetrain
 from pipetrain.runtime import ModelSource, PipelineConfig, RuntimeConfig, UpdateConfig
 
 _SCHEDULE = ("schedule", "microbatches", "balance", "recompute")
-_CONFIG_ONLY = ("replicas", "schedule_options", "targets_on_first_stage", "data_parallel", "shard")
+_CONFIG_ONLY = (
+    "replicas",
+    "schedule_options",
+    "targets_on_first_stage",
+    "data_parallel",
+    "shard",
+    "tensor_parallel",
+    "tensor_parallel_plan",
+)
 _UPDATE = ("lr_scheduler", "on_nonfinite", "loss_scale")
 _RUNTIME = ("timeout_s", "record", "bucket_bytes", "device", "group", "frozen_after_s")
 _SOURCE = ("example_inputs", "init_fn", "weights", "deferred_batch_norm")

@@ -19,15 +19,22 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 def sharded_loop(schedule: str, root: str) -> dict[str, Any]:
     """The reference loop on 2 stages x 2 sharded replicas, saved under ``root`` at its end:
-    every call's loss, the whole weights this rank's stage ends with, and how much of its
-    stage's parameters, gradients and optimizer state this rank holds."""
+    every call's loss, the whole weights this rank's stage ends with, how much of its
+    stage's parameters, gradients and optimizer state this rank holds, and (rank 0) the last
+    step's measured actions."""
     pipe = cases.loop_pipeline(
-        schedule=schedule, microbatches=4, balance=[2, 3], data_parallel=2, shard=True
+        schedule=schedule,
+        microbatches=4,
+        balance=[2, 3],
+        data_parallel=2,
+        shard=True,
+        record=True,
     )
     losses = []
     for k, (x, y) in enumerate(cases.calls()):
         update = k % cases.ACCUMULATE == cases.ACCUMULATE - 1
         losses.append(pipe.train_step(x, y, update=update))
+    timeline = pipe.timeline()
     held = sum(p.to_local().numel() for p in pipe.parameters() if isinstance(p, DTensor))
     whole = sum(p.numel() for p in pipe.parameters())
     optimizer = pipe.optimizer
@@ -50,6 +57,10 @@ def sharded_loop(schedule: str, root: str) -> dict[str, Any]:
         ),
         "updates": pipe.updates,
         "saved": str(saved),
+        # the last step's measured (rank, kind, stage) in order on rank 0
+        "measured": None
+        if timeline is None
+        else [(e.rank, e.kind, e.stage) for e in timeline.events],
     }
 
 

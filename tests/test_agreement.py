@@ -19,6 +19,8 @@ def test_every_rank_names_the_differing_setting_and_its_ranks(ranks: list[dict[s
     for setting, expected in [
         ("balance", "balance: (2, 3) on rank 0; (3, 2) on rank 1"),
         ("microbatches", "microbatches: 2 on rank 0; 3 on rank 1"),
+        ("mesh", "data_parallel: 2 on rank 0; 1 on rank 1"),
+        ("mesh", "shard: True on rank 0; False on rank 1"),
         ("model", "the model differs between rank 0 and rank 1: '0.weight [12, 6] torch.float32'"),
     ]:
         messages = {rank[setting] for rank in ranks}

@@ -270,6 +270,31 @@ def test_a_two_host_pipeline_trains_exactly_within_the_cap(runs: list[str]) -> N
 
 @pytest.mark.slow
 @needs_namespaces
+def test_sharded_replicas_on_four_hosts_train_exactly_and_leave_nothing(runs: list[str]) -> None:
+    process = start_cluster(
+        "--hosts", "4", "--bandwidth", "50Mbit/s", "--json", "--timeout", str(JOB_TIMEOUT_S),
+        "--", "train", "--model", "mlp", "--steps", "3", "--microbatches", "2",
+        "--data-parallel", "2", "--shard",
+    )  # fmt: skip
+    runs.append(f"ptc{process.pid}-")
+    out, err = finish(process, JOB_TIMEOUT_S + 20)
+    assert process.returncode == 0, failure(err)
+    report = json.loads(out)
+    assert (report["ranks"], report["stages"], report["data_parallel"], report["shard"]) == (
+        4,
+        2,
+        2,
+        True,
+    )
+    assert report["losses"] == pytest.approx(
+        unpipelined_losses("mlp", 3, report["batch_size"]), rel=1e-5
+    )
+    # every host's replica gathered its stage and reduce-scattered its gradients over the link
+    assert all(sent > 64 * 4 for sent in report["cluster"]["bytes_sent"])
+
+
+@pytest.mark.slow
+@needs_namespaces
 def test_an_automatic_plan_measures_the_capped_link(runs: list[str]) -> None:
     process = start_cluster(
         "--hosts", "2", "--bandwidth", "50Mbit/s", "--json", "--timeout", str(JOB_TIMEOUT_S),

@@ -22,7 +22,7 @@ from pipetrain.planning.planner import FEWER_WITHIN
 from pipetrain.planning.verdicts import Verdicts
 from pipetrain.profiler import LayerCost, Profile
 from pipetrain.runtime import PipelineConfig
-from pipetrain.schedules import spec
+from pipetrain.schedules import Kind, spec
 
 WEIGHTS = 1e8
 """Bytes of weights in each of the heavy profile's two layers (Adam: twice that of state)."""
@@ -115,8 +115,8 @@ def test_a_model_that_fits_only_sharded_is_planned_sharded() -> None:
 
 
 def _brute_force(topology: Topology) -> list[tuple[float, Candidate]]:
-    """Every candidate the planner considers, each simulated in full: its throughput,
-    with the all-gathers of sharded stages added to its step."""
+    """Every candidate the planner considers, each simulated in full (a sharded stage's
+    all-gathers are actions of its schedule): its throughput."""
     fitting, _ = fitting_candidates(
         HEAVY,
         topology,
@@ -133,8 +133,7 @@ def _brute_force(topology: Topology) -> list[tuple[float, Candidate]]:
     results = []
     for candidate, _ in fitting:
         timeline, processed, _ = candidate.build_and_simulate(candidate.costs(topology))
-        step_s = timeline.makespan + candidate.gathers_s(topology)
-        results.append((processed * HEAVY.microbatch_size / step_s, candidate))
+        results.append((processed * HEAVY.microbatch_size / timeline.makespan, candidate))
     return results
 
 
@@ -172,10 +171,14 @@ def test_gathers_and_the_reduce_scatter_by_hand() -> None:
     ring_pass = 1e-3 + WEIGHTS / 2 / 100e6
     costs = candidate.costs(topology)
     assert costs.per_stage("allreduce_s", 2) == pytest.approx([ring_pass, ring_pass])
-    assert candidate.gathers_s(topology) == pytest.approx(2 * ring_pass)
+    assert costs.per_stage("gather_s", 2) == pytest.approx([ring_pass, ring_pass])
+    # each replica's lane starts with its gather, before the stage's first forward
+    first = [lane[0].kind for lane in candidate.build().ranks]
+    assert first == [Kind.GATHER] * 4
     whole = Candidate(Layout(layout.stages), "1f1b", 4, "never", HEAVY)
     assert whole.costs(topology).per_stage("allreduce_s", 2) == pytest.approx([2 * ring_pass] * 2)
-    assert whole.gathers_s(topology) == 0.0
+    assert whole.costs(topology).per_stage("gather_s", 2) == [0.0, 0.0]
+    assert Kind.GATHER not in {action.kind for lane in whole.build().ranks for action in lane}
 
 
 def test_sharded_layouts_need_a_micro_batch_for_every_replica() -> None:

@@ -55,6 +55,23 @@ def test_sharded_replicas_train_as_the_unpipelined_model(
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_measured_step_shows_each_replicas_gather_before_its_passes_and_its_reduction(
+    runs: dict[str, list[dict[str, Any]]], schedule: str
+) -> None:
+    measured = runs[schedule][0]["measured"]
+    for rank in range(4):
+        kinds = [(kind, stage) for r, kind, stage in measured if r == rank]
+        stage = rank // 2  # the pipeline dimension outermost
+        assert kinds.count(("GATHER", stage)) == 1, kinds
+        assert kinds.count(("ALLREDUCE", stage)) == 1, kinds
+        first_pass = next(i for i, (kind, _) in enumerate(kinds) if kind in ("F", "B"))
+        assert kinds.index(("GATHER", stage)) < first_pass
+        assert kinds.index(("ALLREDUCE", stage)) > max(
+            i for i, (kind, _) in enumerate(kinds) if kind == "B"
+        )
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_each_replica_holds_half_of_its_stage(
     runs: dict[str, list[dict[str, Any]]], schedule: str
 ) -> None:

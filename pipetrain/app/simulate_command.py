@@ -154,6 +154,7 @@ def _describe_costs(values: dict[str, Any], schedule: Schedule) -> str:
         "weight_s": "W",
         "step_s": "step",
         "allreduce_s": "all-reduce",
+        "gather_s": "gather",
         "latency_s": "latency",
         "send_s": "send",
         "receive_s": "receive",

@@ -157,6 +157,16 @@ def add_train(commands: argparse._SubParsersAction) -> None:
         "schedules)",
     )
     parser.add_argument(
+        "--tensor-parallel",
+        type=positive_int,
+        default=1,
+        metavar="T",
+        help="play every pipeline rank on T processes, each holding 1/T of every stage's "
+        "linear layers as the model's tensor-parallel plan splits them (models given as "
+        "layers with a plan, such as gpt; synchronous schedules; --ranks is then T times "
+        "the pipeline's)",
+    )
+    parser.add_argument(
         "--plan",
         metavar="auto|PLAN.json",
         help="take split, replication, schedule and micro-batches from a plan; "
@@ -264,6 +274,7 @@ def run_train(args: argparse.Namespace) -> None:
         replicas=args.replicas,
         data_parallel=args.data_parallel,
         shard=args.shard,
+        tensor_parallel=args.tensor_parallel,
         balance=args.balance,
         recompute=args.recompute,
         # only the input stage reads the built-in data; a corpus is read by the last stage too
@@ -333,6 +344,11 @@ def refuse_stages(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--stages is now --ranks (worker processes): give --ranks {args.stages}; "
             "model stages follow from --balance or the schedule"
+        )
+    if args.tensor_parallel > 1 and args.plan is not None:
+        raise ValueError(
+            f"--plan lays out a pipeline without tensor parallelism; leave --plan out with "
+            f"--tensor-parallel {args.tensor_parallel}"
         )
 
 

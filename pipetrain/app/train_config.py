@@ -94,7 +94,7 @@ class TrainConfig:
         ranks = (
             self.ranks
             or (sum(replicas) if replicas and not self.plan_auto else world_size)
-            or DEFAULT_RANKS * self.pipeline.data_parallel
+            or DEFAULT_RANKS * self.pipeline.data_parallel * self.pipeline.tensor_parallel
         )
         if world_size is not None and ranks != world_size:
             raise ValueError(
@@ -245,6 +245,8 @@ class TrainConfig:
             recompute=self.pipeline.recompute,
             targets_on_first_stage=self.pipeline.targets_on_first_stage,
             shard=self.pipeline.shard,
+            tensor_parallel=self.pipeline.tensor_parallel,
+            tensor_parallel_plan=self.pipeline.tensor_parallel_plan,
         )
 
     def updates(self) -> int:

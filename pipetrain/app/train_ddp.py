@@ -49,6 +49,7 @@ def resolve_ddp(config: TrainConfig, world_size: int | None = None) -> TrainConf
         "schedule options": bool(pipeline.schedule_options),
         "--data-parallel": pipeline.data_parallel != 1,
         "--shard": pipeline.shard,
+        "--tensor-parallel": pipeline.tensor_parallel != 1,
     }
     given = [name for name, present in pipeline_only.items() if present]
     if given:

@@ -122,7 +122,7 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
         )
     with ticking("building") if talking else _quiet():
         pipe = _pipeline(config)
-    if pipe.rank == 0:
+    if dist.get_rank() == 0:
         say(f"pipeline ready in {format_seconds(time.perf_counter() - built_at)}; training ...")
     batches = _stream(config, pipe)
     # a fixed held-out batch, read where the inputs are (and on rank 0, which reports)
@@ -132,7 +132,9 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
     if new_seed and batches is not None and config.data is None:  # a new order
         batches = BatchStream(config.model, config.samples, seed=config.seed)
     progress = (
-        Progress(config.steps, config.samples, start=history.steps) if pipe.rank == 0 else None
+        Progress(config.steps, config.samples, start=history.steps)
+        if dist.get_rank() == 0
+        else None
     )
     sent_before = interface_bytes_sent()
     tokens: list[int] = []  # counted in each step's targets, for a corpus of one's own
@@ -166,9 +168,9 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
             dist.barrier()
         save_if_due(pipe, config, batches, history)
     sent = sent_since(sent_before)
-    if pipe.rank == 0:
+    if dist.get_rank() == 0:
         say("gathering the last step's timeline from every rank ...")
-    with ticking("gathering") if pipe.rank == 0 else _quiet():
+    with ticking("gathering") if dist.get_rank() == 0 else _quiet():
         timeline = pipe.timeline()
     if timeline is None:
         return None

@@ -80,6 +80,8 @@ def _placement(config: TrainConfig) -> str:
     if config.pipeline.data_parallel > 1:
         how = f" ({config.pipeline.data_parallel} replicas each)"
     how += ", sharded" if config.pipeline.shard else ""
+    tp = config.pipeline.tensor_parallel
+    how += f", tensor-parallel over {tp}" if tp > 1 else ""
     return f"{counted(schedule.stages, 'stage')} on {counted(ranks, 'rank')}{how}"
 
 
@@ -180,6 +182,7 @@ class TrainReport:
             "planned_topology": config.planned_topology,
             "balance": _listed(config.pipeline.balance),
             "replicas": _listed(config.pipeline.replicas),
+            "data_parallel": config.pipeline.data_parallel,
             "shard": config.pipeline.shard,
             "microbatch_tokens": config.pipeline.microbatch_tokens,
             "last_step_microbatches": self._last().microbatches,

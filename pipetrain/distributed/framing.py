@@ -35,7 +35,7 @@ _DTYPES = [
 HEADER_SLOTS = 64
 TRAILER = 8
 _ALIGN = 16
-_SHAPES_FOLLOW = 1
+SHAPES_FOLLOW = 1  # a trailer value: new shapes follow this buffer
 
 
 @dataclass(frozen=True)
@@ -66,11 +66,15 @@ def message_bytes(metas: Sequence[TensorMeta]) -> int:
 
 
 def _offsets(metas: Sequence[TensorMeta]) -> tuple[list[int], int]:
+    """Each tensor's byte offset in a message of tensors ``metas``, and the data's size."""
     offsets, position = [], 0
     for meta in metas:
         offsets.append(position)
         position += -(-meta.nbytes // _ALIGN) * _ALIGN
     return offsets, position
+
+
+packed_offsets = _offsets
 
 
 def encode_header(metas: Sequence[TensorMeta]) -> torch.Tensor:
@@ -148,7 +152,7 @@ class FramedReceive:
                 self._posted = self._post_data(metas)
             metas, buffer, work = self._posted
             transport._wait(work, self._peer)
-            if int(buffer[-TRAILER]) != _SHAPES_FOLLOW:
+            if int(buffer[-TRAILER]) != SHAPES_FOLLOW:
                 return _unpack(buffer.to(transport.device, non_blocking=True), metas)
             self._posted = None
 
@@ -201,7 +205,7 @@ class FramedTransport(ABC):
         if previous != metas:
             if previous is not None:
                 stale = self._buffer(message_bytes(previous)).zero_()
-                stale[-TRAILER] = _SHAPES_FOLLOW
+                stale[-TRAILER] = SHAPES_FOLLOW
                 self._post(stale, peer)
             self._post(encode_header(metas).to(self.wire_device), peer)
             self._sent_shapes[key] = metas

@@ -9,9 +9,9 @@ and chunk ``c`` of a schedule with chunks where its spec's ``placement`` puts it
 (``c mod p`` for ``interleaved``, a V for ``zb-v``).
 
 A layout with ``shard`` has its replicated stages held as shards (less memory, see
-:func:`~pipetrain.planning.memory.worker_memory`): such a stage's ``ALLREDUCE`` is a ring
-reduce-scatter, and the ring all-gather before its first forward delays the first
-micro-batch, so :meth:`Candidate.gathers_s` is added to the simulated step.
+:func:`~pipetrain.planning.memory.worker_memory`): its schedule has each replica all-gather
+its stage's weights first (``GATHER``, :func:`~pipetrain.schedules.gathers.with_gathers`,
+costing a ring pass, ``Costs.gather_s``), and its ``ALLREDUCE`` is a ring reduce-scatter.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pipetrain.planning.sharing import shared_cores_stretch
 from pipetrain.planning.topology import Topology
 from pipetrain.profiler.costs import Profile
 from pipetrain.schedules import Schedule, build, spec
+from pipetrain.schedules.gathers import with_gathers
 from pipetrain.simulation import Costs, Variation, simulate
 from pipetrain.timeline import Timeline
 
@@ -178,7 +179,7 @@ class Candidate:
     def costs(self, topology: Topology) -> Costs:
         """Per-stage times and per-boundary transfers for :func:`pipetrain.simulation.simulate`."""
         layers, layout = self.profile.layers, self.layout
-        forward, backward, weight, allreduce = [], [], [], []
+        forward, backward, weight, allreduce, gather = [], [], [], [], []
         for stage, ((start, stop, replicas), again) in enumerate(
             zip(layout.stages, self.recompute_flags)
         ):
@@ -194,10 +195,13 @@ class Candidate:
             )
             if replicas == 1:  # no all-reduce (and no span of ranks to look up)
                 allreduce.append(0.0)
+                gather.append(0.0)
                 continue
-            # a ring all-reduce: a reduce-scatter and an all-gather; sharded, only the first
-            passes = 1 if layout.shard else 2
-            allreduce.append(passes * self._ring_pass_s(stage, topology))
+            # a ring all-reduce: a reduce-scatter and an all-gather; sharded, the all-gather
+            # comes first, of the weights, and the reduce-scatter at the end
+            ring_pass = self._ring_pass_s(stage, topology)
+            allreduce.append(ring_pass if layout.shard else 2 * ring_pass)
+            gather.append(ring_pass if layout.shard else 0.0)
         boundaries = range(len(layout.stages) - 1)
         sizes = [layers[layout.stages[b][1] - 1].activation_bytes for b in boundaries] or [0.0]
         spans = [self._span(b) for b in boundaries]
@@ -224,6 +228,7 @@ class Candidate:
             latency_s=latency,
             step_s=steps,
             allreduce_s=allreduce,
+            gather_s=gather,
             send_s=message,
             receive_s=message,
             send_byte_s=self.profile.send_byte_s,
@@ -242,17 +247,6 @@ class Candidate:
             topology.span_latency(*ranks) + weights / replicas / topology.span_bandwidth(*ranks)
         )
 
-    def gathers_s(self, topology: Topology) -> float:
-        """What sharded stages' all-gathers add to a step: each gathers its weights once its
-        first micro-batch's input has arrived, which waits for every gather on its way."""
-        if not self.layout.shard:
-            return 0.0
-        return sum(
-            self._ring_pass_s(stage, topology)
-            for stage, replicas in enumerate(self.layout.replicas)
-            if replicas > 1
-        )
-
     def _span(self, boundary: int) -> tuple[int, int]:
         """The lowest and highest rank among the workers of the stages on both sides of
         ``boundary``: a message across it is as slow as the slowest link among them."""
@@ -263,11 +257,12 @@ class Candidate:
         """A makespan no schedule can beat.
 
         A worker of stage ``s`` idles until the first micro-batch has passed the forwards of
-        the stages before it, then does its own work (``⌈m / r_s⌉`` of the ``m`` micro-batches
-        its step plays, two updates' worth for ``2bw``, and the all-reduce); unless the
-        backward is split, its last backward is then followed by the backwards of the
-        earlier stages. A rank ``r`` holding chunks likewise waits for chunks ``0..r-1``
-        before its first forward and, unless the backward is split, after its last backward.
+        the stages before it (a sharded stage also until its gather ends), then does its own
+        work (``⌈m / r_s⌉`` of the ``m`` micro-batches its step plays, two updates' worth for
+        ``2bw``); after its last backward come its all-reduce and, unless the backward is
+        split, the backwards of the earlier stages, which overlap: the longer counts. A rank
+        ``r`` holding chunks likewise waits for chunks ``0..r-1`` before its first forward
+        and, unless the backward is split, after its last backward.
         """
         family = spec(self.schedule)
         played = family.window(self.microbatches, family.resolve({}))
@@ -286,10 +281,13 @@ class Candidate:
                 for chunks in held
                 if chunks
             )
+        gather = costs.per_stage("gather_s", count)
         bound = head = tail = 0.0
         for stage, replicas in enumerate(self.layout.replicas):
-            busy = math.ceil(played / replicas) * work[stage] + allreduce[stage]
-            bound = max(bound, head + busy + (0.0 if split else tail))
+            busy = math.ceil(played / replicas) * work[stage]
+            head = max(head, gather[stage])  # a sharded stage's first pass after its gather
+            # the earlier stages' backwards run while this stage all-reduces
+            bound = max(bound, head + busy + max(allreduce[stage], 0.0 if split else tail))
             head += forward[stage]
             tail += backward[stage] + weight[stage]
         return bound
@@ -322,9 +320,10 @@ class Candidate:
         return layout.workers, self.microbatches, replicas, options
 
     def build(self) -> Schedule:
-        """The candidate's schedule."""
+        """The candidate's schedule (with its sharded stages' gathers)."""
         ranks, microbatches, replicas, options = self._arguments()
-        return build(self.schedule, ranks, microbatches, replicas=replicas, **options)
+        built = build(self.schedule, ranks, microbatches, replicas=replicas, **options)
+        return with_gathers(built) if self.layout.shard else built
 
     def written_bound(self, costs: Costs) -> float | None:
         """A makespan its simulation on ``costs`` cannot beat, from its schedule's written

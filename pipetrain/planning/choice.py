@@ -55,14 +55,12 @@ _TIED = 1e-9
 
 
 class _Entry(NamedTuple):
-    """A fitting candidate, its memory, costs, its peak (the order's tie-break) and what its
-    sharded stages' all-gathers add to its simulated step."""
+    """A fitting candidate, its memory, costs, and its peak (the order's tie-break)."""
 
     candidate: Candidate
     memory: list[float]
     costs: Costs
     peak: float
-    gathers_s: float
 
 
 class _Simulated(NamedTuple):
@@ -98,9 +96,8 @@ def fastest(
     line: list[tuple[float, _Entry]] = []
     for candidate, memory in fitting:
         costs = candidate.costs(topology)
-        gathers = candidate.gathers_s(topology)
-        ceiling = _throughput(candidate, candidate.lower_bound(costs) + gathers)
-        line.append((ceiling, _Entry(candidate, memory, costs, max(memory), gathers)))
+        ceiling = _throughput(candidate, candidate.lower_bound(costs))
+        line.append((ceiling, _Entry(candidate, memory, costs, max(memory))))
         verdicts.bounded(candidate, ceiling)
     line.sort(key=lambda pair: (-pair[0], pair[1].peak))
     results, ruled_out = _simulated(line, report, verdicts, cores, exhaustive)
@@ -113,9 +110,7 @@ def fastest(
     if variation is not None:
         report("planning: simulating the chosen plan's steps with the measured variation")
     step_s = (
-        best.makespan
-        if variation is None
-        else _varied_step_s(best.schedule, best.costs, variation) + best.entry.gathers_s
+        best.makespan if variation is None else _varied_step_s(best.schedule, best.costs, variation)
     )
     plan = _as_plan(candidate, best.entry.memory, step_s, best.makespan, best.processed, best.costs)
     plan.topology = str(topology)
@@ -153,7 +148,7 @@ def _simulated(
         if not tightened:
             bound = entry.candidate.written_bound(entry.costs)
             if bound is not None:  # less a rounding's worth: it can equal the simulated step
-                slack = _throughput(entry.candidate, (bound + entry.gathers_s) * (1 - _TIED))
+                slack = _throughput(entry.candidate, bound * (1 - _TIED))
                 ruled_out[place] = ceilings[place] = min(ceiling, slack)
             heapq.heappush(waiting, (-ceilings[place], place, True))
             continue
@@ -161,7 +156,7 @@ def _simulated(
         schedule = entry.candidate.build()
         timeline, processed, costs = entry.candidate.simulate(schedule, entry.costs, cores)
         size = entry.candidate.profile.microbatch_size
-        makespan = timeline.makespan + entry.gathers_s
+        makespan = timeline.makespan
         throughput = processed * size / makespan if makespan > 0 else math.inf
         verdicts.simulated(entry.candidate, throughput)
         fastest = max(fastest, throughput)

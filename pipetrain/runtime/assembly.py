@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from pipetrain.distributed.io_threads import defer_gloo_io_threads
+from pipetrain.distributed.mirrored import MirroredTransport
 from pipetrain.distributed.torch_transport import TorchTransport, default_device, indexed
 from pipetrain.distributed.transport import Transport
 from pipetrain.model.frontend import FrontEnd, shared_parameters
@@ -34,6 +35,7 @@ from pipetrain.runtime.rank.reduce import Reducer, replica_groups, replica_reduc
 from pipetrain.runtime.rank.shard import ShardedReducer, shard_stage
 from pipetrain.runtime.rank.shared import SharedGradients, check_sharing, counted_once
 from pipetrain.runtime.rank.stage import LossFn, Stage
+from pipetrain.runtime.rank.tensor_parallel import Mirrors, counted_by_mirror, stage_plan
 from pipetrain.runtime.rank.update import Updater
 from pipetrain.runtime.rank.update_config import UpdateConfig
 from pipetrain.runtime.rank.weights import Weights
@@ -109,21 +111,38 @@ def assemble(
         update or UpdateConfig(),
         runtime or RuntimeConfig(),
     )
+    degree, given = config.tensor_parallel, config.tensor_parallel_plan
+    plan = stage_plan(front, balance, degree, given, transport is None)
+    mirrors: Mirrors | None = None
     if transport is None:
         device = indexed(runtime.device) if runtime.device is not None else None
         device = device or default_device(runtime.group)
         transport = TorchTransport(device, runtime.group, runtime.timeout_s, runtime.frozen_after_s)
+        if plan is not None:
+            mirrors = Mirrors(degree, runtime.group, transport.global_rank)
+            groups = mirrors.replica_groups(schedule)
+            transport = MirroredTransport(transport, mirrors.degree, mirrors.messages)
     device = transport.device
     stages = _stage_modules(schedule, rank, front, balance, device, source or ModelSource())
     shared = shared_parameters(front, balance)
     check_sharing(shared, schedule)
-    groups = replica_groups(schedule, transport.global_rank)
+    meshes = {}  # a sharded tensor-parallel stage's (dp, tp) mesh
+    if mirrors is None or plan is None:
+        groups = replica_groups(schedule, transport.global_rank)
+    else:
+        for s in stages:
+            ranks, group = schedule.stage_ranks[s], groups.get(s) if config.shard else None
+            meshes[s] = mirrors.mesh(device, ranks, group)
+            stages[s] = mirrors.parallelize(stages[s], plan, meshes[s])
     replicated = [s for s in stages if config.shard and s in groups]
     sharing = SharedGradients(
         shared, schedule, stages, transport.global_rank, rank, sharded=config.shard
     )
     sharing.synchronize()  # whole copies, before any is sharded
-    sharded = {s: shard_stage(stages[s], groups[s], device) for s in replicated}
+    sharded = {
+        s: shard_stage(stages[s], groups[s], device, meshes[s]["dp"] if s in meshes else None)
+        for s in replicated
+    }
     # a parameter two of this rank's stages use is one tensor: optimized once
     parameters = list({id(p): p for m in stages.values() for p in m.parameters()}.values())
     updates = optimizer is not None  # the same on every rank, unlike the optimizer built
@@ -135,7 +154,9 @@ def assemble(
         optimizer,
         active=updates,
         parameters=[p for p in parameters if p.requires_grad],
-        counted=counted_once(stages, schedule, rank, shared, sharded),
+        counted=counted_by_mirror(
+            counted_once(stages, schedule, rank, shared, sharded), mirrors is None or mirrors.leads
+        ),
         reduce_shared=sharing.reduce,
         all_reduce=transport.all_reduce,
         all_reduce_start=transport.all_reduce_start,
@@ -160,11 +181,12 @@ def assemble(
         )
         for index in stages
     }
-    recorder = Recorder(rank, device, enabled=runtime.record)
+    recorder = Recorder(rank, device, enabled=runtime.record, mirrors=degree)
     unsharded = {s: m for s, m in stages.items() if s not in sharded}
     reducers: dict[int, Reducer] = {s: ShardedReducer(m) for s, m in sharded.items()}
     reducers.update(replica_reducers(unsharded, schedule, groups, device, runtime.bucket_bytes))
     defer_gloo_io_threads()  # the shared weights' and the replicas' groups started theirs
-    cycle = UpdateCycle(weights, reducers, transport.all_reduce, device, per_update)
+    mirror = mirrors is not None and not mirrors.leads
+    cycle = UpdateCycle(weights, reducers, transport.all_reduce, device, per_update, mirror=mirror)
     executor = Executor(rank, runners, transport, cycle, recorder)
     return Rank(stages, transport, recorder, cycle, executor, sharing.names)

@@ -22,8 +22,10 @@ from pipetrain.model.layers import check_balance
 from pipetrain.model.materialize import InitFn
 from pipetrain.model.weights_source import WeightsArg
 from pipetrain.runtime.rank.recompute import check_mode
+from pipetrain.runtime.rank.tensor_parallel import check_mirrorable, schedule_ranks
 from pipetrain.schedules import Kind, Schedule, ScheduleSpec, build, spec, validate
 from pipetrain.schedules.copies import data_parallel_copies
+from pipetrain.schedules.gathers import with_gathers
 
 if TYPE_CHECKING:
     from pipetrain.planning import Plan
@@ -57,6 +59,10 @@ class PipelineConfig:
     into micro-batches of at most this many tokens (rows x their longest), so the count
     follows the step's lengths; the schedule for each count is built on its first step
     and kept (synchronous families; ``microbatches`` is then only the first schedule's).
+    ``tensor_parallel``: each rank of the schedule is played by this many consecutive
+    processes, each holding a part of every stage's linear layers split as
+    ``tensor_parallel_plan`` and the layers' own plans say (see
+    :mod:`pipetrain.runtime.rank.tensor_parallel`).
     """
 
     schedule: str | Schedule = "1f1b"
@@ -69,10 +75,13 @@ class PipelineConfig:
     data_parallel: int = 1
     shard: bool = False
     microbatch_tokens: int | None = None
+    tensor_parallel: int = 1
+    tensor_parallel_plan: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         """Keep copies of the mutable settings, so the value stays as it was built."""
         object.__setattr__(self, "schedule_options", dict(self.schedule_options))
+        object.__setattr__(self, "tensor_parallel_plan", dict(self.tensor_parallel_plan))
         object.__setattr__(self, "replicas", _counts(self.replicas))
         object.__setattr__(self, "balance", _counts(self.balance))
 
@@ -122,16 +131,21 @@ class PipelineConfig:
             )
         return cls.from_plan(plan, **{name: settings[name] for name in given})
 
+    def rank_of(self, process: int) -> int:
+        """The schedule rank that ``process`` (of the pipeline's group) plays."""
+        return process // self.tensor_parallel
+
     @property
     def family(self) -> ScheduleSpec | None:
         """The spec of the schedule's family; ``None`` for a schedule value."""
         return None if isinstance(self.schedule, Schedule) else spec(self.schedule)
 
     def build(self, world: int, layers: int | None = None, has_optimizer: bool = True) -> Schedule:
-        """Check this configuration for ``world`` ranks (and a model of ``layers`` layers)
-        and return the schedule it runs; a ValueError names the first setting that cannot
-        run and how to fix it."""
+        """Check this configuration for ``world`` processes (and a model of ``layers``
+        layers) and return the schedule it runs, of ``world / tensor_parallel`` ranks; a
+        ValueError names the first setting that cannot run and how to fix it."""
         check_mode(self.recompute)
+        world = schedule_ranks(world, self.tensor_parallel)
         if isinstance(self.schedule, Schedule):
             schedule = self._checked_value(self.schedule, world)
             self._check_balance(schedule.stages, layers, f"the given schedule on {world} ranks")
@@ -142,8 +156,11 @@ class PipelineConfig:
                 f"{schedule.name} updates the weights inside the step, so it needs an "
                 "optimizer; pass optimizer=..."
             )
+        tokens = self.microbatch_tokens is not None
+        check_mirrorable(self.tensor_parallel, schedule.asynchronous, tokens)
         if self.shard:
             _check_shardable(schedule)
+            schedule = with_gathers(schedule)
         if self.microbatch_tokens is not None:
             self._check_token_budget(schedule)
         return schedule

@@ -110,7 +110,7 @@ class Pipeline(HeldStages):
         )
         self.config = PipelineConfig.from_arguments(config, plan, **flat)
         self.update_config = (update or UpdateConfig()).including(max_grad_norm, precision)
-        self.group, self.rank = runtime.group, dist.get_rank(runtime.group)
+        self.group, self.rank = runtime.group, self.config.rank_of(dist.get_rank(runtime.group))
         prepared = self._prepare(front, (runtime, source), optimizer is not None)
         self.schedule, self.balance = prepared.schedule, prepared.balance
         self.window, self.per_update = self.schedule.microbatches, prepared.per_update
@@ -252,7 +252,7 @@ class Pipeline(HeldStages):
     def eval_step(self, inputs: Data | None = None, *, to: Destination = "all") -> Outputs | None:
         """Forward only, without gradients, as ``model.eval()`` runs, on the newest weights:
         the outputs on every rank (``to="all"``), or on rank ``to`` (see ``ModelIO``)."""
-        check_destination(to, dist.get_world_size(self.group))
+        check_destination(to, self.schedule.num_ranks)
         data = self._player.data(self._io.evaluation_inputs(inputs), None, training=False)
         with evaluating(self.stages.values()), torch.no_grad():
             _, outputs = self._player.play(self._evaluation, data, to=to)
@@ -277,7 +277,7 @@ class Pipeline(HeldStages):
             self.balance,
             self._cycle,
             self.group,
-            self.rank,
+            dist.get_rank(self.group),  # a process's own: tensor-parallel mirrors share ranks
         )
 
     def save(

@@ -162,11 +162,10 @@ class StepPlayer:
             outcome = parts.executor.run(schedule, data, update)
             parts.transport.flush()
             if to is not None:
-                world = dist.get_world_size(self.group)
                 outputs = deliver(
                     parts.transport,
                     self.rank,
-                    world,
+                    schedule.num_ranks,  # of the schedule: tensor-parallel mirrors share one
                     schedule.stage_ranks,
                     schedule.microbatches,
                     outcome.outputs,

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from enum import Enum
+from functools import partial
 from typing import NamedTuple
 
 
@@ -23,6 +25,7 @@ class Kind(str, Enum):
     SEND_O = "SEND_O"  # send a last-stage output to the rank that gathers them (evaluation)
     RECV_O = "RECV_O"  # receive a last-stage output from a replica (evaluation)
     ALLREDUCE = "ALLREDUCE"  # all-reduce a replicated stage's weight gradients
+    GATHER = "GATHER"  # all-gather a sharded stage's parameters before the step's passes
     STEP = "STEP"  # apply the optimizer to one stage's weights
     LOSS = "LOSS"  # all-reduce the step's loss over every rank (ends a training step)
     OVERLAP = "OVERLAP"  # the rank's next forward and backward run together (DualPipeV)
@@ -37,7 +40,7 @@ class Kind(str, Enum):
 COMPUTE_KINDS = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT})
 SEND_KINDS = frozenset({Kind.SEND_F, Kind.SEND_B, Kind.SEND_T, Kind.SEND_O})
 RECV_KINDS = frozenset({Kind.RECV_F, Kind.RECV_B, Kind.RECV_T, Kind.RECV_O})
-WRITTEN_KINDS = frozenset({*COMPUTE_KINDS, Kind.ALLREDUCE, Kind.STEP, Kind.OVERLAP})
+WRITTEN_KINDS = frozenset({*COMPUTE_KINDS, Kind.ALLREDUCE, Kind.GATHER, Kind.STEP, Kind.OVERLAP})
 """The kinds a schedule's author writes; the lowering pass derives every other one."""
 
 _ACTION_TEXT = re.compile(r"^([A-Z_]+?)(\d+)(?:\.(\d+))?(?:@(\d+))?(?:v(\d+))?$")
@@ -48,7 +51,7 @@ class Action(NamedTuple):
 
     ``stage`` is the model stage the action belongs to. ``microbatch`` is the micro-batch
     (or, in asynchronous schedules, the mini-batch) it works on; ``None`` for ``STEP``,
-    ``ALLREDUCE``, ``LOSS``, ``OVERLAP`` (whose stage is its forward's) and the targets'
+    ``ALLREDUCE``, ``GATHER``, ``LOSS``, ``OVERLAP`` (whose stage is its forward's) and the targets'
     transfer. ``peer`` is the other rank of a send
     or receive. ``version`` is the weight version a ``F``/``B``/``W`` must use
     (asynchronous schedules) or the version a ``STEP`` produces; ``None`` means "the current
@@ -91,3 +94,11 @@ class Action(NamedTuple):
             None if peer is None else int(peer),
             None if version is None else int(version),
         )
+
+
+trusted_action: Callable[[tuple[Kind, int, int | None, int | None, int | None]], Action] = partial(
+    tuple.__new__, Action
+)
+"""An :class:`Action` from a ``(kind, stage, microbatch, peer, version)`` tuple of the right
+types, unchecked and made in C: how lowering and generators make actions by the hundred
+thousand."""

@@ -20,17 +20,13 @@ linear in the number of actions.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
-from functools import partial
+from collections.abc import Mapping, Sequence
 
-from pipetrain.schedules.actions import Action, Kind
+from pipetrain.schedules.actions import Action, Kind, trusted_action
 from pipetrain.schedules.messages import HANDS_ON, NEEDS, RECEIVES
 from pipetrain.schedules.overlap import pairs
 
 Lanes = tuple[tuple[Action, ...], ...]
-
-_action: Callable[[tuple[Kind, int, int, int, None]], Action] = partial(tuple.__new__, Action)
-"""An action from all five of its fields, made in C (lowering makes one per transfer)."""
 
 
 def lower(
@@ -84,7 +80,9 @@ def lower(
                     full = full_backwards and weight_pass_of(
                         action, order[index + 1] if index + 1 < len(order) else None
                     )
-                    (deferred if full else actions).append(_action((send, stage, mb, target, None)))
+                    (deferred if full else actions).append(
+                        trusted_action((send, stage, mb, target, None))
+                    )
                     sent[(rank, target)].append((RECEIVES[send][0], target_stage, mb))
         with_sends.append(actions)
         starts.append(at)
@@ -108,7 +106,7 @@ def lower(
             slots[i] = slot
         waiting = before[receiver]
         for (kind, stage, mb), slot in zip(receives, slots):
-            waiting[slot].append(_action((kind, stage, mb, sender, None)))
+            waiting[slot].append(trusted_action((kind, stage, mb, sender, None)))
 
     highest: dict[int, int] = {}  # the highest stage each rank holds
     for stage, holders in enumerate(stage_ranks):

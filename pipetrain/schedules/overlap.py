@@ -47,14 +47,24 @@ def pairs(lane: Sequence[Action]) -> dict[int, int]:
     return {found.end() - 1: found.start(1) for found in _PAIR.finditer(letters)}
 
 
-def check_pairs(lanes: Sequence[Sequence[Action]]) -> None:
+def check_pairs(lanes: Sequence[Sequence[Action]]) -> tuple[dict[int, int], ...]:
     """Raise :class:`ScheduleError` unless every ``OVERLAP`` is followed by a forward of its
-    stage and then a backward, among the rank's compute actions."""
+    stage and then a backward, among the rank's compute actions; else each lane's
+    :func:`pairs`."""
+    checked: list[dict[int, int]] = []
     for rank, lane in enumerate(lanes):
         letters = _letters(lane)
         if letters is None:
+            checked.append({})
             continue
-        forwards = {found.start(1) for found in _PAIR.finditer(letters)}
+        found_pairs = list(_PAIR.finditer(letters))
+        checked.append({found.end() - 1: found.start(1) for found in found_pairs})
+        # the usual lane: every marker starts a pair of its own, so only stages are left
+        if len(found_pairs) == letters.count("O") and all(
+            lane[found.start()][1] == lane[found.start(1)][1] for found in found_pairs
+        ):
+            continue
+        forwards = {found.start(1) for found in found_pairs}
         for run in _MARKED.finditer(letters):
             forward = run.end()  # the first compute action after each marker of the run
             marker = run.start()
@@ -68,3 +78,4 @@ def check_pairs(lanes: Sequence[Sequence[Action]]) -> None:
                         marker,
                     )
                 marker = letters.find("O", marker + 1, forward)
+    return tuple(checked)

@@ -9,11 +9,13 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from pipetrain.schedules.actions import COMPUTE_KINDS, WRITTEN_KINDS, Action, Kind
 from pipetrain.schedules.errors import ScheduleError
 from pipetrain.schedules.lower import full_backwards, lower
 from pipetrain.schedules.messages import rank_of
+from pipetrain.schedules.overlap import check_pairs
 from pipetrain.schedules.validate import validate
 
 
@@ -37,6 +39,13 @@ class Schedule:
     split_backward: bool = False
     asynchronous: bool = False
     options: Mapping[str, object] = field(default_factory=dict, compare=False)
+
+    @cached_property
+    def overlapped(self) -> tuple[dict[int, int], ...]:
+        """Per rank, the index of each overlapped pair's backward -> its forward's (see
+        :mod:`~pipetrain.schedules.overlap`); raises :class:`ScheduleError` where a marker
+        breaks the rule. Found once: the validator and the simulator both read it."""
+        return check_pairs(self.ranks)
 
     @property
     def num_ranks(self) -> int:

@@ -2,11 +2,11 @@
 
 It checks placement (each action on a rank that holds its stage), coverage (every
 micro-batch of every stage forwarded and backwarded exactly once, backward after forward),
-the flush of synchronous schedules, overlapped pairs, the weight-version rules of
-asynchronous ones (:mod:`~pipetrain.schedules.versions`), and then executes the schedule
-abstractly — sends never block, a receive waits for its message, an all-reduce for every
-member of its group — to find deadlocks, data used before it exists, and channels whose
-messages would be matched out of order.
+the flush of synchronous schedules, a sharded stage's gather before its passes, overlapped
+pairs, the weight-version rules of asynchronous ones (:mod:`~pipetrain.schedules.versions`),
+and then executes the schedule abstractly — sends never block, a receive waits for its
+message, an all-reduce or a gather for every member of its group — to find deadlocks, data
+used before it exists, and channels whose messages would be matched out of order.
 
 Every check is linear in the number of actions, and each lane is read in Python once: that
 pass also finds where a rank would first use data it does not have, so the execution visits
@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, NamedTuple
 from pipetrain.schedules.actions import COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, Action, Kind
 from pipetrain.schedules.errors import ScheduleError
 from pipetrain.schedules.messages import CARRIES, NEEDS, RECEIVES
-from pipetrain.schedules.overlap import check_pairs
 from pipetrain.schedules.versions import check_versions
 
 if TYPE_CHECKING:
@@ -31,7 +30,7 @@ if TYPE_CHECKING:
 def validate(schedule: Schedule) -> None:
     """Raise :class:`ScheduleError` if ``schedule`` could deadlock or breaks a training rule."""
     lanes = _check_lanes(schedule)
-    check_pairs(schedule.ranks)
+    schedule.overlapped  # noqa: B018  # finding the pairs checks them; the simulator reuses them
     if schedule.asynchronous:
         check_versions(schedule)
     _execute(schedule, lanes)
@@ -57,12 +56,13 @@ def _check_lanes(schedule: Schedule) -> list[_Lane]:
     expected = {Kind.FORWARD, Kind.BACKWARD} | ({Kind.WEIGHT} if schedule.split_backward else set())
     stage_ranks, stages, microbatches = schedule.stage_ranks, schedule.stages, schedule.microbatches
     synchronous, last = not schedule.asynchronous, stages - 1
-    forward, backward, weight, step, overlap = (
+    forward, backward, weight, step, overlap, gather = (
         Kind.FORWARD,
         Kind.BACKWARD,
         Kind.WEIGHT,
         Kind.STEP,
         Kind.OVERLAP,
+        Kind.GATHER,
     )
     compute, receives, needs, carries = COMPUTE_KINDS, RECV_KINDS, NEEDS.get, CARRIES.get
     # a micro-batch's passes on a stage come in this order; its progress counts them
@@ -118,6 +118,16 @@ def _check_lanes(schedule: Schedule) -> list[_Lane]:
                     stepped.add(stage)
             elif kind is not overlap:  # a send, a receive or a collective: it may wait
                 waits.append(index)
+                if kind is gather and any(
+                    progress.get(stage * microbatches + k) for k in range(microbatches)
+                ):
+                    raise ScheduleError(
+                        f"rank {rank}: {action} comes after a pass of stage {stage}; a "
+                        "sharded stage is gathered before its first pass",
+                        lane,
+                        rank,
+                        index,
+                    )
                 if kind in receives:
                     received.add((kind, stage, mb))
                 elif early == nowhere:
@@ -251,7 +261,7 @@ def _execute(schedule: Schedule, checked: list[_Lane]) -> None:
                         rank,
                         index,
                     )
-            else:  # ALLREDUCE or LOSS
+            else:  # ALLREDUCE, GATHER or LOSS
                 position[rank] = at
                 if not _arrive(
                     rank, action, stage_ranks, everyone, arrived, collectives, position, runnable
@@ -280,13 +290,11 @@ def _arrive(
     position: list[int],
     runnable: deque[int],
 ) -> bool:
-    """``rank`` reaches a collective (an all-reduce over the stage's replicas, the loss over
-    every rank); when it is the last to arrive, every member moves past it and the others
-    go back on the work list. Returns whether ``rank`` moved past it."""
+    """``rank`` reaches a collective (an all-reduce or a gather over the stage's replicas,
+    the loss over every rank); when it is the last to arrive, every member moves past it
+    and the others go back on the work list. Returns whether ``rank`` moved past it."""
     kind = action.kind
-    group, scope = (
-        (stage_ranks[action.stage], action.stage) if kind is Kind.ALLREDUCE else (everyone, 0)
-    )
+    group, scope = (everyone, 0) if kind is Kind.LOSS else (stage_ranks[action.stage], action.stage)
     members = arrived[(kind, scope, collectives[rank][(kind, scope)])]
     members.setdefault(rank)
     if len(members) < len(group):

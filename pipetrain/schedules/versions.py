@@ -8,7 +8,7 @@ mini-batch uses the version stage 0 used.
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
 from typing import TYPE_CHECKING
 
 from pipetrain.schedules.actions import Action, Kind
@@ -25,12 +25,17 @@ def check_versions(schedule: Schedule) -> None:
     max_versions = limit if isinstance(limit, int) else None
     forward_version: dict[tuple[int, int | None], int] = {}
     forward, backward, weight, step = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT, Kind.STEP
+    versioned = {forward, backward, weight, step}
     for rank, lane in enumerate(schedule.ranks):
         steps: dict[int, int] = defaultdict(int)
         # in_use[stage][version]: forwards on that version whose backward is still to come
-        in_use: dict[int, Counter[int]] = defaultdict(Counter)
+        # (plain dicts, not Counters: this runs for every action of a long window)
+        in_use: dict[int, dict[int, int]] = defaultdict(dict)
         for index, action in enumerate(lane):
-            kind, stage, mb, _, version = action
+            kind = action[0]
+            if kind not in versioned:  # transfers and collectives carry no version
+                continue
+            _, stage, mb, _, version = action
             problem: str | None = None
             if kind is forward:
                 if version is None or version > steps[stage]:
@@ -40,25 +45,26 @@ def check_versions(schedule: Schedule) -> None:
                     )
                 else:
                     forward_version[(stage, mb)] = version
-                    in_use[stage][version] += 1
-                    problem = _too_many(action, steps, in_use, max_versions)
-            elif kind is backward or kind is weight:
-                used = forward_version.get((stage, mb))
-                if version != used:
-                    problem = f"{action} uses version {version} but its forward used {used}"
-                elif kind is backward and version is not None:
                     held = in_use[stage]
-                    held[version] -= 1
-                    if not held[version]:
-                        del held[version]
+                    held[version] = held.get(version, 0) + 1
+                    problem = _too_many(action, steps, in_use, max_versions)
             elif kind is step:
                 steps[stage] += 1
                 if version != steps[stage]:
                     problem = f"{action} should produce version {steps[stage]}"
                 else:
                     problem = _too_many(action, steps, in_use, max_versions)
-            else:  # transfers and collectives carry no version
-                continue
+            else:  # a backward or a weight pass
+                used = forward_version.get((stage, mb))
+                if version != used:
+                    problem = f"{action} uses version {version} but its forward used {used}"
+                elif kind is backward and version is not None:
+                    held = in_use[stage]
+                    left = held.get(version, 0) - 1
+                    if left:
+                        held[version] = left
+                    else:
+                        held.pop(version, None)
             if problem is not None:
                 raise ScheduleError(f"rank {rank}: {problem}", lane, rank, index)
     if schedule.options.get("vertical_sync"):
@@ -73,15 +79,16 @@ def check_versions(schedule: Schedule) -> None:
 def _too_many(
     action: Action,
     steps: dict[int, int],
-    in_use: dict[int, Counter[int]],
+    in_use: dict[int, dict[int, int]],
     max_versions: int | None,
 ) -> str | None:
     """The problem if the versions live on ``action``'s stage (those forwards still use,
     and the newest) are more than ``max_versions``."""
     if max_versions is None:
         return None
-    stage = action.stage
-    live = len(in_use[stage]) + (steps[stage] not in in_use[stage])
+    stage = action[1]
+    held = in_use[stage]
+    live = len(held) + (steps[stage] not in held)
     if live <= max_versions:
         return None
     return f"stage {stage} needs {live} weight versions at {action}, at most {max_versions} allowed"

@@ -34,7 +34,8 @@ class Costs:
     Micro-batches of different sizes (sequences of different lengths) cost differently:
     ``compute_scale[m]`` multiplies micro-batch ``m``'s forward, backward and weight times
     (a float, or one value per stage) and ``bytes_scale[m]`` its activation and gradient
-    bytes; empty, every micro-batch costs the same.
+    bytes; empty, every micro-batch costs the same. ``gather_s`` is a sharded stage's
+    all-gather of its parameters (``GATHER``) before the step's passes.
     """
 
     forward_s: PerStage
@@ -53,6 +54,7 @@ class Costs:
     overlap: float = 0.0
     compute_scale: Sequence[PerStage] = ()
     bytes_scale: Sequence[float] = ()
+    gather_s: PerStage = 0.0
 
     def per_stage(self, field: str, count: int) -> list[float]:
         """The named field expanded to ``count`` values, checked for length and sign."""

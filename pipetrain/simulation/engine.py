@@ -28,7 +28,6 @@ from pipetrain.allocation import collector_paused
 from pipetrain.checks import positive_int
 from pipetrain.schedules import RECV_KINDS, SEND_KINDS, Kind, Schedule
 from pipetrain.schedules.messages import CHANNELS
-from pipetrain.schedules.overlap import pairs
 from pipetrain.simulation.costs import Costs, Variation
 from pipetrain.simulation.ports import Ports
 from pipetrain.timeline import Event, Timeline, trusted_event
@@ -94,9 +93,14 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
     small_send_s, small_receive_s = costs.send_s, costs.receive_s
     collective_s = {
         Kind.ALLREDUCE: costs.per_stage("allreduce_s", stages),
+        Kind.GATHER: costs.per_stage("gather_s", stages),
         Kind.LOSS: [costs.loss_s],
     }
-    groups = {Kind.ALLREDUCE: schedule.stage_ranks, Kind.LOSS: [tuple(range(num_ranks))]}
+    groups = {
+        Kind.ALLREDUCE: schedule.stage_ranks,
+        Kind.GATHER: schedule.stage_ranks,
+        Kind.LOSS: [tuple(range(num_ranks))],
+    }
 
     names = {kind: kind.value for kind in Kind}  # plain strings, looked up fast
     make = trusted_event  # every value below is already a plain int, str or float
@@ -176,9 +180,9 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
                 now = end
             elif kind is Kind.OVERLAP:  # a marker: its pair's passes follow, scaled
                 append(make((rank, names[kind], stage, mb, now, now)))
-            else:  # ALLREDUCE over the stage's replicas, LOSS over every rank
+            else:  # ALLREDUCE and GATHER over the stage's replicas, LOSS over every rank
                 position[rank] = index
-                scope = stage if kind is Kind.ALLREDUCE else 0
+                scope = 0 if kind is Kind.LOSS else stage
                 group = groups[kind][scope]
                 count = collectives_done[rank][(kind, scope)]
                 members = arrived[(kind, scope, count)]
@@ -205,7 +209,7 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
             f"simulation of {schedule.name} stopped with ranks {unfinished} waiting; "
             "validate the schedule first"
         )
-    return Timeline(events, num_ranks, label=schedule.name)
+    return Timeline.trusted(events, num_ranks, schedule.name)  # events of ranks 0..n-1
 
 
 def _durations(schedule: Schedule, costs: Costs) -> dict[Kind, list[float]]:
@@ -228,15 +232,23 @@ def _overlap_scales(
 ) -> list[dict[int, float]]:
     """Per rank, the index of each overlapped pass -> the factor on its cost that makes its
     pair last ``max + (1 − overlap)·min`` of the two passes."""
+    forward, backward = duration[Kind.FORWARD], duration[Kind.BACKWARD]
+    # (forward's stage, backward's stage) -> factor, or None for two passes of no time:
+    # a V schedule pairs few distinct stages, many times over
+    by_stages: dict[tuple[int, int], float | None] = {}
     scales: list[dict[int, float]] = []
-    for lane in schedule.ranks:
+    for lane, lane_pairs in zip(schedule.ranks, schedule.overlapped):
         lane_scales: dict[int, float] = {}
-        for backward, forward in pairs(lane).items():
-            f = duration[Kind.FORWARD][lane[forward].stage]
-            b = duration[Kind.BACKWARD][lane[backward].stage]
-            if f + b > 0:
-                scale = (max(f, b) + (1 - overlap) * min(f, b)) / (f + b)
-                lane_scales[forward] = lane_scales[backward] = scale
+        for b_index, f_index in lane_pairs.items():
+            key = (lane[f_index][1], lane[b_index][1])
+            if key not in by_stages:
+                f, b = forward[key[0]], backward[key[1]]
+                by_stages[key] = (
+                    (max(f, b) + (1 - overlap) * min(f, b)) / (f + b) if f + b > 0 else None
+                )
+            scale = by_stages[key]
+            if scale is not None:
+                lane_scales[f_index] = lane_scales[b_index] = scale
         scales.append(lane_scales)
     return scales
 

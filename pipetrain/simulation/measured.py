@@ -42,6 +42,7 @@ def measured_costs(timelines: Timeline | Sequence[Timeline], stages: int) -> Cos
         weight_s=per_stage("W"),
         step_s=per_stage("STEP"),
         allreduce_s=per_stage("ALLREDUCE"),
+        gather_s=per_stage("GATHER"),
         send_s=statistics.median(sends) if sends else 0.0,
         receive_s=receive_s,
         latency_s=max(0.0, transfer - receive_s),

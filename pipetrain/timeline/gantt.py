@@ -32,6 +32,7 @@ COMM_STYLES = {  # legend name, face colour, hatch; legend order follows this or
     "SEND": ("send", "#b9d7ea", "////"),
     "RECV": ("receive", "#c8e6c3", "\\\\\\\\"),
     "ALLREDUCE": ("all-reduce", "#f6dc8a", "xxxx"),
+    "GATHER": ("gather", "#d9c3e8", "++++"),
     "WAIT": ("wait", "#f3b6ae", "...."),
 }
 """Communication kinds by prefix: ``SEND_F``, ``SEND_T`` and any other ``SEND_*`` are sends."""

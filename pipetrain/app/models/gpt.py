@@ -53,23 +53,31 @@ class Embedding(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention using ``scaled_dot_product_attention``."""
+    """Multi-head causal self-attention using ``scaled_dot_product_attention``.
+
+    ``qkv_by_head``'s output features are laid out head by head (each head's query, key and
+    value together), so that a contiguous share of them holds whole heads: split colwise
+    over tensor-parallel processes, each computes its heads' attention alone. (Its name is
+    not the earlier layout's ``qkv``, so an earlier checkpoint is refused, not misread.)
+    """
 
     def __init__(self, d_model: int, heads: int, dropout: float) -> None:
         """Attention over ``heads`` heads of size ``d_model // heads``."""
         super().__init__()
         self.heads = heads
+        self.head_size = d_model // heads
         self.dropout = dropout
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.qkv_by_head = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
         self.proj_dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor, documents: Tensor | None = None) -> Tensor:
         """Attend each position to itself and earlier positions (of its own document, with
-        ``documents``): (B, T, C) -> (B, T, C)."""
-        batch, length, channels = x.shape
-        q, k, v = self.qkv(x).split(channels, dim=2)
-        q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        ``documents``): (B, T, C) -> (B, T, C) (C / tp of the heads' features, split)."""
+        batch, length, _ = x.shape
+        # the heads this process holds: all, or its share when the projection is split colwise
+        by_head = self.qkv_by_head(x).view(batch, length, -1, 3, self.head_size)
+        q, k, v = (by_head[:, :, :, part].transpose(1, 2) for part in range(3))
         mask = None
         if documents is not None:
             earlier = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
@@ -83,7 +91,7 @@ class CausalSelfAttention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             is_causal=mask is None,
         )
-        merged = attended.transpose(1, 2).reshape(batch, length, channels)
+        merged = attended.transpose(1, 2).reshape(batch, length, -1)
         return self.proj_dropout(self.proj(merged))
 
 
@@ -102,6 +110,22 @@ class Block(nn.Module):
             nn.Linear(4 * d_model, d_model),
             nn.Dropout(dropout),
         )
+
+    def tensor_parallel_plan(self, degree: int) -> dict[str, str]:
+        """How tensor parallelism of ``degree`` splits the block: the attention's heads (its
+        in-projection colwise, out-projection rowwise) and the MLP's hidden features."""
+        heads = self.attn.heads
+        if heads % degree:
+            raise ValueError(
+                f"tensor_parallel={degree} splits the GPT's attention heads, and {heads} heads "
+                f"do not divide by {degree}; give a tensor_parallel that divides {heads}"
+            )
+        return {
+            "attn.qkv_by_head": "colwise",
+            "attn.proj": "rowwise",
+            "mlp.0": "colwise",
+            "mlp.2": "rowwise",
+        }
 
     def forward(self, x: Tensor, documents: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Apply attention and the MLP with residual connections (the documents go on)."""

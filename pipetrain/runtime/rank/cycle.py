@@ -15,11 +15,12 @@ keeps everything about that between the executor's actions and across calls:
 - **the update**: ``STEP`` hands the stage to the weights, which apply it when every held
   stage has stepped (synchronous) or at once (asynchronous) under the
   :class:`~pipetrain.runtime.rank.update.Updater`'s policies; ``ALLREDUCE`` finishes a
-  replicated stage's gradient all-reduce, which the update's last gradient pass started;
+  replicated stage's gradient all-reduce, which the update's last gradient pass started,
+  and ``GATHER`` all-gathers a sharded stage's parameters;
 - **the counters**: updates applied and skipped, restored from a checkpoint.
 
-The executor only dispatches: its ``STEP``, ``LOSS`` and ``ALLREDUCE`` handlers each make
-one call here.
+The executor only dispatches: its ``STEP``, ``LOSS``, ``ALLREDUCE`` and ``GATHER`` handlers
+each make one call here.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ class UpdateCycle:
     ``weights`` holds this rank's stages and applies their updates; ``reducers`` all-reduce
     the gradients of its replicated stages; ``all_reduce`` sums a tensor over every rank;
     ``per_update`` counts the micro-batches of one update (by default every micro-batch of
-    a run), which turns a run's summed loss into the mean over its updates.
+    a run), which turns a run's summed loss into the mean over its updates. A ``mirror``
+    (a tensor-parallel process other than its rank's first) computes the same losses as
+    the first, which alone counts them.
     """
 
     def __init__(
@@ -52,8 +55,10 @@ class UpdateCycle:
         all_reduce: Callable[[torch.Tensor], None],
         device: torch.device,
         per_update: int | None = None,
+        mirror: bool = False,
     ) -> None:
         """Own the update cycle of ``weights``' stages."""
+        self._mirror = mirror
         self._weights, self._updater = weights, weights.updater
         self._reducers = dict(reducers)
         self._all_reduce, self._device, self._per_update = all_reduce, device, per_update
@@ -188,6 +193,8 @@ class UpdateCycle:
     def add_loss(self, loss: Loss) -> None:
         """Add a last-stage forward's loss (and count, for a pair-returning loss)."""
         schedule = self._running
+        if self._mirror:
+            return
         self._loss += loss[0]
         if loss[1] is None:
             return
@@ -200,6 +207,10 @@ class UpdateCycle:
             )
         self._count += loss[1].double()
         self._pairs += 1
+
+    def on_gather(self, stage: int) -> None:
+        """``GATHER``: all-gather a sharded stage's parameters for the step's passes."""
+        self._reducers[stage].gather()
 
     def on_allreduce(self, stage: int) -> None:
         """``ALLREDUCE``: finish a replicated stage's gradient all-reduce (when updating)."""

@@ -88,6 +88,7 @@ class Executor:
             Kind.RECV_T: self._receive_targets,
             Kind.RECV_O: self._receive_output,
             Kind.ALLREDUCE: lambda action: cycle.on_allreduce(action.stage),
+            Kind.GATHER: lambda action: cycle.on_gather(action.stage),
             Kind.STEP: lambda action: cycle.on_step(action.stage),
             Kind.LOSS: self._loss,
             # an overlapped pair's forward and backward follow as actions of their own, run

@@ -19,9 +19,13 @@ class Recorder:
     disabled recorder does neither.
     """
 
-    def __init__(self, rank: int, device: torch.device, enabled: bool = True) -> None:
-        """Record for ``rank``; synchronize ``device`` around events if it is a GPU."""
-        self.rank = rank
+    def __init__(
+        self, rank: int, device: torch.device, enabled: bool = True, mirrors: int = 1
+    ) -> None:
+        """Record for ``rank``; synchronize ``device`` around events if it is a GPU.
+        ``mirrors``: the processes playing each rank (tensor parallelism), whose first
+        alone speaks for the rank in a gathered timeline."""
+        self.rank, self.mirrors = rank, mirrors
         self.enabled = enabled
         self._sync = device.type == "cuda"
         self.events: list[Event] = []
@@ -46,9 +50,12 @@ class Recorder:
         """Every rank's events gathered on global rank ``root`` as a timeline starting at 0
         (``None`` on the other ranks). Every rank of ``group`` must call it."""
         world = dist.get_world_size(group)
-        gathered: list[list[Event]] | None = [[] for _ in range(world)] if self.rank == 0 else None
-        dist.gather_object(self.events, gathered, dst=root, group=group)
+        gathered: list[list[Event]] | None = (
+            [[] for _ in range(world)] if dist.get_rank() == root else None
+        )
+        first = dist.get_rank(group) % self.mirrors == 0
+        dist.gather_object(self.events if first else [], gathered, dst=root, group=group)
         if gathered is None:
             return None
         events = [event for events in gathered for event in events]
-        return Timeline(events, len(gathered), label=label).shifted()
+        return Timeline(events, world // self.mirrors, label=label).shifted()

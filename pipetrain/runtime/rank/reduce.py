@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from pipetrain.runtime.rank.shard import local
 from pipetrain.schedules import Action, Kind, Schedule
 
 DEFAULT_BUCKET_BYTES = 4 << 20
@@ -62,7 +63,11 @@ def completing_passes(
 
 class Reducer(Protocol):
     """What a replicated stage's gradients are reduced by: armed before the update's last
-    gradient pass, finished at the stage's ``ALLREDUCE``."""
+    gradient pass, finished at the stage's ``ALLREDUCE``; ``gather`` at its ``GATHER``."""
+
+    def gather(self) -> None:
+        """Make the stage's whole parameters present for the step's passes."""
+        ...
 
     def arm(self, tensors: Sequence[torch.Tensor]) -> None:
         """Prepare for the update's last backward, which fills ``tensors``' gradients."""
@@ -92,6 +97,9 @@ class GradientReducer:
         self.buckets = buckets_of(parameters, bucket_bytes)
         self._bucket_of = {index: b for b, bucket in enumerate(self.buckets) for index in bucket}
         self._reset()
+
+    def gather(self) -> None:
+        """Nothing to gather: every replica holds the whole stage."""
 
     def _reset(self) -> None:
         self._tensors: Sequence[torch.Tensor] = ()
@@ -135,7 +143,7 @@ class GradientReducer:
         tensor = self._tensors[index]
         if tensor.grad is None:
             tensor.grad = torch.zeros_like(tensor)
-        return tensor.grad
+        return local(tensor.grad)  # a tensor-parallel shard sums with the same shards
 
     @property
     def started(self) -> int:

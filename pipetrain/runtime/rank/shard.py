@@ -3,13 +3,15 @@ gradients and optimizer state (ZeRO-3, with torch's FSDP2 ``fully_shard``).
 
 With ``PipelineConfig(shard=True)`` every replicated stage's module is wrapped by
 :func:`torch.distributed.fsdp.fully_shard` over a device mesh of its replicas' ranks
-(:func:`shard_stage`): its parameters become sharded ``DTensor``\\ s, each forward and
-backward gathers them first and frees them after, and the optimizer steps only this
-rank's shard. The micro-batches' backwards accumulate their gradients unreduced; the
+(:func:`shard_stage`): its parameters become sharded ``DTensor``\\ s, the schedule's
+``GATHER`` of the stage (:mod:`pipetrain.schedules.gathers`) all-gathers them before the
+step's first pass and they stay gathered through its passes, and the optimizer steps only
+this rank's shard. The micro-batches' backwards accumulate their gradients unreduced; the
 schedule's ``ALLREDUCE`` of the stage, after its update's last backward, then
-reduce-scatters them once (:class:`ShardedReducer`, in place of the replicated stage's
-all-reduce), summed over the replicas as replicated stages' gradients are, since each
-replica's micro-batch losses are already weighted by their share of the whole mini-batch.
+reduce-scatters them once and frees the gathered parameters (:class:`ShardedReducer`, in
+place of the replicated stage's all-reduce), summed over the replicas as replicated stages'
+gradients are, since each replica's micro-batch losses are already weighted by their share
+of the whole mini-batch.
 """
 
 from __future__ import annotations
@@ -23,18 +25,27 @@ import torch.distributed as dist
 from torch import nn
 
 if TYPE_CHECKING:  # FSDP takes seconds to import: a run that shards imports it
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule
 
 
-def shard_stage(module: nn.Module, group: dist.ProcessGroup, device: torch.device) -> FSDPModule:
+def shard_stage(
+    module: nn.Module,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    mesh: DeviceMesh | None = None,
+) -> FSDPModule:
     """Wrap ``module`` (a stage's, on every rank of its replica ``group``) so that each replica
     holds a shard of its parameters; gradients wait unreduced until :class:`ShardedReducer`
-    reduces them. Every replica must hold the same initial weights."""
+    reduces them. Every replica must hold the same initial weights. ``mesh``: the replicas'
+    dimension of a mesh whose other dimension splits the stage's parameters already
+    (tensor parallelism; by default a mesh of ``group``)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = DeviceMesh.from_group(group, device.type)
-    sharded: FSDPModule = fully_shard(module, mesh=mesh)
+    mesh = mesh or DeviceMesh.from_group(group, device.type)
+    # gathered by the schedule's GATHER, freed at the reduce-scatter: not between passes
+    sharded: FSDPModule = fully_shard(module, mesh=mesh, reshard_after_forward=False)
     sharded.set_gradient_divide_factor(1.0)  # replicas' weighted losses sum, as all-reduces do
     sharded.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no scaled one
     sharded.set_requires_gradient_sync(False)
@@ -49,6 +60,11 @@ class ShardedReducer:
     def __init__(self, module: FSDPModule) -> None:
         """Reduce the gradients that ``module``'s backwards accumulated."""
         self.module = module
+
+    def gather(self) -> None:
+        """All-gather the stage's parameters (the schedule's ``GATHER``); they stay gathered
+        until :meth:`finish` (or through calls that only accumulate)."""
+        self.module.unshard()
 
     def arm(self, tensors: Sequence[torch.Tensor]) -> None:
         """Nothing to start early: the gradients are reduced once, at :meth:`finish`."""

@@ -4,13 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipetrain.schedules.actions import Action, Kind
-from pipetrain.schedules.builtin.common import (
-    in_flight_limit,
-    one_f_one_b,
-    one_f_one_b_in_flight,
-    stamp_versions,
-)
+from pipetrain.schedules.actions import Action, Kind, trusted_action
+from pipetrain.schedules.builtin.common import one_f_one_b_in_flight
 from pipetrain.schedules.registry import (
     Bubble,
     Generated,
@@ -26,21 +21,33 @@ def generate(
 ) -> Generated:
     """Mini-batch t (``microbatches`` micro-batches) runs on weight version t − 1 (version 0
     for t = 0), so W(t+1) = W(t) − ν·∇f(W(t−1)) and each stage holds two versions."""
-    counts = [1] * ranks
     total = microbatches * int(options["rounds"])
-    orders = []
-    for stage in range(ranks):
-        order: list[Action] = []
-        for action in one_f_one_b(stage, range(total), in_flight_limit(counts, stage)):
-            order.append(action)
-            mb = action.microbatch
-            if action.kind is Kind.BACKWARD and mb is not None and (mb + 1) % microbatches == 0:
-                order.append(Action(Kind.STEP, stage))
-        orders.append(order)
-    stamped = stamp_versions(
-        orders, lambda stage, mb, steps: max(mb // microbatches - 1, 0), vertical_sync=False
-    )
-    return Generated(stamped, [(stage,) for stage in range(ranks)], {"max_versions": 2})
+    orders = [_order(stage, ranks - stage, total, microbatches) for stage in range(ranks)]
+    return Generated(orders, [(stage,) for stage in range(ranks)], {"max_versions": 2})
+
+
+def _order(stage: int, limit: int, total: int, microbatches: int) -> list[Action]:
+    """Stage ``stage``'s 1F1B order over ``total`` micro-batches with ``limit`` in flight
+    (``common.one_f_one_b``), each F and B stamped with its version and a STEP after every
+    ``microbatches`` backwards. Made in one pass: 2bw's windows hold twice a flushing
+    family's actions, and a second pass to stamp versions was a fifth of a build."""
+    forward, backward, step = Kind.FORWARD, Kind.BACKWARD, Kind.STEP
+    warm_up = min(limit, total)
+    order = [
+        trusted_action((forward, stage, mb, None, max(mb // microbatches - 1, 0)))
+        for mb in range(warm_up)
+    ]
+    steps = 0
+    for mb in range(total):
+        order.append(trusted_action((backward, stage, mb, None, max(mb // microbatches - 1, 0))))
+        if (mb + 1) % microbatches == 0:
+            steps += 1
+            order.append(trusted_action((step, stage, None, None, steps)))
+        following = mb + warm_up
+        if following < total:
+            version = max(following // microbatches - 1, 0)
+            order.append(trusted_action((forward, stage, following, None, version)))
+    return order
 
 
 def check(ranks: int, microbatches: int, replicas: Sequence[int] | None, options: Options) -> None:
