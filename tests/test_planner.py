@@ -87,9 +87,11 @@ def test_footprint_counts_what_layers_save_where_it_was_profiled() -> None:
         ("pipedream", 0, 4, [1, 1], False, 2 * 100 + 200 + 2 * 15 + 10 + 4 * 10),
         # 2bw's step plays two updates: 8 micro-batches, 7 of whose gradients are sent
         ("2bw", 1, 4, [1, 1], False, 2 * 50 + 50 + 100 + 30 + 20 + (8 - 1) * 10),
-        # 2 replicas: each plays 2 of the 4 micro-batches
-        ("gpipe", 0, 4, [2, 1], False, 400 + 2 * 15 + 10 + 2 * 10),
-        ("1f1b", 0, 8, [2, 1], False, 400 + 2 * 15 + 10 + 4 * 10),
+        # 2 replicas: each plays 2 of the 4 micro-batches; at the all-reduce the gradients'
+        # flat copy joins weights, gradients and optimizer state (3 * 100 + 200), higher here
+        # than the activations' moment (400 + 2 * 15 + 10)
+        ("gpipe", 0, 4, [2, 1], False, 3 * 100 + 200 + 2 * 10),
+        ("1f1b", 0, 8, [2, 1], False, 3 * 100 + 200 + 4 * 10),
         ("1f1b", 0, 1, [1, 1], False, 400 + 15 + 10 + 10),
     ],
 )

@@ -130,6 +130,7 @@ def plan_on_corpus(config: TrainConfig, threads: int) -> Plan:
                 config.samples // p.microbatch_size for p in (measured, *measured.other_sizes)
             ],
             schedules=config.plan_schedules,
+            memory_limit=config.plan_memory,
             every_worker=True,
             shared_cores=cores,
             progress=progress_printer(),
@@ -150,5 +151,10 @@ def automatic_plan(config: TrainConfig, threads: int) -> Plan:
             "then planning ..."
         )
     return plan_together(
-        config.model, config.samples, config.seed, threads, schedules=config.plan_schedules
+        config.model,
+        config.samples,
+        config.seed,
+        threads,
+        schedules=config.plan_schedules,
+        memory_limit=config.plan_memory,
     )

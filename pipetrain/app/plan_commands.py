@@ -124,6 +124,11 @@ def add_plan(commands: argparse._SubParsersAction) -> None:
         "--no-replication", action="store_true", help="a straight pipeline, one worker per stage"
     )
     parser.add_argument(
+        "--no-shard",
+        action="store_true",
+        help="replicated stages as whole copies only (by default shards are tried too)",
+    )
+    parser.add_argument(
         "-o", "--out", metavar="FILE.json", help="write the plan here (for train --plan)"
     )
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
@@ -142,6 +147,7 @@ def run_plan(args: argparse.Namespace) -> None:
         memory_limit=parse_bytes(args.memory) if args.memory else None,
         batch_size=args.batch_size,
         replication=not args.no_replication,
+        shard=not args.no_shard,
         progress=progress_printer(quiet_s=1.0),
         schedules=tuple(args.schedules.split(",")) if args.schedules else None,
     )

@@ -24,6 +24,7 @@ from pipetrain.app.data_arguments import (
     microbatch_tokens,
 )
 from pipetrain.schedules import RECOMPUTE_MODES, names, spec
+from pipetrain.units import parse_bytes
 
 if TYPE_CHECKING:
     from pipetrain.app.train_config import TrainConfig
@@ -172,6 +173,13 @@ def add_train(commands: argparse._SubParsersAction) -> None:
         "auto profiles and plans first",
     )
     parser.add_argument(
+        "--memory",
+        type=_bytes,
+        metavar="SIZE",
+        help="with --plan auto: memory per worker the plan must fit, e.g. 2GiB (replicated "
+        "stages may then be sharded; default: no limit)",
+    )
+    parser.add_argument(
         "--seed", type=int, default=0, help="seed of the weights and the data (default 0)"
     )
     parser.add_argument(
@@ -233,6 +241,13 @@ def _balance(text: str) -> tuple[int, ...]:
     return tuple(positive_int(part) for part in text.split(","))
 
 
+def _bytes(text: str) -> float:
+    try:
+        return parse_bytes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _positive_float(text: str) -> float:
     value = non_negative_float(text)
     if value == 0:
@@ -245,6 +260,8 @@ def run_train(args: argparse.Namespace) -> None:
     refuse_stages(args)
     check_saving(args.save_dir, args.save_every, args.accumulate, args.keep_checkpoints)
     check_data_flags(args)
+    if args.memory is not None and args.plan != "auto":
+        raise ValueError("--memory is the limit --plan auto plans within: give --plan auto too")
     from pipetrain.app.train_config import TrainConfig
     from pipetrain.app.train_job import run_training
     from pipetrain.app.train_resume import RunFinished
@@ -279,6 +296,7 @@ def run_train(args: argparse.Namespace) -> None:
         plan=_train_plan(args),
         plan_auto=plan_auto,
         plan_schedules=(args.schedule,) if args.schedule and plan_auto else None,
+        plan_memory=args.memory,
         accumulate=args.accumulate,
         lr_schedule=args.lr_schedule,
         eval_every=args.eval_every,

@@ -39,7 +39,8 @@ class TrainConfig:
     the split, schedule and micro-batches, and its prediction is kept as ``planned_step_s``
     (for the network ``planned_topology``); ``plan_auto`` has the workers profile the model,
     measure their links and plan it for ``ranks`` workers first, choosing among
-    ``plan_schedules`` (``None``: every schedule). Every ``accumulate`` steps (and the last)
+    ``plan_schedules`` (``None``: every schedule) within ``plan_memory`` bytes a worker
+    (``None``: no limit). Every ``accumulate`` steps (and the last)
     make one update. ``lr_schedule`` is ``"constant"`` or ``"warmup-cosine"`` (see
     :func:`warmup_cosine`); every ``eval_every`` steps the run evaluates the model on a
     fixed held-out batch. With ``save_dir``, the run saves a checkpoint every ``save_every``
@@ -65,6 +66,7 @@ class TrainConfig:
     plan: Plan | None = None
     plan_auto: bool = False
     plan_schedules: tuple[str, ...] | None = None
+    plan_memory: float | None = None
     planned_step_s: float | None = None
     planned_topology: str | None = None
     accumulate: int = 1

@@ -7,6 +7,11 @@ into :class:`pipetrain.simulation.Costs` for its stages. Workers are
 placed as :func:`pipetrain.schedules.build` places them: each stage on consecutive ranks,
 and chunk ``c`` of a schedule with chunks where its spec's ``placement`` puts it
 (``c mod p`` for ``interleaved``, a V for ``zb-v``).
+
+A layout with ``shard`` has its replicated stages held as shards (less memory, see
+:func:`~pipetrain.planning.memory.worker_memory`): its schedule has each replica all-gather
+its stage's weights first (``GATHER``, :func:`~pipetrain.schedules.gathers.with_gathers`,
+costing a ring pass, ``Costs.gather_s``), and its ``ALLREDUCE`` is a ring reduce-scatter.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pipetrain.planning.sharing import shared_cores_stretch
 from pipetrain.planning.topology import Topology
 from pipetrain.profiler.costs import Profile
 from pipetrain.schedules import Schedule, build, spec
+from pipetrain.schedules.gathers import with_gathers
 from pipetrain.simulation import Costs, Variation, simulate
 from pipetrain.timeline import Timeline
 
@@ -31,10 +37,12 @@ VIRTUAL_CHUNKS = 2
 
 @dataclass(frozen=True)
 class Layout:
-    """Stages as ``(start, stop, replicas)`` in pipeline order; ``virtual`` chunks per rank."""
+    """Stages as ``(start, stop, replicas)`` in pipeline order; ``virtual`` chunks per rank;
+    ``shard``: the replicated stages' replicas hold shards."""
 
     stages: tuple[tuple[int, int, int], ...]
     virtual: int = 1
+    shard: bool = False
 
     @cached_property
     def replicas(self) -> list[int]:
@@ -57,13 +65,16 @@ class Layout:
         """Whether ``schedule`` can run this layout with ``microbatches`` micro-batches.
 
         Replicated layouts go to synchronous replicable families only: the replication
-        planner proposes them under one all-reduce per step.
+        planner proposes them under one all-reduce per step. A sharded one also needs every
+        replica to run a micro-batch (as many micro-batches as the most replicas).
         """
         family = spec(schedule)
         if self.virtual > 1:
             chunked = {family.chunk_option: self.virtual} if family.chunk_option else None
             return chunked is not None and family.accepts(self.workers, microbatches, None, chunked)
         if family.chunk_option is not None:
+            return False
+        if self.shard and microbatches < max(self.replicas):
             return False
         if max(self.replicas) > 1:
             return (
@@ -108,7 +119,13 @@ class Candidate:
             replicas = self.layout.replicas
             return [
                 worker_memory(
-                    [footprints[s]], [flags[s]], self.schedule, s, self.microbatches, replicas
+                    [footprints[s]],
+                    [flags[s]],
+                    self.schedule,
+                    s,
+                    self.microbatches,
+                    replicas,
+                    shard=self.layout.shard,
                 )
                 for s in range(len(stages))
             ]
@@ -162,7 +179,7 @@ class Candidate:
     def costs(self, topology: Topology) -> Costs:
         """Per-stage times and per-boundary transfers for :func:`pipetrain.simulation.simulate`."""
         layers, layout = self.profile.layers, self.layout
-        forward, backward, weight, allreduce = [], [], [], []
+        forward, backward, weight, allreduce, gather = [], [], [], [], []
         for stage, ((start, stop, replicas), again) in enumerate(
             zip(layout.stages, self.recompute_flags)
         ):
@@ -178,18 +195,13 @@ class Candidate:
             )
             if replicas == 1:  # no all-reduce (and no span of ranks to look up)
                 allreduce.append(0.0)
+                gather.append(0.0)
                 continue
-            weights = sum(layer.parameter_bytes for layer in part)
-            ranks = self.ranks_of(stage)
-            allreduce.append(
-                # a ring all-reduce: 2 (r - 1) messages in turn, carrying 2 (r - 1) / r of it
-                2
-                * (replicas - 1)
-                * (
-                    topology.span_latency(*ranks)
-                    + weights / replicas / topology.span_bandwidth(*ranks)
-                )
-            )
+            # a ring all-reduce: a reduce-scatter and an all-gather; sharded, the all-gather
+            # comes first, of the weights, and the reduce-scatter at the end
+            ring_pass = self._ring_pass_s(stage, topology)
+            allreduce.append(ring_pass if layout.shard else 2 * ring_pass)
+            gather.append(ring_pass if layout.shard else 0.0)
         boundaries = range(len(layout.stages) - 1)
         sizes = [layers[layout.stages[b][1] - 1].activation_bytes for b in boundaries] or [0.0]
         spans = [self._span(b) for b in boundaries]
@@ -216,12 +228,23 @@ class Candidate:
             latency_s=latency,
             step_s=steps,
             allreduce_s=allreduce,
+            gather_s=gather,
             send_s=message,
             receive_s=message,
             send_byte_s=self.profile.send_byte_s,
             receive_byte_s=self.profile.receive_byte_s,
             # the loss all-reduce that ends the step: one small message, round the ring
             loss_s=message + everyone,
+        )
+
+    def _ring_pass_s(self, stage: int, topology: Topology) -> float:
+        """A ring reduce-scatter or all-gather of ``stage``'s weights over its replicas:
+        ``r - 1`` messages in turn, each carrying ``1/r`` of them."""
+        start, stop, replicas = self.layout.stages[stage]
+        weights = sum(layer.parameter_bytes for layer in self.profile.layers[start:stop])
+        ranks = self.ranks_of(stage)
+        return (replicas - 1) * (
+            topology.span_latency(*ranks) + weights / replicas / topology.span_bandwidth(*ranks)
         )
 
     def _span(self, boundary: int) -> tuple[int, int]:
@@ -234,11 +257,12 @@ class Candidate:
         """A makespan no schedule can beat.
 
         A worker of stage ``s`` idles until the first micro-batch has passed the forwards of
-        the stages before it, then does its own work (``⌈m / r_s⌉`` of the ``m`` micro-batches
-        its step plays, two updates' worth for ``2bw``, and the all-reduce); unless the
-        backward is split, its last backward is then followed by the backwards of the
-        earlier stages. A rank ``r`` holding chunks likewise waits for chunks ``0..r-1``
-        before its first forward and, unless the backward is split, after its last backward.
+        the stages before it (a sharded stage also until its gather ends), then does its own
+        work (``⌈m / r_s⌉`` of the ``m`` micro-batches its step plays, two updates' worth for
+        ``2bw``); after its last backward come its all-reduce and, unless the backward is
+        split, the backwards of the earlier stages, which overlap: the longer counts. A rank
+        ``r`` holding chunks likewise waits for chunks ``0..r-1`` before its first forward
+        and, unless the backward is split, after its last backward.
         """
         family = spec(self.schedule)
         played = family.window(self.microbatches, family.resolve({}))
@@ -257,10 +281,13 @@ class Candidate:
                 for chunks in held
                 if chunks
             )
+        gather = costs.per_stage("gather_s", count)
         bound = head = tail = 0.0
         for stage, replicas in enumerate(self.layout.replicas):
-            busy = math.ceil(played / replicas) * work[stage] + allreduce[stage]
-            bound = max(bound, head + busy + (0.0 if split else tail))
+            busy = math.ceil(played / replicas) * work[stage]
+            head = max(head, gather[stage])  # a sharded stage's first pass after its gather
+            # the earlier stages' backwards run while this stage all-reduces
+            bound = max(bound, head + busy + max(allreduce[stage], 0.0 if split else tail))
             head += forward[stage]
             tail += backward[stage] + weight[stage]
         return bound
@@ -293,9 +320,10 @@ class Candidate:
         return layout.workers, self.microbatches, replicas, options
 
     def build(self) -> Schedule:
-        """The candidate's schedule."""
+        """The candidate's schedule (with its sharded stages' gathers)."""
         ranks, microbatches, replicas, options = self._arguments()
-        return build(self.schedule, ranks, microbatches, replicas=replicas, **options)
+        built = build(self.schedule, ranks, microbatches, replicas=replicas, **options)
+        return with_gathers(built) if self.layout.shard else built
 
     def written_bound(self, costs: Costs) -> float | None:
         """A makespan its simulation on ``costs`` cannot beat, from its schedule's written

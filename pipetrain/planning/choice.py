@@ -194,11 +194,13 @@ def _outdone(candidate: Candidate, ceiling: float, results: list[_Simulated]) ->
 
 
 def _summary(candidate: Candidate) -> str:
-    """``"1f1b, 8 stages on 64 ranks, 16 micro-batches"``."""
+    """``"1f1b, 8 stages on 64 ranks, 16 micro-batches"`` (``sharded`` after the ranks
+    where the replicas hold shards)."""
     layout = candidate.layout
+    sharded = " sharded" if layout.shard else ""
     return (
         f"{candidate.schedule}, {counted(len(layout.stages), 'stage')} on "
-        f"{counted(layout.workers, 'rank')}, "
+        f"{counted(layout.workers, 'rank')}{sharded}, "
         f"{counted(candidate.microbatches, 'micro-batch', 'micro-batches')}"
     )
 
@@ -230,7 +232,13 @@ def _chosen(results: list[_Simulated], fastest: float) -> _Simulated:
     quickest = max(r.throughput for r in near)
     return min(
         (r for r in near if r.throughput >= quickest * (1 - _TIED)),
-        key=lambda r: (r.entry.candidate.layout.workers, r.entry.peak, r.place),
+        # whole copies before shards: gathering costs copies the model leaves out
+        key=lambda r: (
+            r.entry.candidate.layout.workers,
+            r.entry.candidate.layout.shard,
+            r.entry.peak,
+            r.place,
+        ),
     )
 
 
@@ -252,6 +260,7 @@ def _as_plan(
     weight = costs.per_stage("weight_s", count)
     return Plan(
         stages=[PlanStage(start, stop, replicas) for start, stop, replicas in layout.stages],
+        shard=layout.shard,
         schedule=candidate.schedule,
         microbatches=candidate.microbatches,
         recompute=candidate.recompute,

@@ -1,11 +1,13 @@
 """The candidates the planner simulates: for each micro-batch count, the stage layouts of
-the topology, each with every schedule that runs it at the micro-batch size its step plays,
-and the cheapest recomputation mode that fits the memory limit."""
+the topology (each with replicated stages also with their replicas holding shards), each with
+every schedule that runs it at the micro-batch size its step plays, and the cheapest
+recomputation mode that fits the memory limit."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 from pipetrain.planning.candidates import Candidate, Layout, step_costs
 from pipetrain.planning.layouts import layouts
@@ -27,9 +29,11 @@ def fitting_candidates(
     report: Callable[[str], None],
     verdicts: Verdicts,
     every_worker: bool,
+    shard: bool = False,
 ) -> tuple[list[tuple[Candidate, list[float]]], tuple[float, Candidate | None]]:
     """Candidates that fit with their memory, and the smallest peak among those that do not;
-    each tried candidate goes to ``verdicts``."""
+    each tried candidate goes to ``verdicts``. With ``shard``, a layout with replicated
+    stages is tried with shards too."""
     fitting: list[tuple[Candidate, list[float]]] = []
     smallest: tuple[float, Candidate | None] = (math.inf, None)
     layouts_by_batch: dict[int, list[Layout]] = {}
@@ -42,12 +46,13 @@ def fitting_candidates(
                     f"planning: stage layouts for "
                     f"{counted(count, 'micro-batch', 'micro-batches')} ({index + 1}/{len(counts)})"
                 )
-                layouts_by_batch[step_batch] = layouts(
+                found = layouts(
                     step_costs(micro, count),
                     topology,
                     replication,
                     any(spec(name).chunk_option for name in schedules),
                 )
+                layouts_by_batch[step_batch] = found + (_sharded(found) if shard else [])
             for layout in layouts_by_batch[step_batch]:
                 if every_worker and layout.workers != topology.workers:
                     continue
@@ -66,6 +71,15 @@ def fitting_candidates(
                         fitting.append(fit)
                     smallest = min([smallest, *unfit], key=lambda pair: pair[0])
     return fitting, smallest
+
+
+def _sharded(found: list[Layout]) -> list[Layout]:
+    """The layouts of ``found`` with a replicated stage, their replicas holding shards."""
+    return [
+        replace(layout, shard=True)
+        for layout in found
+        if layout.virtual == 1 and max(layout.replicas) > 1
+    ]
 
 
 def _cheapest_recompute(

@@ -5,6 +5,12 @@ buffer, the optimizer state, and the activations of the micro-batches in flight:
 
 ``peak = versions·|W| + |W| (gradients) + |optimizer| + activations + workspace + sent``
 
+A replicated stage of a synchronous schedule also meets the all-reduce at the step's end,
+when the gradients' flat copy in the reducer's buckets is alive with them:
+``3|W| + |optimizer| + sent``, where that is higher (measured within 1% on 2 stages x 2
+replicas whose weights outweigh their activations: ``benchmarks/bench_shard_memory.py
+--peaks``).
+
 The gradient buffer is left out where an asynchronous schedule updates after every
 micro-batch (``pipedream``): its update frees the gradients right after the backward that
 made them, so they never meet the in-flight activations at the peak.
@@ -25,6 +31,21 @@ tensors autograd saves and the output, as profiled) and ``I`` its input alone,
   end, when the runtime waits for all of them (gloo completes a send only once it is
   waited for), so the peak comes late in the step, when every forward has sent its
   output and every backward but the ``n`` held micro-batches' its input gradient.
+
+A stage sharded over its ``r`` replicas (``PipelineConfig(shard=True)``, FSDP2) keeps its
+shards of the weights and of the optimizer state, ``shards = (|W| + |optimizer|) / r``,
+through a step; the last update's gradient shards are dropped as the call starts. The
+runtime gathers the weights whole before the first forward and keeps them gathered until
+the reduce-scatter after the last backward, while the backwards accumulate whole, unsharded
+gradients, so the peak is the larger of two moments (measured on every rank of 2 stages x 2
+sharded replicas within 5%: ``benchmarks/bench_shard_memory.py --peaks``):
+
+``shards + |W| (gathered) + activations + workspace + sent + unsharded`` where
+``unsharded = |W|`` if a forward follows a backward on the worker (the gradients of the
+first backward meet ``n`` micro-batches again), else ``max(0, |W| − kept)`` (they grow as
+the first backward frees one micro-batch's ``kept`` activations); and the reduce-scatter:
+``shards + 2|W| + |W|/r + sent`` (the whole gradients, their flat copy the collective sends
+and the new shard, after the gathered weights are freed).
 
 These are the GPipe and PipeDream-2BW formulas of ANCHORS.md per stage: GPipe with
 recomputation ``|W|/d + |A_total(b)|/d + m·|A_input(b)|`` (``n = m``); 2BW
@@ -127,15 +148,19 @@ def worker_memory(
     stage: int,
     microbatches: int,
     replicas: Sequence[int],
+    shard: bool = False,
 ) -> float:
     """Peak bytes on one worker of ``stage`` (see the module docstring for the formula).
 
     ``chunks`` are the stage's footprints: one, or the ``v`` chunks of a rank under a
     schedule with chunks; ``recompute[i]`` says whether chunk ``i`` re-materialises its
-    activations in the backward.
+    activations in the backward. With ``shard``, a stage of several replicas holds shards
+    (one chunk per worker, a synchronous schedule).
     """
     if len(chunks) != len(recompute) or not chunks:
         raise ValueError("give one recompute flag per chunk, and at least one chunk")
+    if shard and len(chunks) > 1:
+        raise ValueError("a sharded stage is one chunk per worker; give one footprint")
     weights = sum(chunk.parameter_bytes for chunk in chunks)
     optimizer = sum(chunk.optimizer_bytes for chunk in chunks)
     count = in_flight(schedule, stage, microbatches, replicas, virtual=len(chunks))
@@ -158,7 +183,19 @@ def worker_memory(
     # those of the micro-batches still held its gradient
     gradients_sent = max(window * len(chunks) - count, 0) / len(chunks)
     sent = sum(window * c.output_bytes + gradients_sent * c.gradient_bytes for c in chunks)
+    if shard and replicas[stage] > 1:
+        shards = (weights + optimizer) / replicas[stage]
+        # a forward after a backward: the first backward's gradients meet n micro-batches
+        refilled = count < window
+        unsharded = weights if refilled else max(0.0, weights - kept)
+        during = shards + weights + unsharded + activations + workspace + sent
+        reduce_scatter = shards + 2 * weights + weights / replicas[stage] + sent
+        return max(during, reduce_scatter)
     versions = family.weight_versions(stage, replicas, options)
     freed = family.asynchronous and family.per_update(microbatches, options) == 1
     gradients = 0.0 if freed else weights
-    return versions * weights + gradients + optimizer + activations + workspace + sent
+    peak = versions * weights + gradients + optimizer + activations + workspace + sent
+    if replicas[stage] > 1 and not family.asynchronous:
+        # the all-reduce at the step's end: the gradients' flat copy in its buckets
+        peak = max(peak, 3 * weights + optimizer + sent)
+    return peak

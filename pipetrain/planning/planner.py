@@ -48,6 +48,7 @@ def plan(
     shared_cores: int | None = None,
     *,
     exhaustive: bool = False,
+    shard: bool = True,
 ) -> Plan:
     """The fastest plan whose every worker fits in ``memory_limit`` bytes (None: no limit).
 
@@ -69,6 +70,10 @@ def plan(
     ``shared_cores``: the workers all share this many cores (local workers, or an emulated
     cluster on one machine), so compute stretches when more of them are busy at once (see
     :mod:`pipetrain.planning.sharing`); ``None``: each worker has its own.
+    With ``shard``, every layout with replicated stages is also tried with their replicas
+    holding shards (``PipelineConfig(shard=True)``: less memory a worker, the weights
+    all-gathered at the start of each step; see :mod:`~pipetrain.planning.candidates`); on
+    a tie whole copies win. ``Plan.rejected_layouts`` says why the other kind lost.
     ``exhaustive`` simulates every candidate that the stage-sum bound leaves in, without
     the tighter written bound that spares most simulations (see
     :mod:`pipetrain.planning.choice`): the same plan, slower; for checking that claim.
@@ -105,11 +110,13 @@ def plan(
         report,
         verdicts,
         every_worker,
+        shard,
     )
     if not fitting:
         raise ValueError(_no_fit_message(memory_limit, smallest, profile, topology, replication))
     chosen = fastest(fitting, topology, report, verdicts, shared_cores, exhaustive)
     chosen.rejected = verdicts.rejected(chosen.schedule, memory_limit)
+    chosen.rejected_layouts = verdicts.rejected_layouts(chosen.layout_kind, memory_limit)
     return chosen
 
 

@@ -12,9 +12,10 @@ from pipetrain.planning.topology import Topology
 from pipetrain.schedules import spec
 from pipetrain.units import counted, format_bytes
 
-FORMAT_VERSION = 4
-"""Version of the JSON layout written by :meth:`Plan.save` (4: ``ranks``, which version 3
-called ``workers``; version 3 files are still read)."""
+FORMAT_VERSION = 5
+"""Version of the JSON layout written by :meth:`Plan.save` (5: ``shard`` and
+``rejected_layouts``; 4: ``ranks``, which version 3 called ``workers``; version 4 and 3
+files are still read, as plans of whole copies)."""
 
 
 @dataclass
@@ -44,7 +45,11 @@ class Plan(JsonFile):
     ranks in order. ``rejected`` names each other schedule the planner considered and why
     it lost (out of memory, no layout it runs, or slower). ``topology`` is the network
     planned for, in :meth:`pipetrain.planning.Topology.parse` syntax. ``model`` is the
-    profile's: the model planned for (``""`` where the profile names none).
+    profile's: the model planned for (``""`` where the profile names none). ``shard``: the
+    replicas of each replicated stage hold shards of it (run with
+    ``PipelineConfig(shard=True)``, which :meth:`PipelineConfig.from_plan` sets; a stage
+    on one rank holds it whole); ``rejected_layouts`` says why the other way of replicating
+    stages (``replicated``: whole copies, or ``sharded``) lost.
     """
 
     stages: list[PlanStage]
@@ -62,6 +67,8 @@ class Plan(JsonFile):
     rejected: dict[str, str] = field(default_factory=dict)
     topology: str = ""
     model: str = ""
+    shard: bool = False
+    rejected_layouts: dict[str, str] = field(default_factory=dict)
 
     @property
     def balance(self) -> list[int]:
@@ -80,6 +87,25 @@ class Plan(JsonFile):
         family = spec(self.schedule)
         return family.window(self.microbatches, family.resolve({})) * self.microbatch_size
 
+    @property
+    def layout_kind(self) -> str | None:
+        """``replicated`` (whole copies) or ``sharded`` for a plan with a replicated stage,
+        else ``None``."""
+        if self.virtual > 1 or max(self.replicas, default=1) < 2:
+            return None
+        return "sharded" if self.shard else "replicated"
+
+    def mesh(self) -> str:
+        """The ranks as a mesh: ``pp 2 x dp 2, sharded`` where every stage has as many
+        replicas, else the replicas per stage."""
+        replicas = self.replicas
+        kind = self.layout_kind or "one rank per stage"
+        if self.virtual == 1 and len(set(replicas)) == 1:
+            return f"pp {len(replicas)} x dp {replicas[0]}, {kind}"
+        if self.virtual > 1:
+            return f"pp {self.ranks} x dp 1, {len(self.stages)} chunks"
+        return f"pp {len(replicas)}, replicas {replicas} per stage, {kind}"
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dictionary with a ``format_version``."""
         return versioned(FORMAT_VERSION, asdict(self))
@@ -89,8 +115,10 @@ class Plan(JsonFile):
         """Rebuild a plan from :meth:`to_dict` output; raise ValueError on another format."""
         advice = "Make it again with `pipetrain plan` (or pipetrain.plan())."
         if isinstance(data, dict) and data.get("format_version") == 3:
-            data = {**data, "format_version": FORMAT_VERSION, "ranks": data.get("workers")}
+            data = {**data, "format_version": 4, "ranks": data.get("workers")}
             data.pop("workers")
+        if isinstance(data, dict) and data.get("format_version") == 4:
+            data = {**data, "format_version": FORMAT_VERSION}
         fields = unversioned(data, "plan", FORMAT_VERSION, advice)
         try:
             fields["stages"] = [PlanStage(**stage) for stage in fields["stages"]]
@@ -111,6 +139,7 @@ class Plan(JsonFile):
             f"{self.microbatch_size}{per_update}, recomputation {self.recompute}",
             f"predicted step {self.predicted_step_s:.4g} s, "
             f"{self.predicted_throughput:.4g} samples/s{self._steady()}",
+            f"mesh: {self.mesh()}",
             f"{'stage':>5}  {'layers':>11}  {'count':>5}  {'replicas':>8}  "
             f"{'compute/mb':>10}  {'memory/rank':>13}",
         ]
@@ -122,6 +151,7 @@ class Plan(JsonFile):
                 f"{index:>5}  {f'{stage.start}..{stage.stop - 1}':>11}  "
                 f"{stage.stop - stage.start:>5}  {stage.replicas:>8}  {compute:>9.4g}s  "
                 f"{format_bytes(memory):>13}"
+                + ("  sharded" if self.shard and stage.replicas > 1 else "")
             )
         for index, stage in enumerate(self.stages):
             if stage.replicas > self.microbatches:  # micro-batches go round the replicas
@@ -133,6 +163,9 @@ class Plan(JsonFile):
         if self.rejected:
             lines.append("rejected:")
             lines += [f"  {name}: {reason}" for name, reason in self.rejected.items()]
+        if self.rejected_layouts:
+            lines.append("layouts rejected:")
+            lines += [f"  {kind}: {reason}" for kind, reason in self.rejected_layouts.items()]
         return "\n".join(lines)
 
     def _steady(self) -> str:

@@ -30,7 +30,15 @@ from pipetrain.schedules.gathers import with_gathers
 if TYPE_CHECKING:
     from pipetrain.planning import Plan
 
-_PLANNED = ("schedule", "microbatches", "schedule_options", "replicas", "balance", "recompute")
+_PLANNED = (
+    "schedule",
+    "microbatches",
+    "schedule_options",
+    "replicas",
+    "balance",
+    "recompute",
+    "shard",
+)
 
 
 def _counts(value: Sequence[int] | None) -> Sequence[int] | None:
@@ -79,8 +87,8 @@ class PipelineConfig:
 
     @classmethod
     def from_plan(cls, plan: Plan, **overrides: Any) -> PipelineConfig:
-        """The split, replication, schedule, micro-batches and recomputation of ``plan``,
-        with ``overrides`` (any other field) on top."""
+        """The split, replication (whole or sharded), schedule, micro-batches and
+        recomputation of ``plan``, with ``overrides`` (any other field) on top."""
         family = spec(plan.schedule)
         chunked = family.chunk_option is not None and plan.virtual > 1
         settings: dict[str, Any] = {
@@ -90,6 +98,7 @@ class PipelineConfig:
             "replicas": tuple(plan.replicas) if max(plan.replicas) > 1 else None,
             "balance": tuple(plan.balance),
             "recompute": plan.recompute,
+            "shard": plan.shard,
         }
         return cls(**{**settings, **overrides})
 
