@@ -18,6 +18,7 @@ from pipetrain.app.models import build_model, loss_function
 from pipetrain.app.shared_cores import measure_shared_cores_factor, shared_cores
 from pipetrain.planning import Plan, Topology, plan
 from pipetrain.profiler import Profile, pooled
+from pipetrain.profiler.collectives import measure_collectives
 from pipetrain.profiler.links import combined, measure_links
 from pipetrain.profiler.measure import profile
 from pipetrain.units import counted, format_bandwidth, format_seconds
@@ -77,7 +78,9 @@ def profile_together(
     for its message to cross a link of ``bandwidth`` bytes/s) and, where the ranks share
     cores, how much more core time a forward and backward of the model takes with every
     rank running than in turns (``shared_cores_factor``:
-    :func:`~pipetrain.app.shared_cores.measure_shared_cores_factor`); other ranks ``None``.
+    :func:`~pipetrain.app.shared_cores.measure_shared_cores_factor`) and what the group's
+    collectives cost (``collectives``:
+    :func:`~pipetrain.profiler.collectives.measure_collectives`); other ranks ``None``.
 
     In a running pipeline every worker computes at once, and workers that share a machine
     slow each other down (memory bandwidth, caches), so costs measured on an idle machine
@@ -127,10 +130,14 @@ def profile_together(
             int(max(layer.activation_bytes for layer in measured.layers)), bandwidth
         )
     )
+    if dist.get_world_size() > 1 and dist.get_rank() == 0:
+        say("measuring what the collectives cost ...")
+    collectives = measure_collectives()
     if gathered is None:
         return None
     return replace(
         pooled(gathered),
+        collectives=collectives,
         message_s=message.fixed_s,
         send_byte_s=message.send_byte_s,
         receive_byte_s=message.receive_byte_s,
@@ -202,7 +209,9 @@ def plan_together(
         f"links measured: {format_bandwidth(link.bandwidth)}, {format_seconds(link.latency_s)}"
         f" a message; a message keeps each side busy {format_seconds(measured.message_s)}"
         f" and {format_seconds(measured.send_byte_s * 1e6)} (sender),"
-        f" {format_seconds(measured.receive_byte_s * 1e6)} (receiver) more a MB" + sharing,
+        f" {format_seconds(measured.receive_byte_s * 1e6)} (receiver) more a MB"
+        + _collectives_text(measured)
+        + sharing,
         file=sys.stderr,
         flush=True,
     )
@@ -219,6 +228,19 @@ def plan_together(
             shared_cores=cores,
             progress=progress_printer(),
         )
+    )
+
+
+def _collectives_text(measured: Profile) -> str:
+    """``"; collectives a MB: all-reduce 1.1 ms, ..."`` (empty where none were measured)."""
+    measured_costs = measured.collectives
+    if measured_costs is None:
+        return ""
+    return (
+        f"; collectives a MB over {measured_costs.ranks} ranks: all-reduce "
+        f"{format_seconds(measured_costs.allreduce_byte_s * 1e6)}, all-gather "
+        f"{format_seconds(measured_costs.gather_byte_s * 1e6)}, reduce-scatter "
+        f"{format_seconds(measured_costs.reduce_scatter_byte_s * 1e6)}"
     )
 
 

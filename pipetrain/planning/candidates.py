@@ -198,10 +198,15 @@ class Candidate:
                 gather.append(0.0)
                 continue
             # a ring all-reduce: a reduce-scatter and an all-gather; sharded, the all-gather
-            # comes first, of the weights, and the reduce-scatter at the end
+            # comes first, of the weights, and the reduce-scatter at the end; no faster
+            # than the workers' collectives were measured
             ring_pass = self._ring_pass_s(stage, topology)
-            allreduce.append(ring_pass if layout.shard else 2 * ring_pass)
-            gather.append(ring_pass if layout.shard else 0.0)
+            if layout.shard:
+                allreduce.append(self._collective_s(stage, "reduce_scatter", ring_pass))
+                gather.append(self._collective_s(stage, "gather", ring_pass))
+            else:
+                allreduce.append(self._collective_s(stage, "allreduce", 2 * ring_pass))
+                gather.append(0.0)
         boundaries = range(len(layout.stages) - 1)
         sizes = [layers[layout.stages[b][1] - 1].activation_bytes for b in boundaries] or [0.0]
         spans = [self._span(b) for b in boundaries]
@@ -238,14 +243,27 @@ class Candidate:
         )
 
     def _ring_pass_s(self, stage: int, topology: Topology) -> float:
-        """A ring reduce-scatter or all-gather of ``stage``'s weights over its replicas:
-        ``r - 1`` messages in turn, each carrying ``1/r`` of them."""
-        start, stop, replicas = self.layout.stages[stage]
-        weights = sum(layer.parameter_bytes for layer in self.profile.layers[start:stop])
+        """A ring reduce-scatter or all-gather of ``stage``'s weights over its replicas on
+        the links: ``r - 1`` messages in turn, each carrying ``1/r`` of them."""
+        replicas = self.layout.stages[stage][2]
         ranks = self.ranks_of(stage)
         return (replicas - 1) * (
-            topology.span_latency(*ranks) + weights / replicas / topology.span_bandwidth(*ranks)
+            topology.span_latency(*ranks)
+            + self._weight_bytes(stage) / replicas / topology.span_bandwidth(*ranks)
         )
+
+    def _collective_s(self, stage: int, kind: str, on_links_s: float) -> float:
+        """Collective ``kind`` of ``stage``'s weights over its replicas: ``on_links_s``, or
+        what the profile's measured collectives give where that is longer."""
+        measured = self.profile.collectives
+        if measured is None:
+            return on_links_s
+        replicas = self.layout.stages[stage][2]
+        return max(on_links_s, measured.seconds(kind, self._weight_bytes(stage), replicas))
+
+    def _weight_bytes(self, stage: int) -> float:
+        start, stop, _ = self.layout.stages[stage]
+        return sum(layer.parameter_bytes for layer in self.profile.layers[start:stop])
 
     def _span(self, boundary: int) -> tuple[int, int]:
         """The lowest and highest rank among the workers of the stages on both sides of

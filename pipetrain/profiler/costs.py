@@ -15,6 +15,7 @@ from typing import Any
 
 from pipetrain.checks import non_negative_number, positive_int
 from pipetrain.jsonfile import JsonFile, unversioned, versioned
+from pipetrain.profiler.collectives import Collectives
 
 FORMAT_VERSION = 1
 """Version of the JSON layout written by :meth:`Profile.save`."""
@@ -152,6 +153,9 @@ class Profile(JsonFile):
     micro-batch than in a large one (the VGG model's: 1.19 ms at 8, 1.03 at 16, 0.84 at 32).
     ``model`` names the model measured (a built-in model's name; ``""`` where unnamed), and
     plans made from the profile carry it, so that one is refused for another model.
+    ``collectives`` (optional) is what the workers' all-reduce, all-gather and
+    reduce-scatter cost a byte where they were measured (``train --plan auto``); the
+    planner charges a replicated or sharded stage's collectives no less.
     """
 
     layers: list[LayerCost]
@@ -165,6 +169,7 @@ class Profile(JsonFile):
     weight_version_byte_s: float = 0.0
     shared_cores_factor: float = 1.0
     model: str = ""
+    collectives: Collectives | None = None
 
     def __post_init__(self) -> None:
         """Reject empty profiles and negative or non-finite costs, naming the layer and field."""
@@ -185,6 +190,11 @@ class Profile(JsonFile):
             raise ValueError(
                 f"Profile.shared_cores_factor = {self.shared_cores_factor} is below 1: sharing "
                 "cores cannot make work faster; use 1 for no slowdown"
+            )
+        if self.collectives is not None and not isinstance(self.collectives, Collectives):
+            raise TypeError(
+                "Profile.collectives must be a Collectives or None, got "
+                f"{type(self.collectives).__name__}"
             )
         if self.spread is not None:
             if not isinstance(self.spread, Spread):
@@ -247,6 +257,7 @@ class Profile(JsonFile):
                 "layers": [asdict(layer) for layer in self.layers],
                 "spread": None if self.spread is None else asdict(self.spread),
                 "other_sizes": [other.to_dict() for other in self.other_sizes],
+                "collectives": None if self.collectives is None else self.collectives.to_dict(),
             },
         )
 
@@ -285,6 +296,7 @@ class Profile(JsonFile):
             data.get("weight_version_byte_s", 0.0),
             data.get("shared_cores_factor", 1.0),
             data.get("model", ""),
+            None if data.get("collectives") is None else Collectives.from_dict(data["collectives"]),
         )
 
 
