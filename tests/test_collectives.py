@@ -82,7 +82,7 @@ def test_malformed_collectives_in_a_profile_are_refused(entry: object) -> None:
 
 
 def test_negative_or_single_rank_collectives_are_refused() -> None:
-    with pytest.raises(ValueError, match="Collectives.gather_byte_s"):
+    with pytest.raises(ValueError, match=r"Collectives\.gather_byte_s"):
         Collectives(2, 1e-9, -1e-9, 1e-9, 0.0)
     with pytest.raises(ValueError, match="a collective needs 2 ranks"):
         Collectives(1, 1e-9, 1e-9, 1e-9, 0.0)

@@ -217,6 +217,28 @@ def test_train_plans_within_memory_and_trains_sharded() -> None:
     assert "layouts rejected:\n  replicated: over the memory limit of 300 kB" in done.stderr
 
 
+def test_shard_only_plans_shards_where_whole_copies_would_win() -> None:
+    # memory to spare on fast links: whole copies win, unless only shards may be planned
+    whole = plan(HEAVY, topology="4x100GB/s", schedules=SCHEDULES, microbatches=COUNTS)
+    assert not whole.shard
+    sharded = plan(
+        HEAVY, topology="4x100GB/s", schedules=SCHEDULES, microbatches=COUNTS, shard="only"
+    )
+    assert sharded.shard and max(stage.replicas for stage in sharded.stages) > 1
+    with pytest.raises(ValueError, match="shard must be True, False or 'only', got 'yes'"):
+        plan(HEAVY, workers=4, shard="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.slow  # 2 processes profiling, planning and training
+def test_train_plan_auto_shard_plans_only_shards() -> None:
+    # 2 ranks of the built-in MLP: whatever else would win, --shard asks for shards
+    train = ["train", "--model", "mlp", "--ranks", "2", "--steps", "2", "--json"]
+    done = run_cli(*train, "--plan", "auto", "--shard")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["shard"] is True and report["replicas"] == [2]
+
+
 def test_a_sharded_plan_trains_as_the_unpipelined_model() -> None:
     # the test MLP's 5 layers, profiled by hand so that only shards fit on 4 ranks
     mlp = Profile(

@@ -131,6 +131,7 @@ def plan_on_corpus(config: TrainConfig, threads: int) -> Plan:
             ],
             schedules=config.plan_schedules,
             memory_limit=config.plan_memory,
+            shard="only" if config.pipeline.shard else True,
             every_worker=True,
             shared_cores=cores,
             progress=progress_printer(),
@@ -157,4 +158,5 @@ def automatic_plan(config: TrainConfig, threads: int) -> Plan:
         threads,
         schedules=config.plan_schedules,
         memory_limit=config.plan_memory,
+        shard="only" if config.pipeline.shard else True,
     )

@@ -7,6 +7,7 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -165,13 +166,15 @@ def plan_together(
     threads: int = 1,
     schedules: Sequence[str] | None = None,
     memory_limit: float | None = None,
+    shard: bool | Literal["only"] = True,
 ) -> Plan:
     """Call on every rank of the default process group (gloo): profile a built-in model on all
     ranks at once (:func:`profile_together`), measure the links between them before and
     after it (:func:`pipetrain.profiler.links.measure_links`, then
     :func:`~pipetrain.profiler.links.combined`), plan it on rank 0 for as many workers as the
     group has on that topology, among ``schedules`` (``None``: every one), within
-    ``memory_limit`` bytes a worker (``None``: no limit), and return that plan on every rank.
+    ``memory_limit`` bytes a worker (``None``: no limit), sharding replicated stages as
+    ``shard`` says (:func:`pipetrain.planning.plan`), and return that plan on every rank.
 
     Profiling in the processes that will train ties the prediction to them: separate
     launches of the same work can run a third faster or slower than each other. The planner
@@ -224,6 +227,7 @@ def plan_together(
             microbatches=counts,
             schedules=schedules,
             memory_limit=memory_limit,
+            shard=shard,
             every_worker=True,  # the job has this many processes, each a worker
             shared_cores=cores,
             progress=progress_printer(),

@@ -154,7 +154,7 @@ def add_train(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="with --data-parallel: each of a stage's N ranks holds a shard of its "
         "parameters, gradients and optimizer state instead of a whole copy (synchronous "
-        "schedules)",
+        "schedules); with --plan auto: plan only layouts whose replicas hold shards",
     )
     parser.add_argument(
         "--tensor-parallel",

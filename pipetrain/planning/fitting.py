@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Literal
 
 from pipetrain.planning.candidates import Candidate, Layout, step_costs
 from pipetrain.planning.layouts import layouts
@@ -29,11 +30,11 @@ def fitting_candidates(
     report: Callable[[str], None],
     verdicts: Verdicts,
     every_worker: bool,
-    shard: bool = False,
+    shard: bool | Literal["only"] = False,
 ) -> tuple[list[tuple[Candidate, list[float]]], tuple[float, Candidate | None]]:
     """Candidates that fit with their memory, and the smallest peak among those that do not;
     each tried candidate goes to ``verdicts``. With ``shard``, a layout with replicated
-    stages is tried with shards too."""
+    stages is tried with shards too; with ``"only"``, only with shards."""
     fitting: list[tuple[Candidate, list[float]]] = []
     smallest: tuple[float, Candidate | None] = (math.inf, None)
     layouts_by_batch: dict[int, list[Layout]] = {}
@@ -52,7 +53,8 @@ def fitting_candidates(
                     replication,
                     any(spec(name).chunk_option for name in schedules),
                 )
-                layouts_by_batch[step_batch] = found + (_sharded(found) if shard else [])
+                sharded = _sharded(found) if shard else []
+                layouts_by_batch[step_batch] = sharded if shard == "only" else found + sharded
             for layout in layouts_by_batch[step_batch]:
                 if every_worker and layout.workers != topology.workers:
                     continue

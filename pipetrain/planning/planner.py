@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 from pipetrain.planning.candidates import Candidate
 from pipetrain.planning.choice import FEWER_WITHIN as FEWER_WITHIN
@@ -48,7 +49,7 @@ def plan(
     shared_cores: int | None = None,
     *,
     exhaustive: bool = False,
-    shard: bool = True,
+    shard: bool | Literal["only"] = True,
 ) -> Plan:
     """The fastest plan whose every worker fits in ``memory_limit`` bytes (None: no limit).
 
@@ -74,6 +75,9 @@ def plan(
     holding shards (``PipelineConfig(shard=True)``: less memory a worker, the weights
     all-gathered at the start of each step; see :mod:`~pipetrain.planning.candidates`); on
     a tie whole copies win. ``Plan.rejected_layouts`` says why the other kind lost.
+    ``shard="only"`` plans only sharded layouts (every layout with replicated stages, its
+    replicas holding shards): for a model that must be sharded for reasons the profile
+    does not show.
     ``exhaustive`` simulates every candidate that the stage-sum bound leaves in, without
     the tighter written bound that spares most simulations (see
     :mod:`pipetrain.planning.choice`): the same plan, slower; for checking that claim.
@@ -97,6 +101,8 @@ def plan(
         raise ValueError(
             f"memory_limit must be a positive number of bytes per worker, got {memory_limit!r}"
         )
+    if shard not in (True, False, "only"):
+        raise ValueError(f"shard must be True, False or 'only', got {shard!r}")
     report = progress or _silent
     verdicts = Verdicts(schedules)
     fitting, smallest = fitting_candidates(
