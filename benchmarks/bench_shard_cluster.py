@@ -5,14 +5,14 @@ Needs root (``pipetrain cluster`` makes network namespaces). For each ``--bandwi
 (``infB/s``: links not capped), ``--rounds`` runs of
 
     pipetrain cluster --hosts H --bandwidth B --json -- train --model M --plan auto \\
-        --memory SIZE --steps N
+        --shard --steps N [--memory SIZE]
 
-each a fresh job: the workers profile the model, measure the links and plan within the
-memory limit (whole copies of the model do not fit it, shards do), then train the plan.
+each a fresh job: the workers profile the model, measure the links and their collectives,
+and plan among the layouts whose replicas hold shards (``--shard``), then train the plan.
 Prints, per run, the layout the planner chose (sharded or not), its predicted step
 (``planned_step_s``) and the measured median step, and their ratio.
 
-    sudo python benchmarks/bench_shard_cluster.py [--model vgg] [--hosts 2] [--memory 60MB]
+    sudo python benchmarks/bench_shard_cluster.py [--model vgg] [--hosts 2] [--memory SIZE]
         [--bandwidth infB/s 1Gbit/s] [--steps 60] [--rounds 3]
 """
 
@@ -33,8 +33,9 @@ def run(args: argparse.Namespace, bandwidth: str) -> dict[str, Any]:
     output = pipetrain(
         *("cluster", "--hosts", str(args.hosts), "--bandwidth", bandwidth, "--json"),
         *("--timeout", str(args.timeout), "--"),
-        *("train", "--model", args.model, "--plan", "auto", "--memory", args.memory),
+        *("train", "--model", args.model, "--plan", "auto", "--shard"),
         *("--steps", str(args.steps)),
+        *(("--memory", args.memory) if args.memory else ()),
         timeout_s=args.timeout + 60,
     )
     report: dict[str, Any] = json.loads(output.strip().splitlines()[-1])
@@ -56,7 +57,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="vgg")
     parser.add_argument("--hosts", type=int, default=2)
-    parser.add_argument("--memory", default="60MB", help="per worker, for --plan auto")
+    parser.add_argument("--memory", help="per worker, for --plan auto (default: no limit)")
     parser.add_argument("--bandwidth", nargs="+", default=["infB/s", "1Gbit/s"])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=3)
