@@ -11,7 +11,8 @@ and chunk ``c`` of a schedule with chunks where its spec's ``placement`` puts it
 A layout with ``shard`` has its replicated stages held as shards (less memory, see
 :func:`~pipetrain.planning.memory.worker_memory`): its schedule has each replica all-gather
 its stage's weights first (``GATHER``, :func:`~pipetrain.schedules.gathers.with_gathers`,
-costing a ring pass, ``Costs.gather_s``), and its ``ALLREDUCE`` is a ring reduce-scatter.
+costing a ring pass, ``Costs.gather_s``), and its ``ALLREDUCE`` is a ring reduce-scatter
+(:mod:`~pipetrain.planning.collective_costs`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from pipetrain.planning.bounds import written_bound
+from pipetrain.planning.collective_costs import replica_collectives
 from pipetrain.planning.memory import StageFootprint, worker_memory
 from pipetrain.planning.sharing import shared_cores_stretch
 from pipetrain.planning.topology import Topology
@@ -193,20 +195,16 @@ class Candidate:
                 - weight_s
                 + (forward_s * self.recompute_share if again else 0.0)
             )
-            if replicas == 1:  # no all-reduce (and no span of ranks to look up)
-                allreduce.append(0.0)
-                gather.append(0.0)
-                continue
-            # a ring all-reduce: a reduce-scatter and an all-gather; sharded, the all-gather
-            # comes first, of the weights, and the reduce-scatter at the end; no faster
-            # than the workers' collectives were measured
-            ring_pass = self._ring_pass_s(stage, topology)
-            if layout.shard:
-                allreduce.append(self._collective_s(stage, "reduce_scatter", ring_pass))
-                gather.append(self._collective_s(stage, "gather", ring_pass))
-            else:
-                allreduce.append(self._collective_s(stage, "allreduce", 2 * ring_pass))
-                gather.append(0.0)
+            allreduce_s, gather_s = replica_collectives(
+                self.profile,
+                (start, stop),
+                replicas,
+                layout.shard,
+                self.ranks_of(stage) if replicas > 1 else (0, 0),
+                topology,
+            )
+            allreduce.append(allreduce_s)
+            gather.append(gather_s)
         boundaries = range(len(layout.stages) - 1)
         sizes = [layers[layout.stages[b][1] - 1].activation_bytes for b in boundaries] or [0.0]
         spans = [self._span(b) for b in boundaries]
@@ -241,29 +239,6 @@ class Candidate:
             # the loss all-reduce that ends the step: one small message, round the ring
             loss_s=message + everyone,
         )
-
-    def _ring_pass_s(self, stage: int, topology: Topology) -> float:
-        """A ring reduce-scatter or all-gather of ``stage``'s weights over its replicas on
-        the links: ``r - 1`` messages in turn, each carrying ``1/r`` of them."""
-        replicas = self.layout.stages[stage][2]
-        ranks = self.ranks_of(stage)
-        return (replicas - 1) * (
-            topology.span_latency(*ranks)
-            + self._weight_bytes(stage) / replicas / topology.span_bandwidth(*ranks)
-        )
-
-    def _collective_s(self, stage: int, kind: str, on_links_s: float) -> float:
-        """Collective ``kind`` of ``stage``'s weights over its replicas: ``on_links_s``, or
-        what the profile's measured collectives give where that is longer."""
-        measured = self.profile.collectives
-        if measured is None:
-            return on_links_s
-        replicas = self.layout.stages[stage][2]
-        return max(on_links_s, measured.seconds(kind, self._weight_bytes(stage), replicas))
-
-    def _weight_bytes(self, stage: int) -> float:
-        start, stop, _ = self.layout.stages[stage]
-        return sum(layer.parameter_bytes for layer in self.profile.layers[start:stop])
 
     def _span(self, boundary: int) -> tuple[int, int]:
         """The lowest and highest rank among the workers of the stages on both sides of
