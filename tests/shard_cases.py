@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,7 @@ import graph_cases
 import precision_cases
 import torch
 import training_cases as cases
+from settings import make_pipeline
 from torch.distributed.tensor import DTensor
 
 
@@ -122,12 +124,12 @@ def tied_on_sharded_replicas() -> dict[str, Any]:
     }
 
 
-def llama_on_sharded_replicas(schedules: list[str]) -> list[dict[str, Any]]:
-    """The stock Llama with tied embeddings, captured, on 2 stages x 2 sharded replicas
-    under each schedule (padded batches, ``causal_lm_loss``): every rank's losses and its
-    stage's weights gathered whole."""
-    configs = [{"schedule": s, "data_parallel": 2, "shard": True} for s in schedules]
-    results = graph_cases.train("llama", configs, padded=True)
+def llama_on_sharded_replicas(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The stock Llama with tied embeddings, captured, on 2 ranks x 2 sharded replicas
+    under each config (a schedule and its options; padded batches, ``causal_lm_loss``):
+    every rank's losses and its stages' weights gathered whole."""
+    sharded = [{**config, "data_parallel": 2, "shard": True} for config in configs]
+    results = graph_cases.train("llama", sharded, padded=True)
     return [
         {
             "losses": result["losses"],
@@ -167,7 +169,6 @@ def lengths_on_sharded_replicas(schedules: list[str]) -> list[dict[str, Any]]:
     """The GPT on micro-batches of 8 to 1,024 tokens, each padded to its own longest, on 2
     stages x 2 sharded replicas under each schedule: losses and whole weights."""
     import variable_length_cases as lengths
-    from settings import make_pipeline
 
     import pipetrain
     from pipetrain.runtime import MicroBatches
@@ -190,3 +191,109 @@ def lengths_on_sharded_replicas(schedules: list[str]) -> list[dict[str, Any]]:
         state = {k: _full(v).clone() for k, v in pipe.state_dict().items()}
         results.append({"schedule": schedule, "losses": losses, "state": state})
     return results
+
+
+def gpt_on_sharded_replicas(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tensor-parallel tests' GPT and loop (accumulation over two calls, clipping that
+    clips, AdamW and a learning-rate schedule) on 2 ranks x 2 sharded replicas under each
+    config (a schedule, its options and a balance): every call's loss, the whole weights
+    this rank's stages end with, the update count, and the global norm of the first call's
+    gradients on the final weights after an accumulating call (``final_norm``)."""
+    import tensor_parallel_cases as tp
+
+    from pipetrain.app.models.gpt import gpt_loss
+
+    results = []
+    for config in configs:
+        pipe = make_pipeline(
+            tp.gpt(),
+            loss_fn=gpt_loss,
+            optimizer=cases.adamw,
+            lr_scheduler=cases.scheduler,
+            max_grad_norm=cases.MAX_NORM,
+            microbatches=4,
+            data_parallel=2,
+            shard=True,
+            **config,
+        )
+        losses = []
+        for k, (x, y) in enumerate(tp.gpt_calls()):
+            update = k % cases.ACCUMULATE == cases.ACCUMULATE - 1
+            losses.append(pipe.train_step(x, y, update=update))
+        state = {name: _full(t).clone() for name, t in pipe.state_dict().items()}
+        pipe.train_step(*tp.gpt_calls()[0], update=False)
+        results.append(
+            {
+                "losses": losses,
+                "state": state,
+                "updates": pipe.updates,
+                "final_norm": pipe.clip_grad_norm_(math.inf),
+            }
+        )
+    return results
+
+
+def clipped_after_accumulation(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The reference loop on 2 stages x 2 replicas (``shard`` in each config) whose updates
+    each follow two ``train_step(update=False)`` calls: ``pipe.update()`` clipping to the
+    pipeline's ``max_grad_norm``, or (``manual``) ``pipe.clip_grad_norm_`` first and no
+    ``max_grad_norm``, then, with ``more``, one more accumulating call that adds the first
+    call's gradients again after the clip: every call's loss, the norms the clips returned,
+    and the whole weights."""
+    results = []
+    for config in configs:
+        manual, more = config.get("manual", False), config.get("more", False)
+        pipe = make_pipeline(
+            cases.mlp(),
+            loss_fn=torch.nn.functional.cross_entropy,
+            optimizer=cases.adamw,
+            lr_scheduler=cases.scheduler,
+            max_grad_norm=None if manual else cases.MAX_NORM,
+            schedule="1f1b",
+            microbatches=4,
+            balance=[2, 3],
+            data_parallel=2,
+            shard=config["shard"],
+        )
+        data = cases.calls()
+        losses, norms = [], []
+        for update in range(cases.UPDATES):
+            for x, y in data[update * cases.ACCUMULATE : (update + 1) * cases.ACCUMULATE]:
+                losses.append(pipe.train_step(x, y, update=False))
+            if manual:
+                norms.append(pipe.clip_grad_norm_(cases.MAX_NORM))
+            if more:
+                pipe.train_step(*data[update * cases.ACCUMULATE], update=False)
+            pipe.update()
+        state = {name: _full(t).clone() for name, t in pipe.state_dict().items()}
+        results.append({"losses": losses, "norms": norms, "state": state, "updates": pipe.updates})
+    return results
+
+
+def accumulation_reference(manual: bool, more: bool) -> dict[str, Any]:
+    """The unpipelined loop of :func:`clipped_after_accumulation`'s config: accumulate two
+    calls, clip, (``more``: add the first call's gradients again, after the clip when
+    ``manual``, before it otherwise), step AdamW and the schedule."""
+    model = cases.mlp()
+    optimizer = cases.adamw(model.parameters())
+    schedule = cases.scheduler(optimizer)
+    data = cases.calls()
+    losses, norms = [], []
+
+    def backward(x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss.item()
+
+    for update in range(cases.UPDATES):
+        optimizer.zero_grad()
+        first = update * cases.ACCUMULATE
+        losses += [backward(*data[first + k]) for k in range(cases.ACCUMULATE)]
+        if more and not manual:
+            backward(*data[first])
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cases.MAX_NORM)))
+        if more and manual:
+            backward(*data[first])
+        optimizer.step()
+        schedule.step()
+    return {"losses": losses, "norms": norms, "state": model.state_dict()}
