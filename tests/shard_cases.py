@@ -297,3 +297,38 @@ def accumulation_reference(manual: bool, more: bool) -> dict[str, Any]:
         optimizer.step()
         schedule.step()
     return {"losses": losses, "norms": norms, "state": model.state_dict()}
+
+
+# the test MLP's Linear(6, 12) colwise and Linear(12, 12) rowwise, both in one stage
+ONE_STAGE_PLAN = {"0": "colwise", "3": "rowwise"}
+
+
+def continued_on_one_tensor_parallel_stage(path: str) -> dict[str, Any]:
+    """A checkpoint of the reference loop loaded by one stage on 2 sharded replicas of 2
+    tensor-parallel processes each (another mesh), which then trains one more update of the
+    loop: its calls' losses, the update count found, and the whole weights at the end."""
+    pipe = cases.loop_pipeline(
+        schedule="gpipe",
+        microbatches=4,
+        balance=[5],
+        data_parallel=2,
+        shard=True,
+        tensor_parallel=2,
+        tensor_parallel_plan=ONE_STAGE_PLAN,
+    )
+    found = pipe.load(path)
+    more = cases.calls(cases.UPDATES + 1)[cases.UPDATES * cases.ACCUMULATE :]
+    losses = [pipe.train_step(x, y, update=k == len(more) - 1) for k, (x, y) in enumerate(more)]
+    return {
+        "found": found.updates,
+        "losses": losses,
+        "updates": pipe.updates,
+        "held": sum(local_numel(p) for p in pipe.parameters()),
+        "whole": sum(p.numel() for p in pipe.parameters()),
+        "state": {name: _full(t).clone() for name, t in pipe.state_dict().items()},
+    }
+
+
+def local_numel(tensor: torch.Tensor) -> int:
+    """How many of ``tensor``'s elements this process holds."""
+    return tensor.to_local().numel() if isinstance(tensor, DTensor) else tensor.numel()

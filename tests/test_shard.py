@@ -273,3 +273,27 @@ def test_clipping_after_accumulation_on_whole_and_sharded_replicas() -> None:
             torch.testing.assert_close(
                 state[name], value, rtol=1e-5, atol=1e-6, msg=f"{config} {name}"
             )
+
+
+@pytest.mark.slow  # 4 processes; the default suite keeps the exactness tests
+def test_a_sharded_checkpoint_continues_on_one_tensor_parallel_stage(
+    runs: dict[str, list[dict[str, Any]]],
+) -> None:
+    # saved by 2 stages x 2 sharded replicas; loaded by 1 stage x 2 sharded replicas x 2
+    # tensor-parallel processes, which trains one more update as the unpipelined loop does
+    expected = cases.reference_loop(cases.UPDATES + 1)
+    done = cases.UPDATES * cases.ACCUMULATE
+    per_process = pipetrain.launch(
+        shard_cases.continued_on_one_tensor_parallel_stage,
+        4,
+        runs["1f1b"][0]["saved"],
+        timeout_s=300,
+    )
+    for result in per_process:
+        assert result["found"] == cases.UPDATES
+        assert result["updates"] == cases.UPDATES + 1
+        assert result["held"] <= 0.5 * result["whole"]  # a quarter of the split layers
+        assert result["losses"] == pytest.approx(expected["losses"][done:], rel=1e-5)
+        assert sorted(result["state"]) == sorted(expected["state"])
+        for name, value in expected["state"].items():
+            torch.testing.assert_close(result["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
