@@ -13,6 +13,8 @@ import training_cases as cases
 from settings import make_pipeline
 from torch.distributed.tensor import DTensor
 
+from pipetrain.runtime.rank.precision import LossScale
+
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     """A parameter or buffer whole: a sharded one gathered (every replica calls it)."""
@@ -233,19 +235,34 @@ def gpt_on_sharded_replicas(configs: list[dict[str, Any]]) -> list[dict[str, Any
     return results
 
 
+# a loss scale that neither overflows nor grows in these loops
+FP16_SCALE = LossScale(init_scale=2.0**10, growth_interval=1000)
+
+
+def _accumulated_model(model: str) -> tuple[torch.nn.Module, Any, list[Any]]:
+    """The test MLP, or (``"tied"``) the graph tests' model whose last layer reuses the
+    embedding's weight: the model, its loss function and every call's batch."""
+    if model == "tied":
+        ids = [graph_cases.batch(20 + k)["input_ids"] for k in range(len(cases.calls()))]
+        return graph_cases.tied_sequential(), graph_cases.lm_loss, [(x, x) for x in ids]
+    return cases.mlp(), torch.nn.functional.cross_entropy, cases.calls()
+
+
 def clipped_after_accumulation(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The reference loop on 2 stages x 2 replicas (``shard`` in each config) whose updates
-    each follow two ``train_step(update=False)`` calls: ``pipe.update()`` clipping to the
-    pipeline's ``max_grad_norm``, or (``manual``) ``pipe.clip_grad_norm_`` first and no
+    """The reference loop on 2 stages x 2 replicas (``shard`` in each config) of ``model``'s
+    (see :func:`_accumulated_model`), whose updates each follow two
+    ``train_step(update=False)`` calls: ``pipe.update()`` clipping to the pipeline's
+    ``max_grad_norm``, or (``manual``) ``pipe.clip_grad_norm_`` first and no
     ``max_grad_norm``, then, with ``more``, one more accumulating call that adds the first
     call's gradients again after the clip: every call's loss, the norms the clips returned,
     and the whole weights."""
     results = []
     for config in configs:
         manual, more = config.get("manual", False), config.get("more", False)
+        model, loss_fn, data = _accumulated_model(config.get("model", "mlp"))
         pipe = make_pipeline(
-            cases.mlp(),
-            loss_fn=torch.nn.functional.cross_entropy,
+            model,
+            loss_fn=loss_fn,
             optimizer=cases.adamw,
             lr_scheduler=cases.scheduler,
             max_grad_norm=None if manual else cases.MAX_NORM,
@@ -254,8 +271,8 @@ def clipped_after_accumulation(configs: list[dict[str, Any]]) -> list[dict[str, 
             balance=[2, 3],
             data_parallel=2,
             shard=config["shard"],
+            **({"precision": "fp16", "loss_scale": FP16_SCALE} if config.get("fp16") else {}),
         )
-        data = cases.calls()
         losses, norms = [], []
         for update in range(cases.UPDATES):
             for x, y in data[update * cases.ACCUMULATE : (update + 1) * cases.ACCUMULATE]:
@@ -270,20 +287,37 @@ def clipped_after_accumulation(configs: list[dict[str, Any]]) -> list[dict[str, 
     return results
 
 
-def accumulation_reference(manual: bool, more: bool) -> dict[str, Any]:
-    """The unpipelined loop of :func:`clipped_after_accumulation`'s config: accumulate two
+def accumulation_reference(config: dict[str, Any]) -> dict[str, Any]:
+    """The unpipelined loop of a :func:`clipped_after_accumulation` config: accumulate two
     calls, clip, (``more``: add the first call's gradients again, after the clip when
-    ``manual``, before it otherwise), step AdamW and the schedule."""
-    model = cases.mlp()
+    ``manual``, before it otherwise), step AdamW and the schedule. With ``fp16``, forwards
+    under fp16 autocast, micro-batch by micro-batch, and backwards from the scaled loss;
+    gradients unscaled before the clip, and those added after it unscaled at the step."""
+    manual, more = config.get("manual", False), config.get("more", False)
+    model, loss_fn, data = _accumulated_model(config.get("model", "mlp"))
     optimizer = cases.adamw(model.parameters())
     schedule = cases.scheduler(optimizer)
-    data = cases.calls()
     losses, norms = [], []
+    scale = FP16_SCALE.init_scale if config.get("fp16") else 1.0
 
     def backward(x: torch.Tensor, y: torch.Tensor) -> float:
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        return loss.item()
+        if not config.get("fp16"):
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            return float(loss.item())
+        total = 0.0
+        for xs, ys in zip(x.chunk(4), y.chunk(4)):  # the pipeline's micro-batches
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = loss_fn(model(xs), ys)
+            loss = loss.float() * (len(xs) / len(x))
+            (loss * scale).backward()
+            total += loss.item()
+        return total
+
+    def scaled(factor: float) -> None:
+        for parameter in model.parameters():
+            if parameter.grad is not None:
+                parameter.grad.mul_(factor)
 
     for update in range(cases.UPDATES):
         optimizer.zero_grad()
@@ -291,9 +325,12 @@ def accumulation_reference(manual: bool, more: bool) -> dict[str, Any]:
         losses += [backward(*data[first + k]) for k in range(cases.ACCUMULATE)]
         if more and not manual:
             backward(*data[first])
+        scaled(1 / scale)
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cases.MAX_NORM)))
         if more and manual:
+            scaled(scale)
             backward(*data[first])
+            scaled(1 / scale)
         optimizer.step()
         schedule.step()
     return {"losses": losses, "norms": norms, "state": model.state_dict()}

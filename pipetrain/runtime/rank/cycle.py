@@ -81,6 +81,7 @@ class UpdateCycle:
             if self._reduced:  # a clip reduced them: the next reduction must count them once
                 for stage, reducer in self._reducers.items():
                     reducer.count_once(self._weights.holders(stage, None))
+            self._updater.reopen()
             self._normalizer.set_aside()
         self._accumulated, self._reduced = not update, False
 
