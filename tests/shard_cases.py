@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,10 @@ import graph_cases
 import precision_cases
 import torch
 import training_cases as cases
+from settings import make_pipeline
 from torch.distributed.tensor import DTensor
+
+from pipetrain.runtime.rank.precision import LossScale
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -122,12 +126,12 @@ def tied_on_sharded_replicas() -> dict[str, Any]:
     }
 
 
-def llama_on_sharded_replicas(schedules: list[str]) -> list[dict[str, Any]]:
-    """The stock Llama with tied embeddings, captured, on 2 stages x 2 sharded replicas
-    under each schedule (padded batches, ``causal_lm_loss``): every rank's losses and its
-    stage's weights gathered whole."""
-    configs = [{"schedule": s, "data_parallel": 2, "shard": True} for s in schedules]
-    results = graph_cases.train("llama", configs, padded=True)
+def llama_on_sharded_replicas(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The stock Llama with tied embeddings, captured, on 2 ranks x 2 sharded replicas
+    under each config (a schedule and its options; padded batches, ``causal_lm_loss``):
+    every rank's losses and its stages' weights gathered whole."""
+    sharded = [{**config, "data_parallel": 2, "shard": True} for config in configs]
+    results = graph_cases.train("llama", sharded, padded=True)
     return [
         {
             "losses": result["losses"],
@@ -167,7 +171,6 @@ def lengths_on_sharded_replicas(schedules: list[str]) -> list[dict[str, Any]]:
     """The GPT on micro-batches of 8 to 1,024 tokens, each padded to its own longest, on 2
     stages x 2 sharded replicas under each schedule: losses and whole weights."""
     import variable_length_cases as lengths
-    from settings import make_pipeline
 
     import pipetrain
     from pipetrain.runtime import MicroBatches
@@ -190,3 +193,179 @@ def lengths_on_sharded_replicas(schedules: list[str]) -> list[dict[str, Any]]:
         state = {k: _full(v).clone() for k, v in pipe.state_dict().items()}
         results.append({"schedule": schedule, "losses": losses, "state": state})
     return results
+
+
+def gpt_on_sharded_replicas(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tensor-parallel tests' GPT and loop (accumulation over two calls, clipping that
+    clips, AdamW and a learning-rate schedule) on 2 ranks x 2 sharded replicas under each
+    config (a schedule, its options and a balance): every call's loss, the whole weights
+    this rank's stages end with, the update count, and the global norm of the first call's
+    gradients on the final weights after an accumulating call (``final_norm``)."""
+    import tensor_parallel_cases as tp
+
+    from pipetrain.app.models.gpt import gpt_loss
+
+    results = []
+    for config in configs:
+        pipe = make_pipeline(
+            tp.gpt(),
+            loss_fn=gpt_loss,
+            optimizer=cases.adamw,
+            lr_scheduler=cases.scheduler,
+            max_grad_norm=cases.MAX_NORM,
+            microbatches=4,
+            data_parallel=2,
+            shard=True,
+            **config,
+        )
+        losses = []
+        for k, (x, y) in enumerate(tp.gpt_calls()):
+            update = k % cases.ACCUMULATE == cases.ACCUMULATE - 1
+            losses.append(pipe.train_step(x, y, update=update))
+        state = {name: _full(t).clone() for name, t in pipe.state_dict().items()}
+        pipe.train_step(*tp.gpt_calls()[0], update=False)
+        results.append(
+            {
+                "losses": losses,
+                "state": state,
+                "updates": pipe.updates,
+                "final_norm": pipe.clip_grad_norm_(math.inf),
+            }
+        )
+    return results
+
+
+# a loss scale that neither overflows nor grows in these loops
+FP16_SCALE = LossScale(init_scale=2.0**10, growth_interval=1000)
+
+
+def _accumulated_model(model: str) -> tuple[torch.nn.Module, Any, list[Any]]:
+    """The test MLP, or (``"tied"``) the graph tests' model whose last layer reuses the
+    embedding's weight: the model, its loss function and every call's batch."""
+    if model == "tied":
+        ids = [graph_cases.batch(20 + k)["input_ids"] for k in range(len(cases.calls()))]
+        return graph_cases.tied_sequential(), graph_cases.lm_loss, [(x, x) for x in ids]
+    return cases.mlp(), torch.nn.functional.cross_entropy, cases.calls()
+
+
+def clipped_after_accumulation(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The reference loop on 2 stages x 2 replicas (``shard`` in each config) of ``model``'s
+    (see :func:`_accumulated_model`), whose updates each follow two
+    ``train_step(update=False)`` calls: ``pipe.update()`` clipping to the pipeline's
+    ``max_grad_norm``, or (``manual``) ``pipe.clip_grad_norm_`` first and no
+    ``max_grad_norm``, then, with ``more``, one more accumulating call that adds the first
+    call's gradients again after the clip: every call's loss, the norms the clips returned,
+    and the whole weights."""
+    results = []
+    for config in configs:
+        manual, more = config.get("manual", False), config.get("more", False)
+        model, loss_fn, data = _accumulated_model(config.get("model", "mlp"))
+        pipe = make_pipeline(
+            model,
+            loss_fn=loss_fn,
+            optimizer=cases.adamw,
+            lr_scheduler=cases.scheduler,
+            max_grad_norm=None if manual else cases.MAX_NORM,
+            schedule="1f1b",
+            microbatches=4,
+            balance=[2, 3],
+            data_parallel=2,
+            shard=config["shard"],
+            **({"precision": "fp16", "loss_scale": FP16_SCALE} if config.get("fp16") else {}),
+        )
+        losses, norms = [], []
+        for update in range(cases.UPDATES):
+            for x, y in data[update * cases.ACCUMULATE : (update + 1) * cases.ACCUMULATE]:
+                losses.append(pipe.train_step(x, y, update=False))
+            if manual:
+                norms.append(pipe.clip_grad_norm_(cases.MAX_NORM))
+            if more:
+                pipe.train_step(*data[update * cases.ACCUMULATE], update=False)
+            pipe.update()
+        state = {name: _full(t).clone() for name, t in pipe.state_dict().items()}
+        results.append({"losses": losses, "norms": norms, "state": state, "updates": pipe.updates})
+    return results
+
+
+def accumulation_reference(config: dict[str, Any]) -> dict[str, Any]:
+    """The unpipelined loop of a :func:`clipped_after_accumulation` config: accumulate two
+    calls, clip, (``more``: add the first call's gradients again, after the clip when
+    ``manual``, before it otherwise), step AdamW and the schedule. With ``fp16``, forwards
+    under fp16 autocast, micro-batch by micro-batch, and backwards from the scaled loss;
+    gradients unscaled before the clip, and those added after it unscaled at the step."""
+    manual, more = config.get("manual", False), config.get("more", False)
+    model, loss_fn, data = _accumulated_model(config.get("model", "mlp"))
+    optimizer = cases.adamw(model.parameters())
+    schedule = cases.scheduler(optimizer)
+    losses, norms = [], []
+    scale = FP16_SCALE.init_scale if config.get("fp16") else 1.0
+
+    def backward(x: torch.Tensor, y: torch.Tensor) -> float:
+        if not config.get("fp16"):
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            return float(loss.item())
+        total = 0.0
+        for xs, ys in zip(x.chunk(4), y.chunk(4)):  # the pipeline's micro-batches
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = loss_fn(model(xs), ys)
+            loss = loss.float() * (len(xs) / len(x))
+            (loss * scale).backward()
+            total += loss.item()
+        return total
+
+    def scaled(factor: float) -> None:
+        for parameter in model.parameters():
+            if parameter.grad is not None:
+                parameter.grad.mul_(factor)
+
+    for update in range(cases.UPDATES):
+        optimizer.zero_grad()
+        first = update * cases.ACCUMULATE
+        losses += [backward(*data[first + k]) for k in range(cases.ACCUMULATE)]
+        if more and not manual:
+            backward(*data[first])
+        scaled(1 / scale)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cases.MAX_NORM)))
+        if more and manual:
+            scaled(scale)
+            backward(*data[first])
+            scaled(1 / scale)
+        optimizer.step()
+        schedule.step()
+    return {"losses": losses, "norms": norms, "state": model.state_dict()}
+
+
+# the test MLP's Linear(6, 12) colwise and Linear(12, 12) rowwise, both in one stage
+ONE_STAGE_PLAN = {"0": "colwise", "3": "rowwise"}
+
+
+def continued_on_one_tensor_parallel_stage(path: str) -> dict[str, Any]:
+    """A checkpoint of the reference loop loaded by one stage on 2 sharded replicas of 2
+    tensor-parallel processes each (another mesh), which then trains one more update of the
+    loop: its calls' losses, the update count found, and the whole weights at the end."""
+    pipe = cases.loop_pipeline(
+        schedule="gpipe",
+        microbatches=4,
+        balance=[5],
+        data_parallel=2,
+        shard=True,
+        tensor_parallel=2,
+        tensor_parallel_plan=ONE_STAGE_PLAN,
+    )
+    found = pipe.load(path)
+    more = cases.calls(cases.UPDATES + 1)[cases.UPDATES * cases.ACCUMULATE :]
+    losses = [pipe.train_step(x, y, update=k == len(more) - 1) for k, (x, y) in enumerate(more)]
+    return {
+        "found": found.updates,
+        "losses": losses,
+        "updates": pipe.updates,
+        "held": sum(local_numel(p) for p in pipe.parameters()),
+        "whole": sum(p.numel() for p in pipe.parameters()),
+        "state": {name: _full(t).clone() for name, t in pipe.state_dict().items()},
+    }
+
+
+def local_numel(tensor: torch.Tensor) -> int:
+    """How many of ``tensor``'s elements this process holds."""
+    return tensor.to_local().numel() if isinstance(tensor, DTensor) else tensor.numel()

@@ -5,6 +5,7 @@ and a sharded plan trained on 4 gloo processes as the unpipelined model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -89,6 +90,19 @@ def test_replicated_worker_memory_meets_the_all_reduce_by_hand() -> None:
     assert worker_memory([WEIGHTY], [False], "1f1b", 0, 8, [2, 1]) == 3 * 100 + 200 + 4 * 10
     # the activations' moment where it is higher: 400 + 2 x 1000 + workspace + sent
     assert worker_memory([STAGE], [False], "1f1b", 0, 8, [2, 1]) == 400 + 2000 + 500 + 40
+
+
+def test_replicated_worker_memory_counts_gradients_as_they_grow_by_hand() -> None:
+    # gpipe: each of 2 replicas holds its 2 micro-batches before any backward, and the
+    # gradients, cleared as the call starts, grow only as the first backward frees one
+    # (1000 > 100: none): weights, optimizer state, 2 x 1000 kept, workspace, 2 outputs sent
+    assert worker_memory([STAGE], [False], "gpipe", 0, 4, [2, 1]) == 300 + 2000 + 500 + 20
+    # kept 60 a micro-batch: 40 of the gradients exist by then
+    small = dataclasses.replace(STAGE, activation_bytes=60)
+    assert worker_memory([small], [False], "gpipe", 0, 4, [2, 1]) == 340 + 120 + 500 + 20
+    # the stage on one rank keeps the last update's gradients through the step, as measured
+    # (its 4 micro-batches, 4 outputs sent)
+    assert worker_memory([STAGE], [False], "gpipe", 1, 4, [2, 1]) == 400 + 4000 + 500 + 40
 
 
 def test_a_model_that_fits_only_sharded_is_planned_sharded() -> None:

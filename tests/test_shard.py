@@ -184,10 +184,14 @@ def test_the_train_command_hands_its_workers_the_sharding() -> None:
 def test_a_captured_llama_with_tied_embeddings_on_sharded_replicas() -> None:
     from test_graph import _aliases, assert_same_training
 
-    schedules = ["gpipe", "1f1b"]
-    per_rank = pipetrain.launch(shard_cases.llama_on_sharded_replicas, 4, schedules, timeout_s=300)
+    configs: list[dict[str, Any]] = [
+        {"schedule": "gpipe"},
+        {"schedule": "1f1b"},
+        {"schedule": "zb-h1"},
+        {"schedule": "interleaved", "schedule_options": {"virtual": 2}},
+    ]
+    per_rank = pipetrain.launch(shard_cases.llama_on_sharded_replicas, 4, configs, timeout_s=300)
     assert all(result["shared"] for rank in per_rank for result in rank)  # tied across stages
-    configs = [{"schedule": s} for s in schedules]
     assert_same_training(graph_cases.reference("llama", True), per_rank, _aliases("llama"), configs)
 
 
@@ -208,3 +212,95 @@ def test_copies_of_a_split_backward_or_interleaved_pipeline_train_as_the_unpipel
         shard_cases.copied_loop, 4, schedule, options, balance, shard, timeout_s=300
     )
     assert_like_the_reference_loop(per_rank, expected)
+
+
+GPT_CONFIGS: dict[str, list[dict[str, Any]]] = {
+    "one-chunk": [
+        {"schedule": "gpipe", "balance": [2, 2]},
+        {"schedule": "1f1b", "balance": [2, 2]},
+    ],
+    "split-or-chunked": [
+        {"schedule": "zb-h1", "balance": [2, 2]},
+        {"schedule": "interleaved", "schedule_options": {"virtual": 2}, "balance": [1, 1, 1, 1]},
+    ],
+}
+
+
+# one launch a group; the default suite keeps the schedules the MLP's tests do not cover
+@pytest.mark.parametrize(
+    "group", [pytest.param("one-chunk", marks=pytest.mark.slow), "split-or-chunked"]
+)
+def test_the_gpt_on_sharded_replicas_trains_as_the_unpipelined_model(group: str) -> None:
+    # 2 ranks x 2 sharded replicas; accumulation over two calls, clipping that clips, AdamW
+    # and a learning-rate schedule; then the global norm of an accumulating call's
+    # gradients, each element counted once
+    from test_tensor_parallel import assert_like_the_unpipelined_model
+
+    configs = GPT_CONFIGS[group]
+    per_rank = pipetrain.launch(shard_cases.gpt_on_sharded_replicas, 4, configs, timeout_s=300)
+    for index, config in enumerate(configs):
+        results = [rank[index] for rank in per_rank]
+        assert all(result["final_norm"] is not None for result in results), config
+        assert_like_the_unpipelined_model(results, "gpt")
+
+
+ACCUMULATED: list[dict[str, Any]] = [
+    *(
+        {"shard": shard, "manual": manual, "more": more}
+        for shard in (False, True)
+        for manual, more in ((False, False), (True, True))
+    ),
+    # an embedding the last stage reuses: its parts summed by the clip, then added to
+    *({"shard": shard, "manual": True, "more": True, "model": "tied"} for shard in (False, True)),
+    # fp16: gradients unscaled by the clip, then added to
+    {"shard": True, "manual": True, "more": True, "fp16": True},
+]
+
+
+def test_clipping_after_accumulation_on_whole_and_sharded_replicas() -> None:
+    # two update=False calls, then pipe.update() clipping to max_grad_norm, or
+    # pipe.clip_grad_norm_ first: the norm of the replicas' gradients summed, not of one
+    # replica's own; and gradients added after that clip counted once by the update
+    per_rank = pipetrain.launch(
+        shard_cases.clipped_after_accumulation, 4, ACCUMULATED, timeout_s=300
+    )
+    for index, config in enumerate(ACCUMULATED):
+        expected = shard_cases.accumulation_reference(config)
+        assert max(expected["norms"]) > cases.MAX_NORM  # the clipping clips
+        rel, atol = (1e-4, 1e-5) if config.get("fp16") else (1e-5, 1e-6)  # fp16's rounding
+        state: dict[str, torch.Tensor] = {}
+        for result in [rank[index] for rank in per_rank]:
+            assert result["losses"] == pytest.approx(expected["losses"], rel=rel), config
+            if config["manual"]:
+                assert result["norms"] == pytest.approx(expected["norms"], rel=rel), config
+            assert result["updates"] == cases.UPDATES
+            state.update(result["state"])
+        assert sorted(state) == sorted(expected["state"])
+        for name, value in expected["state"].items():
+            torch.testing.assert_close(
+                state[name], value, rtol=rel, atol=atol, msg=f"{config} {name}"
+            )
+
+
+@pytest.mark.slow  # 4 processes; the default suite keeps the exactness tests
+def test_a_sharded_checkpoint_continues_on_one_tensor_parallel_stage(
+    runs: dict[str, list[dict[str, Any]]],
+) -> None:
+    # saved by 2 stages x 2 sharded replicas; loaded by 1 stage x 2 sharded replicas x 2
+    # tensor-parallel processes, which trains one more update as the unpipelined loop does
+    expected = cases.reference_loop(cases.UPDATES + 1)
+    done = cases.UPDATES * cases.ACCUMULATE
+    per_process = pipetrain.launch(
+        shard_cases.continued_on_one_tensor_parallel_stage,
+        4,
+        runs["1f1b"][0]["saved"],
+        timeout_s=300,
+    )
+    for result in per_process:
+        assert result["found"] == cases.UPDATES
+        assert result["updates"] == cases.UPDATES + 1
+        assert result["held"] <= 0.5 * result["whole"]  # a quarter of the split layers
+        assert result["losses"] == pytest.approx(expected["losses"][done:], rel=1e-5)
+        assert sorted(result["state"]) == sorted(expected["state"])
+        for name, value in expected["state"].items():
+            torch.testing.assert_close(result["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)

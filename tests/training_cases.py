@@ -33,9 +33,9 @@ def scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRSc
     return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine)
 
 
-def calls() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The mini-batches of every call, ``ACCUMULATE`` per update."""
-    return [batch(seed=20 + k, size=8) for k in range(UPDATES * ACCUMULATE)]
+def calls(updates: int = UPDATES) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The mini-batches of every call of ``updates`` updates, ``ACCUMULATE`` per update."""
+    return [batch(seed=20 + k, size=8) for k in range(updates * ACCUMULATE)]
 
 
 def reference_loop(updates: int = UPDATES) -> dict[str, Any]:
@@ -44,7 +44,7 @@ def reference_loop(updates: int = UPDATES) -> dict[str, Any]:
     optimizer = adamw(model.parameters())
     schedule = scheduler(optimizer)
     losses, norms = [], []
-    data = calls()
+    data = calls(updates)
     for update in range(updates):
         optimizer.zero_grad()
         for x, y in data[update * ACCUMULATE : (update + 1) * ACCUMULATE]:

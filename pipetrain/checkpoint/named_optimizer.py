@@ -9,6 +9,7 @@ for whichever optimizer holds those names.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -71,8 +72,25 @@ def requests(
             wanted[OPTIMIZER_GROUP + name] = None
             for key in prefixed_names(saved, f"{OPTIMIZER}{name}/"):
                 entry = saved[f"{OPTIMIZER}{name}/{key}"]
-                wanted[f"{OPTIMIZER}{name}/{key}"] = None if entry is None else empty_like(entry)
+                wanted[f"{OPTIMIZER}{name}/{key}"] = (
+                    None if entry is None else _read_into(entry, parameter)
+                )
     return wanted, problems
+
+
+def _read_into(entry: Any, parameter: torch.Tensor) -> torch.Tensor:
+    """Where to read a saved optimizer tensor of ``parameter``: a tensor laid out as the
+    parameter is where that is split (a sharded or tensor-parallel ``DTensor``, whose
+    optimizer state must be one too: each process reads only its part), else a CPU tensor."""
+    # no DTensor exists before its module is imported, and importing it costs seconds
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if (
+        dtensor is not None
+        and isinstance(parameter, dtensor.DTensor)
+        and tuple(entry.size) == tuple(parameter.shape)
+    ):
+        return torch.empty_like(parameter, dtype=entry.properties.dtype)
+    return empty_like(entry)
 
 
 def _equal(a: Any, b: Any) -> bool:

@@ -158,6 +158,7 @@ def assemble(
             counted_once(stages, schedule, rank, shared, sharded), mirrors is None or mirrors.leads
         ),
         reduce_shared=sharing.reduce,
+        count_shared_once=sharing.count_once,
         all_reduce=transport.all_reduce,
         all_reduce_start=transport.all_reduce_start,
         device=device,

@@ -65,6 +65,7 @@ class UpdateCycle:
         holders = {stage: weights.holders(stage, None) for stage in weights.modules}
         self._normalizer = Normalizer(holders, self._reducers, all_reduce, device)
         self._accumulated = False  # gradients of non-updating calls wait for an update
+        self._reduced = False  # ... already reduced over the replicas (for a clip)
         self._schedule: Schedule | None = None
         self._arming: set[tuple[int, int]] = set()
 
@@ -77,8 +78,12 @@ class UpdateCycle:
             self._clear_gradients()
             self._updater.start()
         else:
+            if self._reduced:  # a clip reduced them: the next reduction must count them once
+                for stage, reducer in self._reducers.items():
+                    reducer.count_once(self._weights.holders(stage, None))
+            self._updater.reopen()
             self._normalizer.set_aside()
-        self._accumulated = not update
+        self._accumulated, self._reduced = not update, False
 
     def apply_accumulated(self) -> None:
         """Apply the gradients that non-updating calls accumulated, as an updating call
@@ -88,15 +93,25 @@ class UpdateCycle:
             raise RuntimeError(
                 "no gradients wait for an update: call train_step(..., update=False) first"
             )
-        self._accumulated = False
-        for stage in sorted(self._reducers):
-            self._reducers[stage].finish(self._weights.holders(stage, None))
+        self._reduce_accumulated()
+        self._accumulated, self._reduced = False, False
         self._updater.apply(None)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip every rank's gradients to the global 2-norm ``max_norm``; return the norm
-        before clipping (see :meth:`Updater.clip_grad_norm_`)."""
+        before clipping (see :meth:`Updater.clip_grad_norm_`). Gradients that non-updating
+        calls accumulated are first reduced over each stage's replicas, which hold only
+        their own micro-batches' until then."""
+        if self._accumulated:
+            self._reduce_accumulated()
         return self._updater.clip_grad_norm_(max_norm)
+
+    def _reduce_accumulated(self) -> None:
+        """Reduce the accumulated gradients over each replicated stage's replicas, once."""
+        if not self._reduced:
+            for stage in sorted(self._reducers):
+                self._reducers[stage].finish(self._weights.holders(stage, None))
+            self._reduced = True
 
     @property
     def updates(self) -> int:
@@ -146,7 +161,7 @@ class UpdateCycle:
                 stash.newest = progress[0]  # version v: the weights after v updates
         self.reset_weights()
         self._clear_gradients()
-        self._accumulated = False
+        self._accumulated = self._reduced = False
 
     def _clear_gradients(self) -> None:
         for module in self._weights.modules.values():

@@ -77,6 +77,11 @@ class Reducer(Protocol):
         """Reduce the gradients (of ``unarmed``'s tensors when nothing was armed)."""
         ...
 
+    def count_once(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Before more gradients are added to reduced ones (``tensors``'): leave the next
+        reduction to count the reduced ones once."""
+        ...
+
 
 class GradientReducer:
     """Sums (or averages) one stage's weight gradients over its replicas' process group."""
@@ -172,6 +177,16 @@ class GradientReducer:
             for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                 grad.copy_(reduced)
         self._reset()
+
+    def count_once(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Before more gradients are added to reduced ones (``tensors``'): keep the reduced
+        sum on the first replica only, so that the next sum counts it once (an average of
+        equal parts is already that part)."""
+        if self.average or dist.get_rank(self.group) == 0:
+            return
+        for tensor in tensors:
+            if tensor.grad is not None:
+                tensor.grad.zero_()
 
 
 def replica_groups(

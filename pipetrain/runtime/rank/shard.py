@@ -91,6 +91,9 @@ class ShardedReducer:
             if tensor.requires_grad and tensor.grad is None:
                 tensor.grad = torch.zeros_like(tensor)
 
+    def count_once(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Nothing to do: the next reduce-scatter adds to the shard this rank holds."""
+
 
 def gathered(module: nn.Module) -> list[torch.Tensor] | None:
     """The gathered parameters a sharded stage's forwards ran on, the leaves of their graphs

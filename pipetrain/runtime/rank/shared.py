@@ -41,7 +41,8 @@ class SharedGradients:
         ``sharded``, the holder stages' replicas will hold shards: each sums with the same
         replica of every other holder stage, which holds the same rows."""
         self._modules = modules
-        self._entries: list[tuple[int, str, float, dist.ProcessGroup]] = []
+        # (stage, name, share, group, whether the stage is the parameter's first holder)
+        self._entries: list[tuple[int, str, float, dist.ProcessGroup, bool]] = []
         self._copies: list[tuple[int, str, dist.ProcessGroup, int]] = []  # to synchronize
         for item in shared:
             holders = [schedule.stage_ranks[s] for s in item.stages]
@@ -54,13 +55,14 @@ class SharedGradients:
             if not held:
                 continue
             stage, name = held[0], item.names[held[0]]
+            first = stage == item.stages[0]
             self._copies.append((stage, name, whole, global_rank(ranks[0])))
             if sums is None:
                 share = 1.0 / len(schedule.stage_ranks[stage])
-                self._entries.append((stage, name, share, whole))
+                self._entries.append((stage, name, share, whole, first))
             else:  # a shard holds the sum over its stage's replicas already
                 replica = schedule.stage_ranks[stage].index(rank)
-                self._entries.append((stage, name, 1.0, sums[replica]))
+                self._entries.append((stage, name, 1.0, sums[replica], first))
         self.names = [item.names[item.stages[0]] for item in shared]
 
     @staticmethod
@@ -93,7 +95,7 @@ class SharedGradients:
     def reduce(self, stage: int | None = None) -> None:
         """Sum the holders' gradients into every copy (a missing gradient counts as zero):
         of every shared parameter on this rank, or of those ``stage`` holds."""
-        for held, name, share, group in self._entries:
+        for held, name, share, group, _ in self._entries:
             if stage is not None and held != stage:
                 continue
             parameter = self._parameter(held, name)
@@ -103,6 +105,15 @@ class SharedGradients:
             if share != 1.0:
                 grad.mul_(share)
             dist.all_reduce(grad, group=group)
+
+    def count_once(self) -> None:
+        """Before more gradients are added to summed ones (a clip summed them before the
+        update): keep each sum on the parameter's first holder stage only, so that the next
+        :meth:`reduce` counts it once."""
+        for held, name, _, _, first in self._entries:
+            grad = self._parameter(held, name).grad
+            if not first and grad is not None:
+                grad.zero_()
 
 
 def check_sharing(shared: Sequence[SharedParameter], schedule: Schedule) -> None:

@@ -73,7 +73,8 @@ class Updater:
     trainable parameters; ``counted`` those whose gradients enter the global norm here.
     ``all_reduce`` sums a tensor over every rank (``None``: this rank is the whole group).
     ``reduce_shared`` sums the parts of parameters several stages share, once per update,
-    before anything reads the gradients.
+    before anything reads the gradients; ``count_shared_once`` keeps each such sum on one
+    holder, before more gradients are added to it.
     """
 
     def __init__(
@@ -91,6 +92,7 @@ class Updater:
         lr_scheduler: LRSchedulerFactory | None = None,
         precision: Precision | None = None,
         reduce_shared: Callable[[], None] | None = None,
+        count_shared_once: Callable[[], None] | None = None,
     ) -> None:
         """Step ``optimizer`` at each update, under the given policies."""
         check_policy(max_grad_norm, on_nonfinite)
@@ -103,7 +105,7 @@ class Updater:
         self.counted = list(self.parameters if counted is None else counted)
         self.all_reduce = all_reduce
         self.all_reduce_start = all_reduce_start
-        self.reduce_shared = reduce_shared
+        self.reduce_shared, self.count_shared_once = reduce_shared, count_shared_once
         self._shared = False
         self.device = torch.device(device)
         self.max_grad_norm, self.on_nonfinite = max_grad_norm, on_nonfinite
@@ -124,6 +126,19 @@ class Updater:
         """Forget the unscaling (and sharing) of gradients cleared for a new update."""
         self._found_inf = None
         self._shared = False
+
+    def reopen(self) -> None:
+        """Before a call adds gradients to this update's, which a clip may have prepared
+        already (unscaled, the shared parameters' parts summed): scale them back and keep
+        each shared sum on one holder, so that the update unscales and sums every call's
+        gradients once."""
+        if self._found_inf is not None and self.precision.scales_loss:
+            scale = self.precision.scale
+            for grad in self._grads(self.parameters):
+                grad.mul_(scale)  # exact for the usual powers of two
+        if self._shared and self.count_shared_once is not None:
+            self.count_shared_once()
+        self.start()
 
     def _unscaled(self) -> torch.Tensor:
         """Unscale this update's gradients once (fp16); whether they overflowed here."""
