@@ -19,12 +19,14 @@ usually lands on another GPU than its forward; the stage's input is stashed in h
 during the forward and the backward recomputes the stage from it. Here a stage's backward
 runs on the rank of its forward (s mod N): its activations stay where they were made, with
 no recomputation and no activation traffic to the host, and pipetrain's rule that a
-micro-batch's passes of a stage share one rank holds. The chain of jobs is as
-round-robin as RoundPipe's, only walking the ranks backwards after the turn, and a rank's
-highest stage keeps its weights from its forwards to its backwards (one ``LOAD``, as
-RoundPipe's fused last stage). The price: a rank holds its stages' activations from
-forward to backward, as looped BFS does, where RoundPipe keeps only stage inputs, in host
-memory. With S a multiple of N the passes are looped BFS's, in the same order.
+micro-batch's passes of a stage share one rank holds. A rank's highest stage keeps its
+weights from its forwards to its backwards (one ``LOAD``, as RoundPipe's fused last
+stage). The price: a rank holds its stages' activations from forward to backward, where
+RoundPipe keeps only stage inputs, in host memory; and at the turn a rank waits for the
+backward to come back down the ranks (looped BFS's bubble: with S a multiple of N the
+passes are looped BFS's, in the same order), where RoundPipe's counter hands the next
+backward to the next GPU in turn, paying a recomputation of every stage's forward
+instead.
 
 RoundPipe also cuts the backward differently from the forward (``ModelExecutePlan``'s
 separate layer ranges); here both use the same S stages.
