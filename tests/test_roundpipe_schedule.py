@@ -312,3 +312,23 @@ def test_the_command_line_simulates_and_draws_it(
     out = capsys.readouterr().out
     assert "roundpipe: 3 ranks (5 model stages), 6 micro-batches" in out
     assert chart.stat().st_size > 0
+
+
+def test_lowering_wraps_from_the_last_rank_back_to_the_first() -> None:
+    schedule = build("roundpipe", 3, 2, model_stages=7)  # rank 0 holds 0, 3, 6
+    last, first = schedule.ranks[2], schedule.ranks[0]
+    # stage 2 (rank 2) hands on to stage 3 (rank 0), and stage 3's gradient comes back
+    assert Action(Kind.SEND_F, 2, 1, peer=0) in last
+    assert Action(Kind.RECV_F, 3, 1, peer=2) in first
+    assert Action(Kind.SEND_B, 3, 1, peer=2) in first
+    assert Action(Kind.RECV_B, 2, 1, peer=0) in last
+    # a receive comes after its stage's LOAD and before the pass that uses it
+    receive = first.index(Action(Kind.RECV_F, 3, 0, peer=2))
+    assert first.index(Action(Kind.LOAD, 3)) < receive < first.index(Action(Kind.FORWARD, 3, 0))
+
+
+def test_loads_and_offloads_have_their_own_chart_styles() -> None:
+    from pipetrain.timeline.gantt import COMM_STYLES, _comm_key
+
+    assert _comm_key("LOAD") == "LOAD" and _comm_key("OFFLOAD") == "OFFLOAD"
+    assert len({COMM_STYLES[kind][1] for kind in COMM_STYLES}) == len(COMM_STYLES)
