@@ -5,7 +5,7 @@ Costs per micro-batch are each schedule's defaults (forward 1, backward 2; the
 split-backward families, zb-h1, interleaved-zb, zb-v, v-half, v-min and dualpipev, split
 it into B = W = 1 with forward 1, as in the zero-bubble papers; overlapped pairs hide
 nothing), a rank's time shared by its chunks (2 for interleaved, looped-bfs,
-interleaved-zb and the V families). Run with ``make timelines``.
+interleaved-zb, the V families and roundpipe's 8 stages). Run with ``make timelines``.
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ RANKS, MICROBATCHES = 4, 8
 OUT = Path(__file__).resolve().parent / "timelines"
 
 
-def costs_for(name: str) -> Costs:
-    """The schedule's default costs, a rank's time shared by its chunks."""
-    family = spec(name)
-    chunks = family.chunks({})
-    return Costs(**{field: value / chunks for field, value in family.default_costs.items()})
+def costs_for(name: str, stages: int) -> Costs:
+    """The schedule's default costs, a rank's time shared by its ``stages / RANKS`` chunks."""
+    chunks = stages / RANKS
+    return Costs(**{field: value / chunks for field, value in spec(name).default_costs.items()})
 
 
 def title_for(name: str) -> str:
@@ -35,7 +34,8 @@ def main() -> None:
     """Write ``docs/timelines/<schedule>.png`` for every registered schedule."""
     OUT.mkdir(exist_ok=True)
     for name in names():
-        timeline = simulate(build(name, RANKS, MICROBATCHES), costs_for(name))
+        schedule = build(name, RANKS, MICROBATCHES)
+        timeline = simulate(schedule, costs_for(name, schedule.stages))
         path = OUT / f"{name}.png"
         timeline.plot(path, title_for(name))
         print(

@@ -56,7 +56,7 @@ def reference_costs(name: str) -> Costs:
         return Costs(forward_s=1.0, backward_s=1.0, weight_s=1.0)
     if name in ("zb-v", "v-half", "v-min", "dualpipev", "interleaved-zb"):  # shared by 2 chunks
         return Costs(forward_s=0.5, backward_s=0.5, weight_s=0.5)
-    if name in ("interleaved", "looped-bfs"):  # per rank, shared by its 2 chunks
+    if name in ("interleaved", "looped-bfs", "roundpipe"):  # per rank, shared by its 2 chunks
         return Costs(forward_s=0.5, backward_s=1.0)
     return Costs(forward_s=1.0, backward_s=2.0)
 

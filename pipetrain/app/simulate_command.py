@@ -155,6 +155,8 @@ def _describe_costs(values: dict[str, Any], schedule: Schedule) -> str:
         "step_s": "step",
         "allreduce_s": "all-reduce",
         "gather_s": "gather",
+        "load_s": "load per stage",
+        "offload_s": "offload per stage",
         "latency_s": "latency",
         "send_s": "send",
         "receive_s": "receive",

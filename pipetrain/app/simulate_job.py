@@ -116,7 +116,8 @@ def schedule_costs(schedule: Schedule, values: dict[str, Any]) -> Costs:
 
 def textbook_bubble(schedule: Schedule, costs: Costs) -> tuple[str, float] | None:
     """The closed-form bubble fraction and its formula, from the schedule's spec, for uniform
-    costs without communication or optimizer-step time; ``None`` where no formula applies."""
+    costs without communication, optimizer-step time or host-store transfers; ``None``
+    where no formula applies."""
     if schedule.name not in names():
         return None
     family, stages = spec(schedule.name), schedule.stages
@@ -132,7 +133,11 @@ def textbook_bubble(schedule: Schedule, costs: Costs) -> tuple[str, float] | Non
             costs.per_stage("bandwidth", boundaries),
         )
     )
-    no_steps = not any(costs.per_stage("step_s", stages))
+    no_steps = not any(  # nor a host store's transfers
+        value
+        for name in ("step_s", "load_s", "offload_s")
+        for value in costs.per_stage(name, stages)
+    )
     replicated = any(len(ranks) > 1 for ranks in schedule.stage_ranks)
     if family.textbook_bubble is None or replicated or not (uniform and no_transfers and no_steps):
         return None

@@ -141,6 +141,12 @@ def _checked_schedules(schedules: Sequence[str] | None) -> tuple[str, ...]:
         raise ValueError(
             f"schedules {list(schedules)!r} must be a non-empty choice of {', '.join(names())}"
         )
+    hosted = [name for name in schedules if spec(name).host_weights]
+    if hosted:
+        raise ValueError(
+            f"{hosted[0]} keeps the weights in a host store, which the planner does not price "
+            f"yet; simulate it with pipetrain simulate --schedule {hosted[0]}, and plan others"
+        )
     return tuple(schedules)
 
 

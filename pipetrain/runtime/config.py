@@ -26,6 +26,7 @@ from pipetrain.runtime.rank.tensor_parallel import check_mirrorable, schedule_ra
 from pipetrain.schedules import Kind, Schedule, ScheduleSpec, build, spec, validate
 from pipetrain.schedules.copies import data_parallel_copies
 from pipetrain.schedules.gathers import with_gathers
+from pipetrain.schedules.residency import host_stored
 
 if TYPE_CHECKING:
     from pipetrain.planning import Plan
@@ -145,6 +146,7 @@ class PipelineConfig:
         layers) and return the schedule it runs, of ``world / tensor_parallel`` ranks; a
         ValueError names the first setting that cannot run and how to fix it."""
         check_mode(self.recompute)
+        _refuse_host_weights(self.schedule)
         world = schedule_ranks(world, self.tensor_parallel)
         if isinstance(self.schedule, Schedule):
             schedule = self._checked_value(self.schedule, world)
@@ -390,3 +392,19 @@ class ModelSource:
     init_fn: InitFn | None = None
     weights: WeightsArg | None = None
     deferred_batch_norm: bool = False
+
+
+def _refuse_host_weights(schedule: str | Schedule) -> None:
+    """A ValueError for a schedule whose weights live in a host store (``LOAD``/``OFFLOAD``),
+    which the runtime cannot play yet."""
+    if isinstance(schedule, Schedule):
+        hosted, name = host_stored(schedule), schedule.name
+    else:
+        hosted, name = spec(schedule).host_weights, schedule
+    if hosted:
+        raise ValueError(
+            f"{name} keeps the weights in a host store that the ranks LOAD stages from and "
+            "OFFLOAD gradients to, which the runtime cannot run yet: it can be validated and "
+            f"simulated only, for now (pipetrain simulate --schedule {name}); train with "
+            "another family, such as looped-bfs"
+        )

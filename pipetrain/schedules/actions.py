@@ -26,6 +26,8 @@ class Kind(str, Enum):
     RECV_O = "RECV_O"  # receive a last-stage output from a replica (evaluation)
     ALLREDUCE = "ALLREDUCE"  # all-reduce a replicated stage's weight gradients
     GATHER = "GATHER"  # all-gather a sharded stage's parameters before the step's passes
+    LOAD = "LOAD"  # fetch a stage's weights from the host store: resident until its OFFLOAD
+    OFFLOAD = "OFFLOAD"  # return a stage's weight gradients to the host store and free it
     STEP = "STEP"  # apply the optimizer to one stage's weights
     LOSS = "LOSS"  # all-reduce the step's loss over every rank (ends a training step)
     OVERLAP = "OVERLAP"  # the rank's next forward and backward run together (DualPipeV)
@@ -40,7 +42,11 @@ class Kind(str, Enum):
 COMPUTE_KINDS = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT})
 SEND_KINDS = frozenset({Kind.SEND_F, Kind.SEND_B, Kind.SEND_T, Kind.SEND_O})
 RECV_KINDS = frozenset({Kind.RECV_F, Kind.RECV_B, Kind.RECV_T, Kind.RECV_O})
-WRITTEN_KINDS = frozenset({*COMPUTE_KINDS, Kind.ALLREDUCE, Kind.GATHER, Kind.STEP, Kind.OVERLAP})
+HOST_KINDS = frozenset({Kind.LOAD, Kind.OFFLOAD})
+"""Transfers between a rank and the host weight store (:mod:`~pipetrain.schedules.residency`)."""
+WRITTEN_KINDS = frozenset(
+    {*COMPUTE_KINDS, *HOST_KINDS, Kind.ALLREDUCE, Kind.GATHER, Kind.STEP, Kind.OVERLAP}
+)
 """The kinds a schedule's author writes; the lowering pass derives every other one."""
 
 _ACTION_TEXT = re.compile(r"^([A-Z_]+?)(\d+)(?:\.(\d+))?(?:@(\d+))?(?:v(\d+))?$")
@@ -51,8 +57,8 @@ class Action(NamedTuple):
 
     ``stage`` is the model stage the action belongs to. ``microbatch`` is the micro-batch
     (or, in asynchronous schedules, the mini-batch) it works on; ``None`` for ``STEP``,
-    ``ALLREDUCE``, ``GATHER``, ``LOSS``, ``OVERLAP`` (whose stage is its forward's) and the targets'
-    transfer. ``peer`` is the other rank of a send
+    ``ALLREDUCE``, ``GATHER``, ``LOAD``, ``OFFLOAD``, ``LOSS``, ``OVERLAP`` (whose stage is
+    its forward's) and the targets' transfer. ``peer`` is the other rank of a send
     or receive. ``version`` is the weight version a ``F``/``B``/``W`` must use
     (asynchronous schedules) or the version a ``STEP`` produces; ``None`` means "the current
     weights". The text form is ``F3.5`` (kind, stage, micro-batch), then ``@peer`` and
@@ -83,7 +89,7 @@ class Action(NamedTuple):
         if match is None or match.group(1) not in kinds:
             raise ValueError(
                 f"{text!r} is not an action: write kind, stage and micro-batch such as F0.3, "
-                f"B1.0, W2.1, STEP0 or ALLREDUCE1 (kinds: {', '.join(kinds)}), then @peer "
+                f"B1.0, W2.1, STEP0, LOAD3 or ALLREDUCE1 (kinds: {', '.join(kinds)}), then @peer "
                 "and v<version> where needed"
             )
         kind, stage, microbatch, peer, version = match.groups()

@@ -109,6 +109,10 @@ class ScheduleSpec:
       formula and value of the bubble fraction at uniform costs without communication
       (``None`` where none holds); ``default_costs``: the CLI's default
       per-micro-batch times; ``planned_by_default``: the planner tries it unless told.
+    - ``host_weights``: the weights live in a host store that the ranks ``LOAD`` stages
+      from and ``OFFLOAD`` gradients to, and the host steps
+      (:mod:`~pipetrain.schedules.residency`); the runtime and the planner cannot play such
+      a family yet.
     """
 
     name: str
@@ -130,6 +134,7 @@ class ScheduleSpec:
         default_factory=lambda: {"forward_s": 1.0, "backward_s": 2.0, "weight_s": 0.0}
     )
     planned_by_default: bool = False
+    host_weights: bool = False
 
     def resolve(self, options: Mapping[str, object]) -> dict[str, int | bool]:
         """``options`` checked against this family's, defaults filled in."""

@@ -2,8 +2,10 @@
 
 It checks placement (each action on a rank that holds its stage), coverage (every
 micro-batch of every stage forwarded and backwarded exactly once, backward after forward),
-the flush of synchronous schedules, a sharded stage's gather before its passes, overlapped
-pairs, the weight-version rules of asynchronous ones (:mod:`~pipetrain.schedules.versions`),
+the flush of synchronous schedules, a sharded stage's gather before its passes, the
+residency of stages whose weights live in a host store
+(:mod:`~pipetrain.schedules.residency`), overlapped pairs, the weight-version rules of
+asynchronous ones (:mod:`~pipetrain.schedules.versions`),
 and then executes the schedule abstractly — sends never block, a receive waits for its
 message, an all-reduce or a gather for every member of its group — to find deadlocks, data
 used before it exists, and channels whose messages would be matched out of order.
@@ -18,9 +20,17 @@ from __future__ import annotations
 from collections import Counter, defaultdict, deque
 from typing import TYPE_CHECKING, NamedTuple
 
-from pipetrain.schedules.actions import COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, Action, Kind
+from pipetrain.schedules.actions import (
+    COMPUTE_KINDS,
+    HOST_KINDS,
+    RECV_KINDS,
+    SEND_KINDS,
+    Action,
+    Kind,
+)
 from pipetrain.schedules.errors import ScheduleError
 from pipetrain.schedules.messages import CARRIES, NEEDS, RECEIVES
+from pipetrain.schedules.residency import check_residency, host_stored
 from pipetrain.schedules.versions import check_versions
 
 if TYPE_CHECKING:
@@ -29,7 +39,10 @@ if TYPE_CHECKING:
 
 def validate(schedule: Schedule) -> None:
     """Raise :class:`ScheduleError` if ``schedule`` could deadlock or breaks a training rule."""
-    lanes = _check_lanes(schedule)
+    host = host_stored(schedule)  # the host steps its stages: no STEP on the workers
+    if host:
+        check_residency(schedule)
+    lanes = _check_lanes(schedule, steps=not host)
     schedule.overlapped  # noqa: B018  # finding the pairs checks them; the simulator reuses them
     if schedule.asynchronous:
         check_versions(schedule)
@@ -45,23 +58,22 @@ class _Lane(NamedTuple):
     early: int
 
 
-def _check_lanes(schedule: Schedule) -> list[_Lane]:
+def _check_lanes(schedule: Schedule, steps: bool = True) -> list[_Lane]:
     """Each action on a rank holding its stage, each compute where routing puts it and in
-    order, every (kind, stage, micro-batch) once, and a synchronous stage stepped once after
-    all of its rank's work on it; each rank's :class:`_Lane`.
+    order, every (kind, stage, micro-batch) once, and (with ``steps``) a synchronous stage
+    stepped once after all of its rank's work on it; each rank's :class:`_Lane`.
 
     Whether an action uses data the rank has depends only on what comes before it in its own
     lane (a receive either yields its own message or fails), so it is found here, in one
     pass per lane; the abstract execution raises it only when the rank gets that far."""
     expected = {Kind.FORWARD, Kind.BACKWARD} | ({Kind.WEIGHT} if schedule.split_backward else set())
     stage_ranks, stages, microbatches = schedule.stage_ranks, schedule.stages, schedule.microbatches
-    synchronous, last = not schedule.asynchronous, stages - 1
-    forward, backward, weight, step, overlap, gather = (
+    synchronous, last, local = not schedule.asynchronous, stages - 1, {Kind.OVERLAP, *HOST_KINDS}
+    forward, backward, weight, step, gather = (
         Kind.FORWARD,
         Kind.BACKWARD,
         Kind.WEIGHT,
         Kind.STEP,
-        Kind.OVERLAP,
         Kind.GATHER,
     )
     compute, receives, needs, carries = COMPUTE_KINDS, RECV_KINDS, NEEDS.get, CARRIES.get
@@ -116,7 +128,7 @@ def _check_lanes(schedule: Schedule) -> list[_Lane]:
                             index,
                         )
                     stepped.add(stage)
-            elif kind is not overlap:  # a send, a receive or a collective: it may wait
+            elif kind not in local:  # a send, a receive or a collective: it may wait
                 waits.append(index)
                 if kind is gather and any(
                     progress.get(stage * microbatches + k) for k in range(microbatches)
@@ -138,7 +150,7 @@ def _check_lanes(schedule: Schedule) -> list[_Lane]:
                     ):
                         early = index
         covered += sum(progress.values())
-        if synchronous:
+        if synchronous and steps:
             for stage in holds.get(rank, ()):
                 if stage not in stepped:
                     raise ScheduleError(

@@ -35,7 +35,11 @@ class Costs:
     ``compute_scale[m]`` multiplies micro-batch ``m``'s forward, backward and weight times
     (a float, or one value per stage) and ``bytes_scale[m]`` its activation and gradient
     bytes; empty, every micro-batch costs the same. ``gather_s`` is a sharded stage's
-    all-gather of its parameters (``GATHER``) before the step's passes.
+    all-gather of its parameters (``GATHER``) before the step's passes. ``load_s`` is a
+    stage's weights crossing a rank's link from the host store (``LOAD``: its weight bytes
+    over the host link), ``offload_s`` its weight gradients crossing back (``OFFLOAD``
+    after the stage's backwards on that rank; one after forwards only frees the weights
+    and costs nothing).
     """
 
     forward_s: PerStage
@@ -55,6 +59,8 @@ class Costs:
     compute_scale: Sequence[PerStage] = ()
     bytes_scale: Sequence[float] = ()
     gather_s: PerStage = 0.0
+    load_s: PerStage = 0.0
+    offload_s: PerStage = 0.0
 
     def per_stage(self, field: str, count: int) -> list[float]:
         """The named field expanded to ``count`` values, checked for length and sign."""

@@ -14,7 +14,9 @@ copied in (``Costs.receive_s`` and ``Costs.receive_byte_s`` a byte); an all-redu
 when every replica of the stage has reached it. An overlapped pair's forward and backward
 together take the longer of the two plus the part of the shorter that ``Costs.overlap``
 does not hide, shared between them in proportion; its ``OVERLAP`` marker is an event of
-no length, as recorded.
+no length, as recorded. A ``LOAD`` of a stage's weights from the host store takes the
+rank's link from the host, not its compute, and the stage's passes wait for it; an
+``OFFLOAD`` of its gradients takes the link back (:mod:`~pipetrain.simulation.host_link`).
 """
 
 from __future__ import annotations
@@ -27,8 +29,11 @@ from collections.abc import Sequence
 from pipetrain.allocation import collector_paused
 from pipetrain.checks import positive_int
 from pipetrain.schedules import RECV_KINDS, SEND_KINDS, Kind, Schedule
+from pipetrain.schedules.actions import HOST_KINDS
 from pipetrain.schedules.messages import CHANNELS
+from pipetrain.schedules.residency import host_stored
 from pipetrain.simulation.costs import Costs, Variation
+from pipetrain.simulation.host_link import HostLinks
 from pipetrain.simulation.ports import Ports
 from pipetrain.timeline import Event, Timeline, trusted_event
 
@@ -120,6 +125,7 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
     sending = {kind: (kind.value, *CHANNELS[kind]) for kind in SEND_KINDS}
     receiving = {kind: (kind.value, *CHANNELS[kind]) for kind in RECV_KINDS}
     lanes, append, varied = schedule.ranks, events.append, bool(factors)
+    links = HostLinks(schedule, costs) if host_stored(schedule) else None
     while runnable:
         rank = runnable.popleft()
         actions, lane_scales = lanes[rank], scales[rank]
@@ -136,6 +142,8 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
                     cost *= lane_scales.get(index, 1.0)
                 if varied and kind in factors:
                     cost *= draw(factors[kind][stage])
+                if links is not None:
+                    now = max(now, links.ready(rank, stage))  # its weights have arrived
                 end = now + cost
                 append(make((rank, names[kind], stage, mb, now, end)))
                 now = end
@@ -180,6 +188,9 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
                 now = end
             elif kind is Kind.OVERLAP:  # a marker: its pair's passes follow, scaled
                 append(make((rank, names[kind], stage, mb, now, now)))
+            elif kind in HOST_KINDS and links is not None:  # on the host link, not the rank
+                start, end = links.move(rank, index, kind, stage, now)
+                append(make((rank, names[kind], stage, mb, start, end)))
             else:  # ALLREDUCE and GATHER over the stage's replicas, LOSS over every rank
                 position[rank] = index
                 scope = 0 if kind is Kind.LOSS else stage

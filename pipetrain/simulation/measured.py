@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pipetrain.simulation.costs import Costs
 from pipetrain.timeline import Timeline
@@ -12,7 +12,9 @@ from pipetrain.timeline import Timeline
 def measured_costs(timelines: Timeline | Sequence[Timeline], stages: int) -> Costs:
     """Simulator costs from measured timelines, each event kept as the kind it was recorded as.
 
-    Per stage, the median F, B, W, STEP and ALLREDUCE durations. A send's time on the sending
+    Per stage, the median F, B, W, STEP, ALLREDUCE, GATHER and LOAD durations, and the
+    longest OFFLOAD (the one that carried the stage's gradients; one after forwards only
+    carries none). A send's time on the sending
     rank (packing the message) is the median send, ``send_s``, which the simulator charges
     on the sender's lane as a send again, never as compute. A measured receive is waiting
     plus copying the data in; the shortest receive (one whose data was already there) gives
@@ -22,13 +24,15 @@ def measured_costs(timelines: Timeline | Sequence[Timeline], stages: int) -> Cos
     """
     runs = [timelines] if isinstance(timelines, Timeline) else list(timelines)
 
-    def per_stage(kind: str) -> list[float]:
+    def per_stage(
+        kind: str, statistic: Callable[[list[float]], float] = statistics.median
+    ) -> list[float]:
         durations: list[list[float]] = [[] for _ in range(stages)]
         for timeline in runs:
             for event in timeline.events:
                 if event.kind == kind and event.stage is not None:
                     durations[event.stage].append(event.duration)
-        return [statistics.median(values) if values else 0.0 for values in durations]
+        return [statistic(values) if values else 0.0 for values in durations]
 
     def durations(kinds: tuple[str, ...]) -> list[float]:
         return [e.duration for t in runs for e in t.events if e.kind in kinds]
@@ -43,6 +47,8 @@ def measured_costs(timelines: Timeline | Sequence[Timeline], stages: int) -> Cos
         step_s=per_stage("STEP"),
         allreduce_s=per_stage("ALLREDUCE"),
         gather_s=per_stage("GATHER"),
+        load_s=per_stage("LOAD"),
+        offload_s=per_stage("OFFLOAD", max),
         send_s=statistics.median(sends) if sends else 0.0,
         receive_s=receive_s,
         latency_s=max(0.0, transfer - receive_s),

@@ -3,7 +3,9 @@
 Compute (forward, backward, weight gradient, optimizer step) fills the upper part of each
 lane; communication and waits run in a thin hatched strip below it, so they never hide
 compute. Every ``SEND_*`` and ``RECV_*`` kind draws as a send or a receive, and the loss
-all-reduce ``LOSS`` as an all-reduce. Idle time shows as the lane's light grey background.
+all-reduce ``LOSS`` as an all-reduce; a stage's weights loaded from the host store
+(``LOAD``) and its gradients returned (``OFFLOAD``) draw in the same strip, overlapping the
+compute they run beside. Idle time shows as the lane's light grey background.
 When a rank holds several stages (interleaved schedules) each of its stages gets a lighter
 shade of the kind's colour. Drawing uses one polygon collection per kind and shade, so very
 large timelines stay fast.
@@ -33,6 +35,8 @@ COMM_STYLES = {  # legend name, face colour, hatch; legend order follows this or
     "RECV": ("receive", "#c8e6c3", "\\\\\\\\"),
     "ALLREDUCE": ("all-reduce", "#f6dc8a", "xxxx"),
     "GATHER": ("gather", "#d9c3e8", "++++"),
+    "LOAD": ("load weights", "#c6e2df", "||||"),
+    "OFFLOAD": ("return gradients", "#ead2b5", "----"),
     "WAIT": ("wait", "#f3b6ae", "...."),
 }
 """Communication kinds by prefix: ``SEND_F``, ``SEND_T`` and any other ``SEND_*`` are sends."""

@@ -52,7 +52,8 @@ class Event(_EventFields):
 
     ``kind`` is ``"F"``, ``"B"``, ``"W"``, ``"STEP"``, a communication kind (``"SEND_F"``,
     ``"RECV_F"``, ``"SEND_B"``, ``"RECV_B"``, targets ``"SEND_T"``/``"RECV_T"``, eval outputs
-    ``"SEND_O"``/``"RECV_O"``, ``"ALLREDUCE"``, a sharded stage's ``"GATHER"``, the loss
+    ``"SEND_O"``/``"RECV_O"``, ``"ALLREDUCE"``, a sharded stage's ``"GATHER"``, a stage's
+    weights from the host store ``"LOAD"`` and its gradients back ``"OFFLOAD"``, the loss
     all-reduce ``"LOSS"``, ``"WAIT"``) or any other string. ``stage`` and ``microbatch`` are
     ``None`` when the action has none (an optimizer step has no micro-batch). ``start`` and
     ``end`` are in seconds, from any fixed origin.

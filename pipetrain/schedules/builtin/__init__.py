@@ -8,6 +8,7 @@ from pipetrain.schedules.builtin import (
     looped_bfs,
     one_f_one_b,
     pipedream,
+    roundpipe,
     two_bw,
     v_half,
     v_min,
@@ -29,5 +30,6 @@ for family in (
     v_half,
     v_min,
     dualpipev,
+    roundpipe,
 ):
     register(family.SPEC)
