@@ -98,9 +98,18 @@ def train(name: str, configs: list[dict[str, Any]], padded: bool = False) -> lis
         )
         steps = [padded_batch(step) if padded else (batch(step),) for step in range(STEPS)]
         losses = [pipe.train_step(*data) for data in steps]
-        state = {k: v.detach().cpu().clone() for k, v in pipe.state_dict().items()}
-        results.append({"losses": losses, "state": state, "shared": pipe.shared_parameters})
+        state = {k: whole(v).detach().cpu().clone() for k, v in pipe.state_dict().items()}
+        held = sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in pipe.parameters())
+        results.append(
+            {"losses": losses, "state": state, "shared": pipe.shared_parameters, "held": held}
+        )
     return results
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel parameter gathered whole (every mirror calls it), a tensor as is."""
+    full = getattr(tensor, "full_tensor", None)
+    return tensor if full is None else full()
 
 
 class UNet(torch.nn.Module):
