@@ -76,11 +76,15 @@ def reference(name: str, padded: bool = False) -> dict[str, Any]:
     return {"losses": losses, "state": model.state_dict()}
 
 
-def train(name: str, configs: list[dict[str, Any]], padded: bool = False) -> list[dict[str, Any]]:
+def train(
+    name: str, configs: list[dict[str, Any]], padded: bool = False, evaluate: bool = False
+) -> list[dict[str, Any]]:
     """One capture of ``name``, then for each config a pipeline trained from the same
     initial weights, with the model's own loss (labels among the inputs) or, ``padded``,
     with :func:`pipetrain.causal_lm_loss` against the labels: its losses, this rank's state
-    and the names it holds of each shared parameter."""
+    (parameters split over processes gathered whole), the names it holds of each shared
+    parameter, how many parameter elements it holds, and with ``evaluate`` the logits
+    ``eval_step`` gives for the first step's inputs after training."""
     model = hf_model(name)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     sample = padded_batch(0)[0] if padded else batch(0)
@@ -103,6 +107,8 @@ def train(name: str, configs: list[dict[str, Any]], padded: bool = False) -> lis
         results.append(
             {"losses": losses, "state": state, "shared": pipe.shared_parameters, "held": held}
         )
+        if evaluate:
+            results[-1]["evaluated"] = pipe.eval_step(steps[0][0]).logits.detach().clone()
     return results
 
 

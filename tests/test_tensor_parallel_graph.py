@@ -29,10 +29,12 @@ PLAN = {  # transformers' base_model_tp_plan for Llama, under the causal LM's ba
 }  # fmt: skip
 
 
-def _train(world: int, configs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+def _train(
+    world: int, configs: list[dict[str, Any]], evaluate: bool = False
+) -> list[list[dict[str, Any]]]:
     configs = [{"tensor_parallel": 2, **config} for config in configs]
     return pipetrain.launch(
-        cases.train, world, "llama", configs, True, timeout_s=300, threads_per_worker=1
+        cases.train, world, "llama", configs, True, evaluate, timeout_s=300, threads_per_worker=1
     )
 
 
@@ -50,10 +52,21 @@ def test_a_captured_llama_on_tensor_parallel_stages_trains_as_unpipelined() -> N
     _assert_trains_as_unpipelined(_train(4, configs), configs)
 
 
-@pytest.mark.slow  # 4 processes, two schedules
+@pytest.mark.slow  # 4 processes, two schedules and an evaluation (a second capture)
 def test_gpipe_and_zero_bubble_on_tensor_parallel_stages_of_a_captured_llama() -> None:
     configs = [{"schedule": "gpipe"}, {"schedule": "zb-h1"}]
-    _assert_trains_as_unpipelined(_train(4, configs), configs)
+    per_rank = _train(4, configs, evaluate=True)
+    _assert_trains_as_unpipelined(per_rank, configs)
+    # eval_step afterwards: every process gets the logits of the weights it trained, as the
+    # unpipelined model gives them in eval mode
+    state = {k: v for rank in per_rank for k, v in rank[-1]["state"].items()}
+    model = cases.hf_model("llama", seed=1)
+    model.load_state_dict(state, strict=False)
+    torch.testing.assert_close(model.lm_head.weight, state["model.embed_tokens.weight"])
+    with torch.no_grad():
+        logits = model.eval()(**cases.padded_batch(0)[0]).logits
+    for rank in per_rank:
+        torch.testing.assert_close(rank[-1]["evaluated"], logits, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow  # 8 processes
