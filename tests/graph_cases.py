@@ -77,14 +77,19 @@ def reference(name: str, padded: bool = False) -> dict[str, Any]:
 
 
 def train(
-    name: str, configs: list[dict[str, Any]], padded: bool = False, evaluate: bool = False
+    name: str,
+    configs: list[dict[str, Any]],
+    padded: bool = False,
+    evaluate: bool = False,
+    save_to: str | None = None,
 ) -> list[dict[str, Any]]:
     """One capture of ``name``, then for each config a pipeline trained from the same
     initial weights, with the model's own loss (labels among the inputs) or, ``padded``,
     with :func:`pipetrain.causal_lm_loss` against the labels: its losses, this rank's state
     (parameters split over processes gathered whole), the names it holds of each shared
     parameter, how many parameter elements it holds, and with ``evaluate`` the logits
-    ``eval_step`` gives for the first step's inputs after training."""
+    ``eval_step`` gives for the first step's inputs after training (``save_to``: each
+    pipeline saved there, in a directory named by its config's index)."""
     model = hf_model(name)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     sample = padded_batch(0)[0] if padded else batch(0)
@@ -94,11 +99,10 @@ def train(
         model.load_state_dict(initial)
         pipe = make_pipeline(
             graph,
-            microbatches=2 * torch.distributed.get_world_size(),
             optimizer=lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9),
             timeout_s=300,
             loss_fn=pipetrain.causal_lm_loss if padded else None,
-            **config,
+            **{"microbatches": 2 * torch.distributed.get_world_size(), **config},
         )
         steps = [padded_batch(step) if padded else (batch(step),) for step in range(STEPS)]
         losses = [pipe.train_step(*data) for data in steps]
@@ -109,6 +113,8 @@ def train(
         )
         if evaluate:
             results[-1]["evaluated"] = pipe.eval_step(steps[0][0]).logits.detach().clone()
+        if save_to is not None:
+            pipe.save(f"{save_to}/{len(results) - 1}")
     return results
 
 

@@ -4,6 +4,7 @@ and every parameter against the unpipelined model, and the graph pass in one pro
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import graph_cases as cases
@@ -12,6 +13,7 @@ import torch
 from test_graph import _aliases, assert_same_training
 
 import pipetrain
+from pipetrain.checkpoint import load_full
 from pipetrain.model.graph import GraphModel
 from pipetrain.runtime.rank.tensor_parallel import stage_plan
 from pipetrain.runtime.rank.tensor_parallel_regions import COPY, REDUCE, GraphPass
@@ -30,12 +32,13 @@ PLAN = {  # transformers' base_model_tp_plan for Llama, under the causal LM's ba
 
 
 def _train(
-    world: int, configs: list[dict[str, Any]], evaluate: bool = False
+    world: int, configs: list[dict[str, Any]], evaluate: bool = False, save_to: str | None = None
 ) -> list[list[dict[str, Any]]]:
     configs = [{"tensor_parallel": 2, **config} for config in configs]
     return pipetrain.launch(
-        cases.train, world, "llama", configs, True, evaluate, timeout_s=300, threads_per_worker=1
-    )
+        cases.train, world, "llama", configs, True, evaluate, save_to, timeout_s=300,
+        threads_per_worker=1,
+    )  # fmt: skip
 
 
 def _assert_trains_as_unpipelined(per_rank: list[list[dict[str, Any]]], configs: list[Any]) -> None:
@@ -72,8 +75,22 @@ def test_gpipe_and_zero_bubble_on_tensor_parallel_stages_of_a_captured_llama() -
 @pytest.mark.slow  # 8 processes
 @pytest.mark.parametrize("shard", [False, True])
 def test_replicas_of_tensor_parallel_stages_of_a_captured_llama(shard: bool) -> None:
-    configs = [{"schedule": "1f1b", "data_parallel": 2, "shard": shard}]
+    configs = [{"schedule": "1f1b", "data_parallel": 2, "shard": shard, "microbatches": 4}]
     _assert_trains_as_unpipelined(_train(8, configs), configs)
+
+
+@pytest.mark.slow  # 4 processes
+def test_a_checkpoint_of_tensor_parallel_stages_loads_into_the_unpipelined_llama(
+    tmp_path: Path,
+) -> None:
+    per_rank = _train(4, [{"schedule": "1f1b"}], save_to=str(tmp_path))
+    model = cases.hf_model("llama", seed=1)
+    assert load_full(tmp_path / "0", model).updates == cases.STEPS
+    state = model.state_dict()
+    for rank in per_rank:  # each process saved its part of the split parameters
+        for name, value in rank[0]["state"].items():
+            assert torch.equal(state[name], value), name
+    assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
 @pytest.fixture(scope="module")
