@@ -57,12 +57,15 @@ def padded_batch(seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     return {"input_ids": ids * mask, "attention_mask": mask}, labels
 
 
-def reference(name: str, padded: bool = False) -> dict[str, Any]:
+def reference(
+    name: str, padded: bool = False, max_grad_norm: float | None = None
+) -> dict[str, Any]:
     """The unpipelined model trained with SGD (momentum) on the same batches, using its own
-    loss (a token mean over the whole batch)."""
+    loss (a token mean over the whole batch), its gradients clipped to ``max_grad_norm``
+    when given; each step's loss and gradient norm, and the final state."""
     model = hf_model(name)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         optimizer.zero_grad()
         if padded:
@@ -71,9 +74,11 @@ def reference(name: str, padded: bool = False) -> dict[str, Any]:
         else:
             loss = model(**batch(step)).loss
         loss.backward()
+        if max_grad_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)))
         optimizer.step()
         losses.append(loss.item())
-    return {"losses": losses, "state": model.state_dict()}
+    return {"losses": losses, "norms": norms, "state": model.state_dict()}
 
 
 def train(
