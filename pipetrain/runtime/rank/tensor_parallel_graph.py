@@ -17,7 +17,7 @@ The rewrite of each graph is :class:`~pipetrain.runtime.rank.tensor_parallel_reg
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,9 @@ from torch import fx, nn
 
 from pipetrain.model.graph import GraphStage
 from pipetrain.runtime.rank.tensor_parallel_regions import COPY, REDUCE, GraphPass
+
+if TYPE_CHECKING:  # DTensor takes seconds to import: a run that splits stages imports it
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 class CopyToRegion(torch.autograd.Function):
@@ -92,7 +95,7 @@ def captured_plan(model: nn.Module, given: Mapping[str, str], degree: int) -> di
 
 
 def distribute_graph_stage(
-    stage: GraphStage, plan: Mapping[str, str], group: dist.ProcessGroup, mesh: Any
+    stage: GraphStage, plan: Mapping[str, str], group: dist.ProcessGroup, mesh: DeviceMesh
 ) -> GraphStage:
     """Split ``stage``'s linear layers named in ``plan`` over ``mesh`` (the mirrors, whose
     group is ``group``) after giving every mirror the first one's weights, and rewrite its
