@@ -57,12 +57,15 @@ def padded_batch(seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     return {"input_ids": ids * mask, "attention_mask": mask}, labels
 
 
-def reference(name: str, padded: bool = False) -> dict[str, Any]:
+def reference(
+    name: str, padded: bool = False, max_grad_norm: float | None = None
+) -> dict[str, Any]:
     """The unpipelined model trained with SGD (momentum) on the same batches, using its own
-    loss (a token mean over the whole batch)."""
+    loss (a token mean over the whole batch), its gradients clipped to ``max_grad_norm``
+    when given; each step's loss and gradient norm, and the final state."""
     model = hf_model(name)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         optimizer.zero_grad()
         if padded:
@@ -71,16 +74,27 @@ def reference(name: str, padded: bool = False) -> dict[str, Any]:
         else:
             loss = model(**batch(step)).loss
         loss.backward()
+        if max_grad_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)))
         optimizer.step()
         losses.append(loss.item())
-    return {"losses": losses, "state": model.state_dict()}
+    return {"losses": losses, "norms": norms, "state": model.state_dict()}
 
 
-def train(name: str, configs: list[dict[str, Any]], padded: bool = False) -> list[dict[str, Any]]:
+def train(
+    name: str,
+    configs: list[dict[str, Any]],
+    padded: bool = False,
+    evaluate: bool = False,
+    save_to: str | None = None,
+) -> list[dict[str, Any]]:
     """One capture of ``name``, then for each config a pipeline trained from the same
     initial weights, with the model's own loss (labels among the inputs) or, ``padded``,
     with :func:`pipetrain.causal_lm_loss` against the labels: its losses, this rank's state
-    and the names it holds of each shared parameter."""
+    (parameters split over processes gathered whole), the names it holds of each shared
+    parameter, how many parameter elements it holds, and with ``evaluate`` the logits
+    ``eval_step`` gives for the first step's inputs after training (``save_to``: each
+    pipeline saved there, in a directory named by its config's index)."""
     model = hf_model(name)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     sample = padded_batch(0)[0] if padded else batch(0)
@@ -90,17 +104,29 @@ def train(name: str, configs: list[dict[str, Any]], padded: bool = False) -> lis
         model.load_state_dict(initial)
         pipe = make_pipeline(
             graph,
-            microbatches=2 * torch.distributed.get_world_size(),
             optimizer=lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9),
             timeout_s=300,
             loss_fn=pipetrain.causal_lm_loss if padded else None,
-            **config,
+            **{"microbatches": 2 * torch.distributed.get_world_size(), **config},
         )
         steps = [padded_batch(step) if padded else (batch(step),) for step in range(STEPS)]
         losses = [pipe.train_step(*data) for data in steps]
-        state = {k: v.detach().cpu().clone() for k, v in pipe.state_dict().items()}
-        results.append({"losses": losses, "state": state, "shared": pipe.shared_parameters})
+        state = {k: whole(v).detach().cpu().clone() for k, v in pipe.state_dict().items()}
+        held = sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in pipe.parameters())
+        results.append(
+            {"losses": losses, "state": state, "shared": pipe.shared_parameters, "held": held}
+        )
+        if evaluate:
+            results[-1]["evaluated"] = pipe.eval_step(steps[0][0]).logits.detach().clone()
+        if save_to is not None:
+            pipe.save(f"{save_to}/{len(results) - 1}")
     return results
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel parameter gathered whole (every mirror calls it), a tensor as is."""
+    full = getattr(tensor, "full_tensor", None)
+    return tensor if full is None else full()
 
 
 class UNet(torch.nn.Module):

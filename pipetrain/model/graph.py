@@ -71,7 +71,8 @@ class GraphStage(nn.Module):
         # the generated code reads attributes of its ``self``; run with this module as
         # ``self`` so that functional_call's swapped weights are the ones used
         self._code: Callable[..., Any] = type(compiled).forward
-        self.code = compiled.code
+        self.code, self._graph = compiled.code, compiled.graph
+        self._rewrites: list[Callable[[fx.Graph, GraphStage], None]] = []
         self._guards = guards
         self._evaluation = evaluation
         # the eval-mode stages made, by the inputs they take (a dict: no submodules)
@@ -116,6 +117,18 @@ class GraphStage(nn.Module):
                     owner = owner._modules[part]  # type: ignore[assignment]
                 owner.register_parameter(leaf, parameter)
 
+    def rewrite(self, transform: Callable[[fx.Graph, GraphStage], None]) -> None:
+        """Run the graph ``transform`` makes of a copy of this stage's (given this stage, to
+        add the modules it calls) from now on, and that of each eval-mode stage it builds."""
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(self._graph, {}))
+        transform(graph, self)
+        compiled = fx.GraphModule(self, graph)
+        self._code, self.code, self._graph = type(compiled).forward, compiled.code, graph
+        self._rewrites.append(transform)
+        for stage, _ in self._built.values():
+            stage.rewrite(transform)
+
     def _tensors(self) -> dict[str, torch.Tensor]:
         """Every name of this stage's parameters and buffers, with the tensor it holds now
         (a weight version's, inside functional_call)."""
@@ -150,6 +163,8 @@ class GraphStage(nn.Module):
                     owner._buffers[leaf] = mine[name]
             if mine:  # its constants go where this stage's tensors are
                 stage.to(next(iter(mine.values())).device)
+            for transform in self._rewrites:
+                stage.rewrite(transform)
             self._built[names] = stage, reads
         return self._built[names]
 

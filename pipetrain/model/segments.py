@@ -142,6 +142,7 @@ class Segments:
         env: dict[fx.Node, Any] = dict(self.captured.constants)
         for value in self.crossing(start):
             placeholder = graph.placeholder(value.name)
+            placeholder.meta = dict(value.meta)  # its value as captured, for passes to read
             env[value] = (
                 graph.call_function(_as_size, (placeholder,)) if _is_size(value) else placeholder
             )

@@ -135,8 +135,10 @@ def assemble(
             meshes[s] = mirrors.mesh(device, ranks, group)
             stages[s] = mirrors.parallelize(stages[s], plan, meshes[s])
     replicated = [s for s in stages if config.shard and s in groups]
-    sharing = SharedGradients(
-        shared, schedule, stages, transport.global_rank, rank, sharded=config.shard
+    sharing = (
+        SharedGradients(shared, schedule, stages, transport.global_rank, rank, config.shard)
+        if mirrors is None
+        else mirrors.shared_gradients(shared, schedule, stages, rank, config.shard)
     )
     sharing.synchronize()  # whole copies, before any is sharded
     sharded = {

@@ -31,10 +31,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.model.frontend import FrontEnd, shared_parameters
-from pipetrain.model.graph import GraphModel
+from pipetrain.model.frontend import FrontEnd, SharedParameter, shared_parameters
+from pipetrain.model.graph import GraphModel, GraphStage
 from pipetrain.model.layers import Layer, stage_bounds
 from pipetrain.runtime.rank.reduce import replica_groups
+from pipetrain.runtime.rank.shared import SharedGradients
+from pipetrain.runtime.rank.tensor_parallel_graph import captured_plan, distribute_graph_stage
 from pipetrain.schedules import Schedule
 
 if TYPE_CHECKING:  # DTensor takes seconds to import: a run that splits stages imports it
@@ -264,7 +266,33 @@ class Mirrors:
         self, module: nn.Module, plan: Mapping[str, str], mesh: DeviceMesh
     ) -> nn.Module:
         """``module`` (a stage's) split over the ``tp`` dimension of ``mesh`` as ``plan`` says."""
+        if isinstance(module, GraphStage):
+            return distribute_graph_stage(module, plan, self.tensors, mesh["tp"])
         return parallelize_stage(module, plan, self.tensors, mesh["tp"])
+
+    def shared_gradients(
+        self,
+        shared: Sequence[SharedParameter],
+        schedule: Schedule,
+        modules: Mapping[int, nn.Module],
+        rank: int,
+        sharded: bool,
+    ) -> SharedGradients:
+        """The :class:`SharedGradients` of this process's place among its mirrors: a shared
+        parameter's copies sum with those of the same place of the other holder ranks.
+        Every process creates every place's groups."""
+        made = [
+            SharedGradients(
+                shared,
+                schedule,
+                modules if place == self.index else {},
+                lambda rank, place=place: self.global_rank(rank * self.degree + place),  # type: ignore[misc]
+                rank,
+                sharded,
+            )
+            for place in range(self.degree)
+        ]
+        return made[self.index]
 
 
 def stage_plan(
@@ -279,13 +307,19 @@ def stage_plan(
         raise ValueError(
             f"tensor_parallel={degree} makes its own transport over torch.distributed; give none"
         )
-    if isinstance(front, GraphModel):
-        raise ValueError(
-            f"tensor_parallel={degree} splits models given as layers; a captured model has no "
-            "tensor-parallel plan yet: give the model as layers (nn.Sequential or "
-            "pipeline_layers()) or tensor_parallel=1"
-        )
     shared = shared_parameters(front, balance)
+    if isinstance(front, GraphModel):  # its graph pass checks each stage's regions
+        plan = model_plan(
+            list(front.model.named_children()), captured_plan(front.model, given, degree), degree
+        )
+        split = [item.names[s] for item in shared for s in item.stages]
+        held = [name for name in split if name.rpartition(".")[0] in plan]
+        if held:
+            raise ValueError(
+                f"tensor_parallel={degree} keeps a parameter several stages use ({held[0]!r}) "
+                "whole; leave its module out of the tensor-parallel plan"
+            )
+        return plan
     if shared:
         raise ValueError(
             f"tensor_parallel={degree} does not yet keep parameters several stages use "
