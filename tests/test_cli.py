@@ -398,6 +398,7 @@ def test_train_accumulates_and_clips_as_the_unpipelined_loop() -> None:
     )
 
 
+@pytest.mark.slow  # a training run with evaluation; schedulers are checked in-process too
 def test_train_follows_warmup_cosine_and_evaluates_as_the_unpipelined_loop() -> None:
     from pipetrain.app.train_config import warmup_cosine
 

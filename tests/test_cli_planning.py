@@ -162,6 +162,7 @@ def run_torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
     return done
 
 
+@pytest.mark.slow  # torchrun with 4 workers
 def test_replicated_plan_runs_under_torchrun() -> None:
     done = run_torchrun(
         3,
@@ -225,6 +226,7 @@ def test_train_plan_auto_profiles_plans_and_trains(model: str, torchrun: bool) -
     assert "predicted step" in done.stderr  # the plan is shown before training
 
 
+@pytest.mark.slow  # workers profiling together; the default suite keeps train --plan auto
 def test_workers_profile_together_and_share_one_plan() -> None:
     [pooled_profile, nothing] = pipetrain.launch(
         profile_together, 2, "mlp", 32, 2, 0, 1, 6, math.inf, [4]

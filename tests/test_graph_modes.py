@@ -31,7 +31,7 @@ def test_a_model_in_eval_mode_trains_and_evaluates_as_the_unpipelined_one_in_eac
         torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert"])
+@pytest.mark.parametrize("name", [pytest.param("gpt2", marks=pytest.mark.slow), "bert"])
 def test_eval_step_is_the_models_eval_mode_with_and_without_labels(name: str) -> None:
     pytest.importorskip("transformers")
     per_rank = pipetrain.launch(cases.evaluate_hf, 2, name, timeout_s=180)
@@ -52,7 +52,7 @@ def test_eval_step_is_the_models_eval_mode_with_and_without_labels(name: str) ->
         torch.testing.assert_close(logits, logits_only, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("evaluate", [False, True])
+@pytest.mark.parametrize("evaluate", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_inputs_breaking_a_guard_of_the_capture_are_refused_naming_it(evaluate: bool) -> None:
     within = pipetrain.launch(cases.guarded, 2, 8, evaluate, timeout_s=300)
     assert within == ["", ""]

@@ -221,6 +221,7 @@ def test_memory_plans_only_with_plan_auto() -> None:
     assert "--memory is the limit --plan auto plans within" in done.stderr
 
 
+@pytest.mark.slow  # 4 processes profiling, planning, training; planned sharded in-process above
 def test_train_plans_within_memory_and_trains_sharded() -> None:
     # the built-in MLP on 4 ranks: whole copies need more than 300 kB a rank
     train = ["train", "--model", "mlp", "--ranks", "4", "--batch-size", "64", "--steps", "2"]
@@ -253,6 +254,7 @@ def test_train_plan_auto_shard_plans_only_shards() -> None:
     assert report["shard"] is True and report["replicas"] == [2]
 
 
+@pytest.mark.slow  # 4 processes; sharded training is checked in the default suite by test_shard.py
 def test_a_sharded_plan_trains_as_the_unpipelined_model() -> None:
     # the test MLP's 5 layers, profiled by hand so that only shards fit on 4 ranks
     mlp = Profile(

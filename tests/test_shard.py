@@ -228,7 +228,7 @@ GPT_CONFIGS: dict[str, list[dict[str, Any]]] = {
 
 # one launch a group; the default suite keeps the schedules the MLP's tests do not cover
 @pytest.mark.parametrize(
-    "group", [pytest.param("one-chunk", marks=pytest.mark.slow), "split-or-chunked"]
+    "group", [pytest.param(g, marks=pytest.mark.slow) for g in ("one-chunk", "split-or-chunked")]
 )
 def test_the_gpt_on_sharded_replicas_trains_as_the_unpipelined_model(group: str) -> None:
     # 2 ranks x 2 sharded replicas; accumulation over two calls, clipping that clips, AdamW

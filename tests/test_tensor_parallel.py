@@ -178,6 +178,7 @@ def test_train_refuses_tensor_parallel_with_a_plan_or_ddp() -> None:
     assert done.returncode == 2 and "--tensor-parallel set a pipeline" in done.stderr
 
 
+@pytest.mark.slow  # 4 processes, three runs
 def test_recomputation_evaluation_and_checkpoints_of_tensor_parallel_stages(
     tmp_path: Path,
 ) -> None:
