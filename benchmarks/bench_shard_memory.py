@@ -54,6 +54,17 @@ from pipetrain.profiler import Profile
 BATCH, MICROBATCHES = 16, 4
 
 
+def optimizer_tensors(pipe: pipetrain.Pipeline) -> list[torch.Tensor]:
+    """The tensors of this rank's optimizer state (Adam's moments and steps)."""
+    optimizer = pipe.optimizer
+    return [
+        value
+        for per_parameter in (optimizer.state.values() if optimizer is not None else [])
+        for value in per_parameter.values()
+        if isinstance(value, torch.Tensor)
+    ]
+
+
 def _bytes(tensors: list[torch.Tensor]) -> int:
     local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
     return sum(t.numel() * t.element_size() for t in local)
@@ -74,13 +85,7 @@ def held(layers: int, d_model: int, dp: int, shard: bool) -> dict[str, int]:
     for _ in range(2):
         pipe.train_step(*next(stream))
     parameters = list(pipe.parameters())
-    optimizer = pipe.optimizer
-    state = [
-        value
-        for per_parameter in (optimizer.state.values() if optimizer is not None else [])
-        for value in per_parameter.values()
-        if isinstance(value, torch.Tensor)
-    ]
+    state = optimizer_tensors(pipe)
     return {
         "stage": min(pipe.stages),
         "parameters": _bytes(parameters),
@@ -192,13 +197,7 @@ def peak_of_rank(case: ShardCase) -> dict[str, Any]:
     pipe.train_step(batch, labels)
     parameters = list(pipe.parameters())
     gradients = [p.grad for p in parameters if p.grad is not None]
-    optimizer = pipe.optimizer
-    state = [
-        value
-        for per_parameter in (optimizer.state.values() if optimizer is not None else [])
-        for value in per_parameter.values()
-        if isinstance(value, torch.Tensor)
-    ]
+    state = optimizer_tensors(pipe)
     tracker = StorageBytes([*parameters, *gradients, *state])
     del parameters, gradients, state  # the tracker holds weak references: let the step free them
     with tracker:

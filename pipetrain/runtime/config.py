@@ -26,7 +26,6 @@ from pipetrain.runtime.rank.tensor_parallel import check_mirrorable, schedule_ra
 from pipetrain.schedules import Kind, Schedule, ScheduleSpec, build, spec, validate
 from pipetrain.schedules.copies import data_parallel_copies
 from pipetrain.schedules.gathers import with_gathers
-from pipetrain.schedules.residency import host_stored
 
 if TYPE_CHECKING:
     from pipetrain.planning import Plan
@@ -398,7 +397,7 @@ def _refuse_host_weights(schedule: str | Schedule) -> None:
     """A ValueError for a schedule whose weights live in a host store (``LOAD``/``OFFLOAD``),
     which the runtime cannot play yet."""
     if isinstance(schedule, Schedule):
-        hosted, name = host_stored(schedule), schedule.name
+        hosted, name = schedule.host_stored, schedule.name
     else:
         hosted, name = spec(schedule).host_weights, schedule
     if hosted:

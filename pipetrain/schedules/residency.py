@@ -16,6 +16,7 @@ gradients are returned after its last pass there); and, where the schedule's fac
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from operator import itemgetter
 from typing import TYPE_CHECKING
 
@@ -29,11 +30,12 @@ _KIND = itemgetter(0)
 _WORKER_UPDATES = frozenset({Kind.STEP, Kind.ALLREDUCE, Kind.GATHER})
 
 
-def host_stored(schedule: Schedule) -> bool:
-    """Whether ``schedule`` keeps its weights in a host store: any ``LOAD`` or ``OFFLOAD``."""
+def host_stored(lanes: Sequence[Sequence[Action]]) -> bool:
+    """Whether ``lanes`` keep their weights in a host store: any ``LOAD`` or ``OFFLOAD``
+    (read as :attr:`Schedule.host_stored`, found once per schedule)."""
     kinds: set[Kind] = set()
-    for lane in schedule.ranks:
-        kinds.update(map(_KIND, lane))  # in C: the validator runs this on every schedule
+    for lane in lanes:
+        kinds.update(map(_KIND, lane))  # in C: every schedule is asked
     return not HOST_KINDS.isdisjoint(kinds)
 
 

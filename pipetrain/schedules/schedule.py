@@ -16,6 +16,7 @@ from pipetrain.schedules.errors import ScheduleError
 from pipetrain.schedules.lower import full_backwards, lower
 from pipetrain.schedules.messages import rank_of
 from pipetrain.schedules.overlap import check_pairs
+from pipetrain.schedules.residency import host_stored
 from pipetrain.schedules.validate import validate
 
 
@@ -46,6 +47,13 @@ class Schedule:
         :mod:`~pipetrain.schedules.overlap`); raises :class:`ScheduleError` where a marker
         breaks the rule. Found once: the validator and the simulator both read it."""
         return check_pairs(self.ranks)
+
+    @cached_property
+    def host_stored(self) -> bool:
+        """Whether its weights live in a host store, loaded and offloaded by its ranks (any
+        ``LOAD`` or ``OFFLOAD``; see :mod:`~pipetrain.schedules.residency`). Found once: the
+        validator, the simulator and the runtime's refusal all read it."""
+        return host_stored(self.ranks)
 
     @property
     def num_ranks(self) -> int:

@@ -30,7 +30,7 @@ from pipetrain.schedules.actions import (
 )
 from pipetrain.schedules.errors import ScheduleError
 from pipetrain.schedules.messages import CARRIES, NEEDS, RECEIVES
-from pipetrain.schedules.residency import check_residency, host_stored
+from pipetrain.schedules.residency import check_residency
 from pipetrain.schedules.versions import check_versions
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 def validate(schedule: Schedule) -> None:
     """Raise :class:`ScheduleError` if ``schedule`` could deadlock or breaks a training rule."""
-    host = host_stored(schedule)  # the host steps its stages: no STEP on the workers
+    host = schedule.host_stored  # the host steps its stages: no STEP on the workers
     if host:
         check_residency(schedule)
     lanes = _check_lanes(schedule, steps=not host)

@@ -31,7 +31,6 @@ from pipetrain.checks import positive_int
 from pipetrain.schedules import RECV_KINDS, SEND_KINDS, Kind, Schedule
 from pipetrain.schedules.actions import HOST_KINDS
 from pipetrain.schedules.messages import CHANNELS
-from pipetrain.schedules.residency import host_stored
 from pipetrain.simulation.costs import Costs, Variation
 from pipetrain.simulation.host_link import HostLinks
 from pipetrain.simulation.ports import Ports
@@ -125,7 +124,7 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
     sending = {kind: (kind.value, *CHANNELS[kind]) for kind in SEND_KINDS}
     receiving = {kind: (kind.value, *CHANNELS[kind]) for kind in RECV_KINDS}
     lanes, append, varied = schedule.ranks, events.append, bool(factors)
-    links = HostLinks(schedule, costs) if host_stored(schedule) else None
+    links = HostLinks(schedule, costs) if schedule.host_stored else None
     while runnable:
         rank = runnable.popleft()
         actions, lane_scales = lanes[rank], scales[rank]
