@@ -5,13 +5,16 @@ worker the moment the launcher dies (``PR_SET_PDEATHSIG``), elsewhere a thread l
 quarter of a second. :func:`end_with_agent` is for workers that ``torchrun``'s agent
 started: a SIGKILLed agent leaves its workers training on (their connections to each other
 stay up) and writing checkpoints that a restarted job then shares; with it, a worker whose
-agent is gone ends within a quarter of a second, before it writes another checkpoint.
+agent is gone ends at once (Linux: a thread waits on a descriptor of the agent's process,
+which the kernel marks ready when it ends; elsewhere within a quarter of a second), before
+it writes another checkpoint.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import select
 import signal
 import sys
 import threading
@@ -27,11 +30,24 @@ def _watch(parent: int) -> None:
     parent (it died, and the process was handed to another)."""
 
     def watch() -> None:
+        ended = _process_descriptor(parent)
         while os.getppid() == parent:
-            time.sleep(PARENT_POLL_S)
+            if ended is None:
+                time.sleep(PARENT_POLL_S)
+            else:  # no wake-ups while the parent lives; at once when it ends
+                select.select([ended], [], [])
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="pipetrain-parent-watch", daemon=True).start()
+
+
+def _process_descriptor(pid: int) -> int | None:
+    """A descriptor that becomes readable when process ``pid`` ends (Linux 5.3 and later), or
+    ``None`` where the system has none to give."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):  # not Linux, an old kernel, or the process is gone
+        return None
 
 
 def end_with_parent(parent: int) -> None:
@@ -50,9 +66,10 @@ _watched: list[int] = []  # the agent watched for, once per process
 
 def end_with_agent() -> None:
     """Under ``torchrun``: end this worker when its agent (its parent process) dies, even by
-    SIGKILL. A thread looks every :data:`PARENT_POLL_S` (the agent may start workers from
-    any of its threads, which the kernel's parent-death signal would take for the agent's
-    end). Elsewhere, and when called again, nothing happens."""
+    SIGKILL. A thread waits for the agent's process to end (or, without a process
+    descriptor, looks every :data:`PARENT_POLL_S`), rather than the kernel's parent-death
+    signal: the agent may start workers from any of its threads, whose end that signal
+    would take for the agent's. Elsewhere, and when called again, nothing happens."""
     if AGENT_ENV not in os.environ or _watched:
         return
     _watched.append(os.getppid())
