@@ -1,0 +1,160 @@
+"""RoundPipe trained by the runtime: stages whose weights, gradients and optimizer state
+live in a host store, loaded onto the workers for their passes, against the unpipelined
+model; the store's stages in a process's memory only while loaded."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import roundpipe_cases as cases
+import torch
+from torch import nn
+
+import pipetrain
+from pipetrain.runtime.config import PipelineConfig
+from pipetrain.runtime.rank.host_store import resident_bytes
+from pipetrain.runtime.rank.stored_stage import StoredStage
+from pipetrain.schedules import build
+from pipetrain.schedules.residency import stepping_offloads
+
+MIB = 1 << 20
+
+
+def assert_matches_unpipelined(per_rank: list[dict[str, Any]], clip: bool) -> None:
+    """Every call's loss on every rank, the weights the ranks hold together at the end and
+    the evaluation after it equal the unpipelined loop's."""
+    expected = cases.reference_loop(clip)
+    if clip:
+        assert max(expected["norms"]) > cases.MAX_NORM, "the clipping norm must really clip"
+    state: dict[str, torch.Tensor] = {}
+    for result in per_rank:
+        assert result["losses"] == pytest.approx(expected["losses"], rel=1e-5)
+        assert result["updates"] == cases.UPDATES
+        assert result["private"] == 0, "parameters outside the store between calls"
+        assert not set(state) & set(result["state"]), "a stage held by two ranks"
+        state.update(result["state"])
+        torch.testing.assert_close(result["evaluated"], expected["evaluated"])
+    assert sorted(state) == sorted(expected["state"])
+    for name, value in expected["state"].items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.fixture(scope="module")
+def two_workers() -> list[list[dict[str, Any]]]:
+    config = {"clip": True, "microbatches": 4, "schedule_options": {"model_stages": 4}}
+    return pipetrain.launch(cases.roundpipe_loops, 2, [config], timeout_s=300)
+
+
+def test_two_workers_four_stages_clip_accumulate_and_evaluate_as_the_unpipelined_gpt(
+    two_workers: list[list[dict[str, Any]]],
+) -> None:
+    assert_matches_unpipelined([rank[0] for rank in two_workers], clip=True)
+
+
+def test_loads_and_offloads_are_measured_as_the_schedule_writes_them(
+    two_workers: list[list[dict[str, Any]]],
+) -> None:
+    kinds = two_workers[0][0]["kinds"]
+    schedule = build("roundpipe", 2, 4, model_stages=4)
+    for rank, lane in enumerate(schedule.ranks):
+        written = [(a.kind.value, a.stage) for a in lane if a.kind.value in ("LOAD", "OFFLOAD")]
+        measured = [(kind, stage) for kind, stage in kinds if kind in ("LOAD", "OFFLOAD")]
+        assert [k for k in measured if k[1] % 2 == rank] == written
+
+
+@pytest.mark.slow
+def test_three_workers_six_and_eight_stages_resident_one_and_two() -> None:
+    configs: list[dict[str, Any]] = [
+        {"clip": True, "microbatches": 3, "schedule_options": {"model_stages": 6, "resident": 1}},
+        {"clip": False, "microbatches": 4, "schedule_options": {"model_stages": 8}},
+    ]
+    per_rank = pipetrain.launch(cases.roundpipe_loops, 3, configs, timeout_s=300)
+    for index, config in enumerate(configs):
+        assert_matches_unpipelined([rank[index] for rank in per_rank], clip=config["clip"])
+
+
+@pytest.mark.slow
+def test_two_workers_eight_stages_loaded_one_at_a_time() -> None:
+    config = {
+        "clip": True,
+        "microbatches": 2,
+        "schedule_options": {"model_stages": 8, "resident": 1},
+    }
+    per_rank = pipetrain.launch(cases.roundpipe_loops, 2, [config], timeout_s=300)
+    assert_matches_unpipelined([rank[0] for rank in per_rank], clip=True)
+
+
+# the store, in one process ---------------------------------------------------------------
+def test_a_stage_in_the_store_takes_private_memory_only_while_loaded() -> None:
+    module = nn.Linear(4096, 4096, bias=False)  # 64 MiB of weights
+    expected = module.weight.detach().clone()
+    before = resident_bytes()
+    stored = StoredStage(0, module, torch.device("cpu"))
+    stored_alone = resident_bytes()
+    assert stored_alone < before - 48 * MIB  # the private copy is gone, the store released
+    stored.load()
+    assert resident_bytes() > stored_alone + 48 * MIB
+    module(torch.ones(1, 4096)).sum().backward()
+    stored.offload()
+    assert resident_bytes() < stored_alone + 16 * MIB  # weights and gradient freed
+    assert torch.equal(module.weight, expected)
+    torch.testing.assert_close(module.weight.grad, torch.ones(4096, 4096))
+
+
+def test_a_backward_after_its_stage_was_offloaded_and_loaded_again_is_exact() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5), nn.Tanh(), nn.Linear(5, 3))
+    reference = copy.deepcopy(model)
+    stored = StoredStage(0, model, torch.device("cpu"))
+    x = torch.randn(6, 4)
+    for _ in range(2):  # the second time, gradients add to those in the store
+        stored.load()
+        output = model(x)
+        stored.offload()  # the forward's residency ends: the working copies are freed
+        stored.load()
+        output.square().sum().backward()
+        stored.offload()
+        reference(x).square().sum().backward()
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        assert got.grad is not None and want.grad is not None
+        assert torch.equal(got.grad, want.grad), name
+
+
+def test_the_optimizer_steps_the_store_and_its_state_moves_there() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 3))
+    reference = copy.deepcopy(model)
+    stored = StoredStage(0, model, torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    expected = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    x = torch.randn(6, 4)
+    for _ in range(3):
+        stored.load()
+        model(x).sum().backward()
+        stored.offload()
+        optimizer.step()
+        stored.adopt_state(optimizer)
+        optimizer.zero_grad()
+        reference(x).sum().backward()
+        expected.step()
+        expected.zero_grad()
+    spans = [(r.bytes.data_ptr(), r.bytes.data_ptr() + r.bytes.numel()) for r in stored.regions()]
+    for parameter, want in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(parameter, want)
+        for key in ("exp_avg", "exp_avg_sq"):
+            pointer = optimizer.state[parameter][key].data_ptr()
+            assert any(start <= pointer < end for start, end in spans), key
+        assert any(start <= parameter.data_ptr() < end for start, end in spans)
+
+
+def test_the_stage_steps_at_its_last_offload_that_returns_gradients() -> None:
+    lane = build("roundpipe", 2, 2, model_stages=4).ranks[0]
+    # rank 0: stage 0 is offloaded after its forwards and after its backwards, stage 2 once
+    assert stepping_offloads(lane) == {0: 2, 2: 1}
+
+
+def test_what_a_host_store_cannot_run_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"roundpipe keeps each stage's weights .* stage 0 on"):
+        PipelineConfig(schedule="roundpipe", microbatches=4, data_parallel=2).build(world=4)
