@@ -132,3 +132,38 @@ def roundpipe_loops(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             }
         )
     return results
+
+
+SAVED_AT = 4  # calls: two updates
+
+
+def saved_and_resumed(root: str, saving: dict[str, Any], loading: dict[str, Any]) -> dict[str, Any]:
+    """The loop saved under ``root`` after ``SAVED_AT`` calls on a pipeline of ``saving``'s
+    settings, then loaded into one of ``loading``'s and trained to the end: every call's
+    loss and the weights this rank holds at the end."""
+    first = pipeline(True, **saving)
+    losses = train(first, 0, SAVED_AT)
+    first.save(root)
+    second = pipeline(True, **loading)
+    found = second.load(root)
+    losses += train(second, SAVED_AT)
+    state = {k: v.clone() for k, v in second.state_dict().items()}
+    return {"losses": losses, "state": state, "updates": second.updates, "found": found.updates}
+
+
+def checkpoints_across_layouts(root: str) -> dict[str, dict[str, Any]]:
+    """A roundpipe checkpoint continued on 1f1b, and a 1f1b one on roundpipe (with another
+    cut), on two ranks."""
+    roundpipe = {"schedule": "roundpipe", "microbatches": 4}
+    return {
+        "to_1f1b": saved_and_resumed(
+            f"{root}/from-roundpipe",
+            {**roundpipe, "schedule_options": {"model_stages": 4}},
+            {"schedule": "1f1b", "microbatches": 4},
+        ),
+        "to_roundpipe": saved_and_resumed(
+            f"{root}/from-1f1b",
+            {"schedule": "1f1b", "microbatches": 4},
+            {**roundpipe, "schedule_options": {"model_stages": 8, "resident": 1}},
+        ),
+    }

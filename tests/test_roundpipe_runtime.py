@@ -5,6 +5,7 @@ model; the store's stages in a process's memory only while loaded."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -158,3 +159,23 @@ def test_the_stage_steps_at_its_last_offload_that_returns_gradients() -> None:
 def test_what_a_host_store_cannot_run_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"roundpipe keeps each stage's weights .* stage 0 on"):
         PipelineConfig(schedule="roundpipe", microbatches=4, data_parallel=2).build(world=4)
+
+
+# checkpoints ------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_checkpoint_moves_between_roundpipe_and_1f1b_and_training_goes_on_as_unpipelined(
+    tmp_path: Path,
+) -> None:
+    per_rank = pipetrain.launch(cases.checkpoints_across_layouts, 2, str(tmp_path), timeout_s=300)
+    expected = cases.reference_loop(clip=True)
+    for direction in ("to_1f1b", "to_roundpipe"):
+        state: dict[str, torch.Tensor] = {}
+        for rank in per_rank:
+            result = rank[direction]
+            assert result["found"] == cases.SAVED_AT // cases.ACCUMULATE
+            assert result["updates"] == cases.UPDATES
+            assert result["losses"] == pytest.approx(expected["losses"], rel=1e-5), direction
+            state.update(result["state"])
+        assert sorted(state) == sorted(expected["state"])
+        for name, value in expected["state"].items():
+            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
