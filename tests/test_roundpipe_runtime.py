@@ -8,9 +8,11 @@ import copy
 from pathlib import Path
 from typing import Any
 
+import graph_cases
 import pytest
 import roundpipe_cases as cases
 import torch
+from test_graph import _aliases, assert_same_training
 from torch import nn
 
 import pipetrain
@@ -179,3 +181,24 @@ def test_a_checkpoint_moves_between_roundpipe_and_1f1b_and_training_goes_on_as_u
         assert sorted(state) == sorted(expected["state"])
         for name, value in expected["state"].items():
             torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# a captured Hugging Face Llama with tied embeddings ---------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("world", "options"),
+    [
+        (2, {"model_stages": 4}),  # the tied ends on ranks 0 and 1
+        (3, {"model_stages": 6, "resident": 1}),  # on ranks 0 and 2
+    ],
+)
+def test_a_captured_llama_with_tied_embeddings_trains_as_unpipelined(
+    world: int, options: dict[str, int]
+) -> None:
+    """On padded batches with causal_lm_loss (a pair loss: the step's gradients divided by
+    its token count), against the model's own token mean over the whole batch."""
+    configs = [{"schedule": "roundpipe", "schedule_options": options}]
+    per_rank = pipetrain.launch(graph_cases.train, world, "llama", configs, True, timeout_s=300)
+    assert per_rank[0][0]["shared"] == ["lm_head.weight"]
+    expected = graph_cases.reference("llama", padded=True)
+    assert_same_training(expected, per_rank, _aliases("llama"), configs)
