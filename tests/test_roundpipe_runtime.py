@@ -18,7 +18,7 @@ from torch import nn
 import pipetrain
 from pipetrain.runtime.config import PipelineConfig
 from pipetrain.runtime.rank.host_store import resident_bytes
-from pipetrain.runtime.rank.stored_stage import StoredStage
+from pipetrain.runtime.rank.stored_stage import HostWeights, StoredStage
 from pipetrain.schedules import build
 from pipetrain.schedules.residency import stepping_offloads
 
@@ -125,6 +125,33 @@ def test_a_backward_after_its_stage_was_offloaded_and_loaded_again_is_exact() ->
         assert torch.equal(got.grad, want.grad), name
 
 
+def test_a_parameter_two_stages_share_is_stored_once_and_gets_both_gradients() -> None:
+    torch.manual_seed(0)
+    tied = nn.Linear(4, 4)
+    first, last = nn.Sequential(tied, nn.Tanh()), nn.Sequential(nn.Linear(4, 4), tied)
+    reference = copy.deepcopy(nn.Sequential(first, last))
+    host = HostWeights(torch.device("cpu"))
+    host.adopt(0, first)
+    host.adopt(1, last)
+    assert tied.weight.data_ptr() == host.stages[0].master.bytes.data_ptr()
+    x = torch.randn(3, 4)
+    host.load(0)
+    hidden = first(x)
+    host.offload(0)
+    host.load(1)
+    arriving = hidden.detach().requires_grad_()
+    last(arriving).square().sum().backward()
+    host.offload(1)
+    host.load(0)
+    hidden.backward(arriving.grad)
+    host.offload(0)
+    reference(x).square().sum().backward()
+    expected = dict(reference.named_parameters())
+    for name, parameter in nn.Sequential(first, last).named_parameters():
+        assert parameter.grad is not None
+        torch.testing.assert_close(parameter.grad, expected[name].grad, msg=name)
+
+
 def test_the_optimizer_steps_the_store_and_its_state_moves_there() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 3))
@@ -190,6 +217,7 @@ def test_a_checkpoint_moves_between_roundpipe_and_1f1b_and_training_goes_on_as_u
     [
         (2, {"model_stages": 4}),  # the tied ends on ranks 0 and 1
         (3, {"model_stages": 6, "resident": 1}),  # on ranks 0 and 2
+        (3, {"model_stages": 4}),  # both on rank 0, which stores the weight once
     ],
 )
 def test_a_captured_llama_with_tied_embeddings_trains_as_unpipelined(

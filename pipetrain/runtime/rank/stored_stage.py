@@ -1,16 +1,19 @@
 """Stages whose weights live in the host store, loaded onto the worker for their passes.
 
 Between a stage's ``OFFLOAD`` and its next ``LOAD`` its module's parameters *are* views of
-the store (``param.data`` is the store's fp32 master tensor, ``param.grad`` the store's
-gradient), so everything that reads or writes them between passes (the update cycle's
-optimizer step, clipping, the norm, loss scaling and pair-loss normalization, a checkpoint's
-save and load, ``state_dict``) works on the store in place, unchanged, and the optimizer's
+the store (``param.data`` is the store's master weights, in the parameter's dtype: float32
+under pipetrain's mixed precision, which autocasts; ``param.grad`` the store's gradient),
+so everything that reads or writes them between passes (the update cycle's optimizer
+step, clipping, the norm, loss scaling and pair-loss normalization, a checkpoint's save and
+load, ``state_dict``) works on the store in place, unchanged, and the optimizer's
 parameters are the store's tensors. ``LOAD`` copies the master into a private tensor of the
 worker's and points the parameter at it; ``OFFLOAD`` adds the gradients the stage's
 backwards made into the store's gradient, points the parameter back at the store and
 frees the private tensor's storage (``untyped_storage().resize_(0)``, as FSDP does): the
 autograd graph of forwards whose backwards come later keeps that storage object, which
-the next ``LOAD`` fills again. Buffers stay in the module (they are small).
+the next ``LOAD`` fills again. Buffers stay in the module (they are small). A parameter
+two stages of the rank share (tied embeddings) is stored once, with the first stage, and
+stays loaded while either stage is.
 
 The optimizer's state is made by its first step in private memory and then moved into the
 store (:meth:`HostWeights.settle`), where later steps update it in place. After each use
@@ -28,128 +31,158 @@ from torch import nn
 from pipetrain.runtime.rank.host_store import Region, aligned
 
 
-class StoredStage:
-    """One stage's parameters in the host store: a region for the master weights, one for
-    their gradients and one per kind of optimizer state, laid out alike."""
+class _Slot:
+    """One parameter in the store: at ``offset`` of each region of its ``home`` stage."""
 
-    def __init__(self, index: int, module: nn.Module, device: torch.device) -> None:
-        """Copy ``module``'s parameters into the store and point them at it; ``LOAD``
-        allocates their working copies on ``device``."""
-        self.index, self.device = index, device
-        self.parameters = list({id(p): p for p in module.parameters()}.values())
-        self.offsets, total = [], 0
-        for parameter in self.parameters:
-            self.offsets.append(total)
-            total += aligned(parameter.numel() * parameter.element_size())
-        self._nbytes = total
-        self.master = Region(f"stage{index}-weights", total)
-        self._grads: Region | None = None
-        self._states: dict[str, Region] = {}
-        self._private: list[torch.Tensor | None] = [None] * len(self.parameters)
-        self._held: list[torch.Tensor | None] = [None] * len(self.parameters)
-        self._lent: list[weakref.ref[torch.Tensor] | None] = [None] * len(self.parameters)
-        self.resident = False
-        with torch.no_grad():
-            for parameter, view in zip(self.parameters, self._views(self.master)):
-                view.copy_(parameter)
-                parameter.data = view
-        self.master.release()
+    def __init__(self, parameter: torch.Tensor, home: StoredStage, offset: int) -> None:
+        self.parameter, self.home, self.offset = parameter, home, offset
+        self.private: torch.Tensor | None = None  # the working copy, between LOAD and OFFLOAD
+        self.held: torch.Tensor | None = None  # the gradient the store held at the LOAD
+        self.lent: weakref.ref[torch.Tensor] | None = None  # the store's gradient, given out
+        self.loads = 0  # stages resident that use it
 
-    def _views(self, region: Region) -> list[torch.Tensor]:
-        return [region.view(o, p) for o, p in zip(self.offsets, self.parameters)]
+    def master(self) -> torch.Tensor:
+        return self.home.master.view(self.offset, self.parameter)
 
-    def _region(self, kind: str) -> Region:
-        """The region of gradients (``"grads"``) or of one kind of optimizer state."""
-        if kind == "grads":
-            if self._grads is None:
-                self._grads = Region(f"stage{self.index}-grads", self._nbytes)
-            return self._grads
-        if kind not in self._states:
-            name = f"stage{self.index}-state{len(self._states)}"
-            self._states[kind] = Region(name, self._nbytes)
-        return self._states[kind]
-
-    def regions(self) -> list[Region]:
-        """Every region of the stage."""
-        extra = [] if self._grads is None else [self._grads]
-        return [self.master, *extra, *self._states.values()]
-
-    def load(self) -> None:
-        """``LOAD``: the master weights copied into working tensors the parameters hold;
-        gradients already in the store are set aside for :meth:`offload` to add to."""
-        masters = self._views(self.master)
-        with torch.no_grad():
-            for i, (parameter, master) in enumerate(zip(self.parameters, masters)):
-                private = self._private[i]
-                if private is None:
-                    private = self._private[i] = torch.empty_like(master, device=self.device)
-                else:  # the storage a pending backward's graph may hold: filled again
-                    private.untyped_storage().resize_(master.numel() * master.element_size())
-                private.copy_(master)
-                self._held[i], parameter.grad = parameter.grad, None
-                parameter.data = private
-        self.resident = True
-        self.master.release()
+    def load(self, device: torch.device) -> None:
+        self.loads += 1
+        if self.loads > 1:
+            return  # loaded already for another stage
+        master, parameter = self.master(), self.parameter
+        if self.private is None:
+            self.private = torch.empty_like(master, device=device)
+        else:  # the storage a pending backward's graph may hold: filled again
+            self.private.untyped_storage().resize_(master.numel() * master.element_size())
+        self.private.copy_(master)
+        self.held, parameter.grad = parameter.grad, None
+        parameter.data = self.private
 
     def offload(self) -> None:
-        """``OFFLOAD``: the gradients made since :meth:`load` added into the store's, the
-        parameters pointed back at the store and the working tensors freed."""
-        masters = self._views(self.master)
-        with torch.no_grad():
-            for i, (parameter, master) in enumerate(zip(self.parameters, masters)):
-                grad, parameter.grad = self._gradient(i, parameter.grad), None
-                parameter.data = master
-                parameter.grad = grad
-                private = self._private[i]
-                assert private is not None  # allocated by the LOAD before
-                private.untyped_storage().resize_(0)
-        self.resident = False
-        self.master.release()
-        if self._grads is not None:
-            self._grads.release()
+        self.loads -= 1
+        if self.loads > 0:
+            return  # another resident stage still uses it
+        parameter = self.parameter
+        grad, parameter.grad = self._gradient(parameter.grad), None
+        parameter.data = self.master()
+        parameter.grad = grad
+        assert self.private is not None  # allocated by the LOAD before
+        self.private.untyped_storage().resize_(0)
 
-    def _gradient(self, i: int, made: torch.Tensor | None) -> torch.Tensor | None:
-        """Parameter ``i``'s gradient after an offload: what it held before the load plus
-        ``made``, in the store where the store's tensor is free."""
-        held, self._held[i] = self._held[i], None
+    def _gradient(self, made: torch.Tensor | None) -> torch.Tensor | None:
+        """The gradient after an offload: what the store held at the load plus ``made``,
+        in the store where the store's tensor is free."""
+        held, self.held = self.held, None
         if made is None:
             return held
         if held is not None:
             return held.add_(made.to(held.device))
-        lent = self._lent[i]
-        if lent is not None and lent() is not None:
+        if self.lent is not None and self.lent() is not None:
             # the store's gradient was taken off the parameter but is still in use (put
             # aside by the pair-loss normalization): this one stays in private memory
             return made
-        stored = self._region("grads").view(self.offsets[i], self.parameters[i])
+        stored = self.home.region("grads").view(self.offset, self.parameter)
         stored.copy_(made)
-        self._lent[i] = weakref.ref(stored)
+        self.lent = weakref.ref(stored)
         return stored
+
+    def adopt_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Move the parameter's optimizer state (each tensor laid out as the parameter)
+        into the store."""
+        parameter = self.parameter
+        if parameter not in optimizer.state:
+            return
+        state = optimizer.state[parameter]
+        for key, value in list(state.items()):
+            if _like(value, parameter):
+                stored = self.home.region(f"state:{key}").view(self.offset, parameter)
+                if value.data_ptr() != stored.data_ptr():
+                    stored.copy_(value)
+                    state[key] = stored
+
+
+class StoredStage:
+    """One stage's parameters in the host store: a region for the master weights, one for
+    their gradients and one per kind of optimizer state, laid out alike."""
+
+    def __init__(
+        self,
+        index: int,
+        module: nn.Module,
+        device: torch.device,
+        stored: dict[int, _Slot] | None = None,
+    ) -> None:
+        """Copy ``module``'s parameters into the store and point them at it; ``LOAD``
+        allocates their working copies on ``device``. Parameters in ``stored`` (by id; a
+        slot of another stage's) are shared with that stage; the others' slots are added."""
+        self.index, self.device = index, device
+        stored = {} if stored is None else stored
+        unique = list({id(p): p for p in module.parameters()}.values())
+        own, total = [], 0
+        for parameter in unique:
+            if id(parameter) not in stored:
+                stored[id(parameter)] = _Slot(parameter, self, total)
+                own.append(stored[id(parameter)])
+                total += aligned(parameter.numel() * parameter.element_size())
+        self._slots = [stored[id(p)] for p in unique]
+        self._own, self._nbytes = own, total
+        self.master = Region(f"stage{index}-weights", total)
+        self._regions: dict[str, Region] = {}
+        with torch.no_grad():
+            for slot in own:
+                slot.master().copy_(slot.parameter)
+                slot.parameter.data = slot.master()
+        self.master.release()
+
+    @property
+    def resident(self) -> bool:
+        """Whether the stage is loaded (its parameters are working copies)."""
+        return any(slot.loads for slot in self._slots)
+
+    def region(self, kind: str) -> Region:
+        """The stage's region of gradients (``"grads"``) or of one kind of optimizer state,
+        made on first use."""
+        if kind not in self._regions:
+            name = f"stage{self.index}-{len(self._regions)}"
+            self._regions[kind] = Region(name, self._nbytes)
+        return self._regions[kind]
+
+    def regions(self) -> list[Region]:
+        """Every region of the stage."""
+        return [self.master, *self._regions.values()]
+
+    def load(self) -> None:
+        """``LOAD``: the master weights copied into working tensors the parameters hold;
+        gradients already in the store are set aside for :meth:`offload` to add to."""
+        with torch.no_grad():
+            for slot in self._slots:
+                slot.load(self.device)
+        for home in {id(s.home): s.home for s in self._slots}.values():
+            home.master.release()
+
+    def offload(self) -> None:
+        """``OFFLOAD``: the gradients made since :meth:`load` added into the store's, the
+        parameters pointed back at the store and the working tensors freed."""
+        with torch.no_grad():
+            for slot in self._slots:
+                slot.offload()
+        for home in {id(s.home): s.home for s in self._slots}.values():
+            home.release()
 
     def evict(self) -> None:
         """After a failed run: parameters back on the store, the gradients made since the
         load dropped (those held before kept)."""
         if not self.resident:
             return
-        for parameter in self.parameters:
-            parameter.grad = None
+        for slot in self._slots:
+            slot.parameter.grad = None
         self.offload()
 
     def adopt_state(self, optimizer: torch.optim.Optimizer) -> None:
-        """Move the optimizer's state of the stage's parameters (each tensor shaped as its
-        parameter) into the store, where later steps update it in place."""
+        """Move the optimizer's state of the parameters stored here into the store, where
+        later steps update it in place."""
         with torch.no_grad():
-            for i, parameter in enumerate(self.parameters):
-                if parameter not in optimizer.state:
-                    continue
-                state = optimizer.state[parameter]
-                for key, value in list(state.items()):
-                    if not _like(value, parameter):
-                        continue
-                    stored = self._region(f"state:{key}").view(self.offsets[i], parameter)
-                    if value.data_ptr() != stored.data_ptr():
-                        stored.copy_(value)
-                        state[key] = stored
+            for slot in self._own:
+                slot.adopt_state(optimizer)
 
     def release(self) -> None:
         """Drop every region's pages from this process's resident set."""
@@ -175,20 +208,11 @@ class HostWeights:
         """Stages will be loaded onto ``device``."""
         self.device = device
         self.stages: dict[int, StoredStage] = {}
-        self._owners: dict[int, int] = {}  # id of a parameter -> the stage storing it
+        self._slots: dict[int, _Slot] = {}  # every stored parameter, by id
 
     def adopt(self, index: int, module: nn.Module) -> None:
         """Move stage ``index``'s parameters (just materialized) into the store."""
-        for name, parameter in module.named_parameters():
-            owner = self._owners.get(id(parameter))
-            if owner is not None:
-                raise ValueError(
-                    f"parameter {name!r} is used by stages {owner} and {index}, both on one "
-                    "rank under a host-stored schedule, which keeps one copy per stage; cut "
-                    "the model so that they fall on different ranks (another model_stages)"
-                )
-        self.stages[index] = StoredStage(index, module, self.device)
-        self._owners.update({id(p): index for p in self.stages[index].parameters})
+        self.stages[index] = StoredStage(index, module, self.device, self._slots)
 
     def load(self, stage: int) -> None:
         """``LOAD`` of ``stage``."""
@@ -203,6 +227,7 @@ class HostWeights:
         back, the optimizer's new state moved into the store, every region released."""
         for stored in self.stages.values():
             stored.evict()
+        for stored in self.stages.values():
             if optimizer is not None:
                 stored.adopt_state(optimizer)
             stored.release()
