@@ -71,10 +71,18 @@ def reference_loop(clip: bool, updates: int = UPDATES) -> dict[str, Any]:
     return {"losses": losses, "norms": norms, "state": model.state_dict(), "evaluated": evaluated}
 
 
-def pipeline(clip: bool, **settings: Any) -> pipetrain.Pipeline:
-    """The GPT on a pipeline with the loop's optimizer, schedule and clipping."""
+def pipeline(clip: bool, weights: str | None = None, **settings: Any) -> pipetrain.Pipeline:
+    """The GPT on a pipeline with the loop's optimizer, schedule and clipping; with
+    ``weights`` (a file of :func:`gpt`'s), built on the meta device and each stage read
+    from there on its rank."""
+    if weights is None:
+        model = gpt()
+    else:
+        with torch.device("meta"):
+            model = build_gpt(d_model=16, heads=2, n_layers=LAYERS, context=CONTEXT, vocab=VOCAB)
+        settings["weights"] = weights
     return make_pipeline(
-        gpt(),
+        model,
         loss_fn=gpt_loss,
         optimizer=adamw,
         lr_scheduler=scheduler,

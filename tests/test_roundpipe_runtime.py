@@ -79,11 +79,16 @@ def test_three_workers_six_and_eight_stages_resident_one_and_two() -> None:
 
 
 @pytest.mark.slow
-def test_two_workers_eight_stages_loaded_one_at_a_time() -> None:
+def test_two_workers_eight_stages_of_a_meta_model_read_stage_by_stage(tmp_path: Path) -> None:
+    """The model built on the meta device: each rank reads only its stages from the weights
+    file, one at a time, into its store."""
+    weights = tmp_path / "gpt.pt"
+    torch.save(cases.gpt().state_dict(), weights)
     config = {
         "clip": True,
         "microbatches": 2,
         "schedule_options": {"model_stages": 8, "resident": 1},
+        "weights": str(weights),
     }
     per_rank = pipetrain.launch(cases.roundpipe_loops, 2, [config], timeout_s=300)
     assert_matches_unpipelined([rank[0] for rank in per_rank], clip=True)
@@ -150,6 +155,24 @@ def test_a_parameter_two_stages_share_is_stored_once_and_gets_both_gradients() -
     for name, parameter in nn.Sequential(first, last).named_parameters():
         assert parameter.grad is not None
         torch.testing.assert_close(parameter.grad, expected[name].grad, msg=name)
+
+
+def test_after_a_failed_run_the_parameters_are_the_store_with_the_gradients_held_before() -> None:
+    model = nn.Linear(3, 2)
+    host = HostWeights(torch.device("cpu"))
+    host.adopt(0, model)
+    x = torch.randn(4, 3)
+    host.load(0)
+    model(x).sum().backward()
+    host.offload(0)
+    assert model.weight.grad is not None
+    before = model.weight.grad.clone()
+    host.load(0)
+    model(x).sum().backward()  # the run fails here, with the stage resident
+    host.settle(None)
+    assert model.weight.data_ptr() == host.stages[0].master.bytes.data_ptr()
+    assert not host.stages[0].resident
+    assert torch.equal(model.weight.grad, before)
 
 
 def test_the_optimizer_steps_the_store_and_its_state_moves_there() -> None:
