@@ -171,6 +171,7 @@ def assemble(
         on_nonfinite=update.on_nonfinite,
         lr_scheduler=update.lr_scheduler,
         precision=precision,
+        step_optimizer=None if host is None else host.step,
     )
     weights = Weights(stages, optimizer, schedule.asynchronous, updater, sharing.reduce)
     runners = {

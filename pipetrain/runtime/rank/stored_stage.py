@@ -184,6 +184,10 @@ class StoredStage:
             for slot in self._own:
                 slot.adopt_state(optimizer)
 
+    def stored_ids(self) -> set[int]:
+        """The ids of the parameters stored here (not those shared from another stage)."""
+        return {id(slot.parameter) for slot in self._own}
+
     def release(self) -> None:
         """Drop every region's pages from this process's resident set."""
         for region in self.regions():
@@ -221,6 +225,25 @@ class HostWeights:
     def offload(self, stage: int) -> None:
         """``OFFLOAD`` of ``stage``."""
         self.stages[stage].offload()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer's step, one stage at a time (each parameter's update depends on it
+        alone), each stage's new state moved into the store and its pages released before
+        the next: the step holds one stage's weights, gradients and state at once."""
+        groups = [group["params"] for group in optimizer.param_groups]
+        try:
+            for stored in self.stages.values():
+                own = stored.stored_ids()
+                if not own:
+                    continue
+                for group, params in zip(optimizer.param_groups, groups):
+                    group["params"] = [p for p in params if id(p) in own]
+                optimizer.step()
+                stored.adopt_state(optimizer)
+                stored.release()
+        finally:
+            for group, params in zip(optimizer.param_groups, groups):
+                group["params"] = params
 
     def settle(self, optimizer: torch.optim.Optimizer | None) -> None:
         """After a run or an update outside one: any stage left resident by a failure put
