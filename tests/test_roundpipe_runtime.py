@@ -5,6 +5,8 @@ model; the store's stages in a process's memory only while loaded."""
 from __future__ import annotations
 
 import copy
+import errno
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from torch import nn
 
 import pipetrain
 from pipetrain.runtime.config import PipelineConfig
+from pipetrain.runtime.rank import host_store
 from pipetrain.runtime.rank.host_store import resident_bytes
 from pipetrain.runtime.rank.stored_stage import HostWeights, StoredStage
 from pipetrain.schedules import build
@@ -253,3 +256,25 @@ def test_a_captured_llama_with_tied_embeddings_trains_as_unpipelined(
     assert per_rank[0][0]["shared"] == ["lm_head.weight"]
     expected = graph_cases.reference("llama", padded=True)
     assert_same_training(expected, per_rank, _aliases("llama"), configs)
+
+
+def test_a_region_that_shared_memory_cannot_hold_is_made_on_disk(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    full = tmp_path / "shm"
+    full.mkdir()
+    made: list[str] = []
+    allocate = os.posix_fallocate
+
+    def reserve(descriptor: int, offset: int, size: int) -> None:
+        made.append(os.readlink(f"/proc/self/fd/{descriptor}"))
+        if made[-1].startswith(str(full)):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        allocate(descriptor, offset, size)
+
+    monkeypatch.setattr(host_store, "SHARED_MEMORY", str(full))
+    monkeypatch.setattr(host_store.os, "posix_fallocate", reserve)
+    region = host_store.Region("test", 1000)
+    region.bytes.fill_(7)
+    assert made[0].startswith(str(full)) and not made[1].startswith(str(full))
+    assert region.bytes.sum() == 7 * region.bytes.numel() and not list(full.iterdir())

@@ -4,11 +4,14 @@ A schedule whose weights live in a host store (``roundpipe``) keeps each stage's
 parameters, their gradients and the optimizer's state outside the worker's private memory
 (see :mod:`~pipetrain.runtime.rank.stored_stage`). Each region is a file in ``/dev/shm``
 (tmpfs: memory, not disk; the system's temporary directory where there is none) mapped
-shared and seen as a tensor of bytes. The file is unlinked as soon as it is mapped: the
-memory lives as long as the mapping, and a worker that dies, even by SIGKILL, leaves no
-file behind. :meth:`Region.release` drops the region's pages from the process's resident
-set (``MADV_DONTNEED`` on a shared file mapping keeps the data in the file), so a worker's
-RSS holds only what it has touched since.
+shared and seen as a tensor of bytes. Its space is reserved when it is made
+(``posix_fallocate``), so a full ``/dev/shm`` (64 MiB in a default container) is found
+then, and the region made in the temporary directory instead, never met as a SIGBUS on a
+later write. The file is unlinked as soon as it is mapped: the memory lives as long as the
+mapping, and a worker that dies, even by SIGKILL, leaves no file behind.
+:meth:`Region.release` drops the region's pages from the process's resident set
+(``MADV_DONTNEED`` on a shared file mapping keeps the data in the file), so a worker's RSS
+holds only what it has touched since.
 
 On a GPU the regions would be pinned (``cudaHostRegister`` of :attr:`Region.bytes`'s
 pointer) so that copies to and from the device run asynchronously on a stream of their own.
@@ -16,6 +19,7 @@ pointer) so that copies to and from the device run asynchronously on a stream of
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import tempfile
@@ -46,15 +50,14 @@ class Region:
     def __init__(self, name: str, nbytes: int) -> None:
         """Make and map the region; its file is unlinked at once."""
         size = max(aligned(nbytes), ALIGNMENT)  # a mapping cannot be empty
-        descriptor, path = tempfile.mkstemp(
-            prefix=f"pipetrain-store-{os.getpid()}-{name}-", dir=store_directory()
-        )
+        prefix = f"pipetrain-store-{os.getpid()}-{name}-"
+        directory = store_directory()
         try:
-            os.ftruncate(descriptor, size)
-            self._map = mmap.mmap(descriptor, size, mmap.MAP_SHARED)
-        finally:
-            os.close(descriptor)
-            os.unlink(path)
+            self._map = _mapped(prefix, size, directory)
+        except OSError as error:
+            if directory is None or error.errno != errno.ENOSPC:
+                raise
+            self._map = _mapped(prefix, size, None)  # shared memory is full: on disk
         self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         """The region as one tensor of bytes."""
 
@@ -67,6 +70,17 @@ class Region:
     def release(self) -> None:
         """Drop the region's pages from this process's resident set; the data stays."""
         self._map.madvise(mmap.MADV_DONTNEED)
+
+
+def _mapped(prefix: str, size: int, directory: str | None) -> mmap.mmap:
+    """A new file of ``size`` reserved bytes in ``directory``, mapped shared, unlinked."""
+    descriptor, path = tempfile.mkstemp(prefix=prefix, dir=directory)
+    try:
+        os.posix_fallocate(descriptor, 0, size)
+        return mmap.mmap(descriptor, size, mmap.MAP_SHARED)
+    finally:
+        os.close(descriptor)
+        os.unlink(path)
 
 
 def resident_bytes() -> int:
