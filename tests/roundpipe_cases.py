@@ -13,7 +13,7 @@ from torch import nn
 from training_cases import scheduler
 
 import pipetrain
-from pipetrain.app.models.gpt import build_gpt, gpt_loss
+from pipetrain.app.models.gpt import build_gpt, gpt_loss, gpt_token_loss
 
 LAYERS, CONTEXT, VOCAB, BATCH = 6, 8, 32, 8
 UPDATES, ACCUMULATE, MAX_NORM, MICROBATCHES = 3, 2, 0.5, 4
@@ -71,10 +71,13 @@ def reference_loop(clip: bool, updates: int = UPDATES) -> dict[str, Any]:
     return {"losses": losses, "norms": norms, "state": model.state_dict(), "evaluated": evaluated}
 
 
-def pipeline(clip: bool, weights: str | None = None, **settings: Any) -> pipetrain.Pipeline:
+def pipeline(
+    clip: bool, weights: str | None = None, token_loss: bool = False, **settings: Any
+) -> pipetrain.Pipeline:
     """The GPT on a pipeline with the loop's optimizer, schedule and clipping; with
     ``weights`` (a file of :func:`gpt`'s), built on the meta device and each stage read
-    from there on its rank."""
+    from there on its rank; with ``token_loss``, on ``(loss_sum, count)`` (the same mean:
+    no target is ignored)."""
     if weights is None:
         model = gpt()
     else:
@@ -83,7 +86,7 @@ def pipeline(clip: bool, weights: str | None = None, **settings: Any) -> pipetra
         settings["weights"] = weights
     return make_pipeline(
         model,
-        loss_fn=gpt_loss,
+        loss_fn=gpt_token_loss if token_loss else gpt_loss,
         optimizer=adamw,
         lr_scheduler=scheduler,
         max_grad_norm=MAX_NORM if clip else None,
@@ -92,14 +95,20 @@ def pipeline(clip: bool, weights: str | None = None, **settings: Any) -> pipetra
     )
 
 
-def train(pipe: pipetrain.Pipeline, start: int = 0, stop: int | None = None) -> list[float]:
-    """The loop's calls from ``start`` to ``stop``, updating every ``ACCUMULATE``th."""
+def train(
+    pipe: pipetrain.Pipeline, start: int = 0, stop: int | None = None, explicit: bool = False
+) -> list[float]:
+    """The loop's calls from ``start`` to ``stop``, updating every ``ACCUMULATE``th (with
+    ``explicit``, by ``pipe.update()`` after it instead)."""
     data = calls()
     stop = len(data) if stop is None else stop
-    return [
-        pipe.train_step(x, y, update=k % ACCUMULATE == ACCUMULATE - 1)
-        for k, (x, y) in enumerate(data[start:stop], start)
-    ]
+    losses = []
+    for k, (x, y) in enumerate(data[start:stop], start):
+        last = k % ACCUMULATE == ACCUMULATE - 1
+        losses.append(pipe.train_step(x, y, update=last and not explicit))
+        if last and explicit:
+            pipe.update()
+    return losses
 
 
 def private_storage(pipe: pipetrain.Pipeline) -> int:
@@ -119,15 +128,16 @@ def private_storage(pipe: pipetrain.Pipeline) -> int:
 
 
 def roundpipe_loops(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The loop on a roundpipe pipeline per config (``clip`` and the pipeline's settings):
-    every call's loss, the weights this rank holds at the end, the bytes of parameter
-    storage outside the store, and (rank 0, first config) the last step's measured kinds."""
+    """The loop on a roundpipe pipeline per config (``clip``, ``explicit`` updates and the
+    pipeline's settings): every call's loss, the weights this rank holds at the end, the
+    bytes of parameter storage outside the store, and (rank 0, first config) the last
+    step's measured kinds."""
     results = []
     for index, config in enumerate(configs):
         settings = dict(config)
-        clip = settings.pop("clip")
+        clip, explicit = settings.pop("clip"), settings.pop("explicit", False)
         pipe = pipeline(clip, schedule="roundpipe", record=index == 0, **settings)
-        losses = train(pipe)
+        losses = train(pipe, explicit=explicit)
         timeline = pipe.timeline() if index == 0 else None
         results.append(
             {

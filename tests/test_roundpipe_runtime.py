@@ -72,9 +72,13 @@ def test_loads_and_offloads_are_measured_as_the_schedule_writes_them(
 
 @pytest.mark.slow
 def test_three_workers_six_and_eight_stages_resident_one_and_two() -> None:
+    """Also: a pair loss accumulated over calls (each call's gradients divided by its count
+    while the earlier call's wait in the store), and updates by ``pipe.update()``."""
     configs: list[dict[str, Any]] = [
         {"clip": True, "microbatches": 3, "schedule_options": {"model_stages": 6, "resident": 1}},
         {"clip": False, "microbatches": 4, "schedule_options": {"model_stages": 8}},
+        {"clip": True, "microbatches": 3, "token_loss": True, "schedule_options": {}},
+        {"clip": True, "microbatches": 3, "explicit": True, "schedule_options": {}},
     ]
     per_rank = pipetrain.launch(cases.roundpipe_loops, 3, configs, timeout_s=300)
     for index, config in enumerate(configs):
