@@ -11,10 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import graph_cases
+import precision_cases
 import pytest
 import roundpipe_cases as cases
 import torch
 from test_graph import _aliases, assert_same_training
+from test_precision import assert_loop_matches
 from torch import nn
 
 import pipetrain
@@ -215,6 +217,16 @@ def test_the_stage_steps_at_its_last_offload_that_returns_gradients() -> None:
     assert stepping_offloads(lane) == {0: 2, 2: 1}
 
 
+def test_a_balance_gives_one_entry_per_model_stage() -> None:
+    options = {"model_stages": 4}
+    config = PipelineConfig(schedule="roundpipe", balance=[1, 2, 1, 1], schedule_options=options)
+    assert config.build(world=2, layers=5).stages == 4
+    with pytest.raises(ValueError, match=r"balance \[2, 3\] has 2 stages, but roundpipe"):
+        PipelineConfig(schedule="roundpipe", balance=[2, 3], schedule_options=options).build(
+            world=2, layers=5
+        )
+
+
 def test_what_a_host_store_cannot_run_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"roundpipe keeps each stage's weights .* stage 0 on"):
         PipelineConfig(schedule="roundpipe", microbatches=4, data_parallel=2).build(world=4)
@@ -282,3 +294,18 @@ def test_a_region_that_shared_memory_cannot_hold_is_made_on_disk(
     region.bytes.fill_(7)
     assert made[0].startswith(str(full)) and not made[1].startswith(str(full))
     assert region.bytes.sum() == 7 * region.bytes.numel() and not list(full.iterdir())
+
+
+@pytest.mark.slow
+def test_fp16_loss_scaling_skips_and_grows_as_the_unpipelined_loop() -> None:
+    """The mixed-precision tests' MLP and fp16 loop (updates overflow, back off and grow),
+    with a parameter-free stage (Tanh, Dropout), whose rank steps nothing of it."""
+    config = {
+        "schedule": "roundpipe",
+        "microbatches": 2,
+        "balance": [1, 2, 1, 1],
+        "precision": "fp16",
+        "schedule_options": {"model_stages": 4},
+    }
+    per_rank = pipetrain.launch(precision_cases.pipelined_loop, 2, [config], timeout_s=300)
+    assert_loop_matches([rank[0] for rank in per_rank], config)

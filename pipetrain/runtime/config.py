@@ -190,6 +190,10 @@ class PipelineConfig:
             return self._copied(family, world, layers, options)
         if self.data_parallel != 1:
             replicas = self._data_parallel_replicas(family, world, options)
+        if replicas is None and family.host_weights:  # its stage count is an option's
+            built = build(family.name, world, self.microbatches, replicas=None, **options)
+            self._check_balance(built.stages, layers, f"{family.name} on {world} ranks")
+            return built
         if replicas is None:
             stages = world * family.chunks(options)
             self._check_balance(stages, layers, f"{family.name} on {world} ranks")
