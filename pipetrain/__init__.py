@@ -1,11 +1,10 @@
 """pipetrain: pipeline-parallel training for PyTorch.
 
 Profile a model, plan how to split it over workers, simulate the plan, and run it on
-torch.distributed with any of twelve schedules: ``gpipe``, ``1f1b``, ``interleaved``,
+torch.distributed with any of thirteen schedules: ``gpipe``, ``1f1b``, ``interleaved``,
 ``zb-h1``, ``pipedream``, ``2bw``, ``looped-bfs``, ``interleaved-zb``, ``zb-v``, ``v-half``,
-``v-min`` and ``dualpipev`` (:func:`pipetrain.schedules.names` lists every registered one);
-``roundpipe``, whose workers load each stage's weights from a host store, is validated and
-simulated only, for now.
+``v-min``, ``dualpipev`` and ``roundpipe``, whose workers load each stage's weights from a
+host store (:func:`pipetrain.schedules.names` lists every registered one).
 
 ``import pipetrain`` loads no torch: the torch-backed parts (:class:`Pipeline`,
 :func:`profile`, :func:`launch`, and the packages :mod:`pipetrain.runtime`,

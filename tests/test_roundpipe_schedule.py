@@ -289,12 +289,6 @@ def test_roundpipe_has_less_bubble_than_1f1b_on_the_same_workers_and_compute() -
 
 
 # where it cannot go yet -------------------------------------------------------------------
-def test_the_runtime_refuses_it_by_name_and_as_a_value() -> None:
-    from pipetrain.runtime.config import PipelineConfig
-
-    for given in ("roundpipe", build("roundpipe", 2, 4)):
-        with pytest.raises(ValueError, match=r"roundpipe .* validated and simulated only"):
-            PipelineConfig(schedule=given, microbatches=4).build(world=2)
 
 
 def test_the_planner_leaves_it_out() -> None:

@@ -35,6 +35,7 @@ from pipetrain.runtime.rank.reduce import Reducer, replica_groups, replica_reduc
 from pipetrain.runtime.rank.shard import ShardedReducer, shard_stage
 from pipetrain.runtime.rank.shared import SharedGradients, check_sharing, counted_once
 from pipetrain.runtime.rank.stage import LossFn, Stage
+from pipetrain.runtime.rank.stored_stage import HostWeights
 from pipetrain.runtime.rank.tensor_parallel import Mirrors, counted_by_mirror, stage_plan
 from pipetrain.runtime.rank.update import Updater
 from pipetrain.runtime.rank.update_config import UpdateConfig
@@ -65,8 +66,11 @@ def _stage_modules(
     balance: Sequence[int],
     device: torch.device,
     source: ModelSource,
+    host: HostWeights | None = None,
 ) -> dict[int, nn.Module]:
-    """This rank's stage modules, materialized on ``device`` (see :func:`materialize`)."""
+    """This rank's stage modules, materialized on ``device`` (see :func:`materialize`); with
+    a ``host`` store, each moved there as soon as it is made, so the rank never holds more
+    than one stage's weights privately."""
     if source.deferred_batch_norm:
         if isinstance(front, GraphModel):
             raise ValueError(
@@ -75,15 +79,13 @@ def _stage_modules(
             )
         front.layers = deferred_layers(front.layers, schedule)
     bounds = stage_bounds(balance)
-    return {
-        stage: materialize(
-            front.stage(*bounds[stage], device),
-            device,
-            init_fn=source.init_fn,
-            weights=source.weights,
-        )
-        for stage in schedule.stages_of(rank)
-    }
+    modules = {}
+    for stage in schedule.stages_of(rank):
+        module = front.stage(*bounds[stage], device)
+        modules[stage] = materialize(module, device, init_fn=source.init_fn, weights=source.weights)
+        if host is not None:
+            host.adopt(stage, module)
+    return modules
 
 
 def assemble(
@@ -123,7 +125,8 @@ def assemble(
             groups = mirrors.replica_groups(schedule)
             transport = MirroredTransport(transport, mirrors.degree, mirrors.messages)
     device = transport.device
-    stages = _stage_modules(schedule, rank, front, balance, device, source or ModelSource())
+    host = HostWeights(device) if schedule.host_stored else None
+    stages = _stage_modules(schedule, rank, front, balance, device, source or ModelSource(), host)
     shared = shared_parameters(front, balance)
     check_sharing(shared, schedule)
     meshes = {}  # a sharded tensor-parallel stage's (dp, tp) mesh
@@ -168,6 +171,7 @@ def assemble(
         on_nonfinite=update.on_nonfinite,
         lr_scheduler=update.lr_scheduler,
         precision=precision,
+        step_optimizer=None if host is None else host.step,
     )
     weights = Weights(stages, optimizer, schedule.asynchronous, updater, sharing.reduce)
     runners = {
@@ -190,6 +194,8 @@ def assemble(
     reducers.update(replica_reducers(unsharded, schedule, groups, device, runtime.bucket_bytes))
     defer_gloo_io_threads()  # the shared weights' and the replicas' groups started theirs
     mirror = mirrors is not None and not mirrors.leads
-    cycle = UpdateCycle(weights, reducers, transport.all_reduce, device, per_update, mirror=mirror)
+    cycle = UpdateCycle(
+        weights, reducers, transport.all_reduce, device, per_update, mirror=mirror, host=host
+    )
     executor = Executor(rank, runners, transport, cycle, recorder)
     return Rank(stages, transport, recorder, cycle, executor, sharing.names)

@@ -145,7 +145,6 @@ class PipelineConfig:
         layers) and return the schedule it runs, of ``world / tensor_parallel`` ranks; a
         ValueError names the first setting that cannot run and how to fix it."""
         check_mode(self.recompute)
-        _refuse_host_weights(self.schedule)
         world = schedule_ranks(world, self.tensor_parallel)
         if isinstance(self.schedule, Schedule):
             schedule = self._checked_value(self.schedule, world)
@@ -164,6 +163,8 @@ class PipelineConfig:
             schedule = with_gathers(schedule)
         if self.microbatch_tokens is not None:
             self._check_token_budget(schedule)
+        if schedule.host_stored:
+            _check_host_stored(schedule, self.tensor_parallel)
         return schedule
 
     def _check_token_budget(self, schedule: Schedule) -> None:
@@ -189,6 +190,10 @@ class PipelineConfig:
             return self._copied(family, world, layers, options)
         if self.data_parallel != 1:
             replicas = self._data_parallel_replicas(family, world, options)
+        if replicas is None and family.host_weights:  # its stage count is an option's
+            built = build(family.name, world, self.microbatches, replicas=None, **options)
+            self._check_balance(built.stages, layers, f"{family.name} on {world} ranks")
+            return built
         if replicas is None:
             stages = world * family.chunks(options)
             self._check_balance(stages, layers, f"{family.name} on {world} ranks")
@@ -393,17 +398,22 @@ class ModelSource:
     deferred_batch_norm: bool = False
 
 
-def _refuse_host_weights(schedule: str | Schedule) -> None:
-    """A ValueError for a schedule whose weights live in a host store (``LOAD``/``OFFLOAD``),
-    which the runtime cannot play yet."""
-    if isinstance(schedule, Schedule):
-        hosted, name = schedule.host_stored, schedule.name
-    else:
-        hosted, name = spec(schedule).host_weights, schedule
-    if hosted:
-        raise ValueError(
-            f"{name} keeps the weights in a host store that the ranks LOAD stages from and "
-            "OFFLOAD gradients to, which the runtime cannot run yet: it can be validated and "
-            f"simulated only, for now (pipetrain simulate --schedule {name}); train with "
-            "another family, such as looped-bfs"
-        )
+def _check_host_stored(schedule: Schedule, tensor_parallel: int) -> None:
+    """A ValueError for what a schedule whose weights live in a host store (``LOAD``/
+    ``OFFLOAD``) cannot run: each rank keeps the stages it loads in a store of its own, so
+    a stage runs on one rank, synchronously, whole."""
+    replicated = [s for s, ranks in enumerate(schedule.stage_ranks) if len(ranks) > 1]
+    refused = {
+        "asynchronous updates": schedule.asynchronous,
+        f"tensor_parallel={tensor_parallel}": tensor_parallel > 1,
+    }
+    if replicated:
+        ranks = list(schedule.stage_ranks[replicated[0]][:4])
+        refused[f"stage {replicated[0]} on ranks {ranks}"] = True
+    for what, given in refused.items():
+        if given:
+            raise ValueError(
+                f"{schedule.name} keeps each stage's weights in the host store of the one rank "
+                f"that loads it, synchronously and whole, so it cannot run {what}; give no "
+                "replicas, data_parallel or tensor_parallel, or use another family"
+            )

@@ -163,12 +163,29 @@ def with_targets_shipped(lanes: Lanes, stage_ranks: Sequence[Sequence[int]]) -> 
     return tuple(shipped)
 
 
+def _forward_residencies(lane: list[Action]) -> list[Action]:
+    """``lane`` without the ``LOAD``/``OFFLOAD`` pairs around no forward (a backward's)."""
+    loaded: dict[int, int] = {}  # stage -> index of its LOAD in lane
+    idle: set[int] = set()  # indices of dropped LOADs and OFFLOADs
+    ran: set[int] = set()
+    for index, action in enumerate(lane):
+        if action.kind is Kind.LOAD:
+            loaded[action.stage] = index
+            ran.discard(action.stage)
+        elif action.kind is Kind.FORWARD:
+            ran.add(action.stage)
+        elif action.kind is Kind.OFFLOAD and action.stage not in ran:
+            idle.update((loaded[action.stage], index))
+    return [action for index, action in enumerate(lane) if index not in idle]
+
+
 def forward_only(lanes: Lanes, stage_ranks: Sequence[Sequence[int]]) -> Lanes:
     """The forwards and their transfers, on the newest weights, with every last-stage
-    output gathered on the first rank of the last stage (for evaluation)."""
+    output gathered on the first rank of the last stage (for evaluation); a host-stored
+    schedule keeps the ``LOAD`` and ``OFFLOAD`` around each stage's forwards."""
     last = len(stage_ranks) - 1
     gather = stage_ranks[last][0]
-    keep = (Kind.FORWARD, Kind.SEND_F, Kind.RECV_F)
+    keep = (Kind.FORWARD, Kind.SEND_F, Kind.RECV_F, Kind.LOAD, Kind.OFFLOAD)
     result: list[list[Action]] = []
     incoming: list[Action] = []
     for rank, actions in enumerate(lanes):
@@ -180,6 +197,6 @@ def forward_only(lanes: Lanes, stage_ranks: Sequence[Sequence[int]]) -> Lanes:
             if action.kind is Kind.FORWARD and action.stage == last and rank != gather:
                 kept.append(Action(Kind.SEND_O, last, action.microbatch, gather))
                 incoming.append(Action(Kind.RECV_O, last, action.microbatch, rank))
-        result.append(kept)
+        result.append(_forward_residencies(kept))
     result[gather].extend(incoming)
     return tuple(tuple(actions) for actions in result)

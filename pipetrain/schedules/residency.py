@@ -39,6 +39,26 @@ def host_stored(lanes: Sequence[Sequence[Action]]) -> bool:
     return not HOST_KINDS.isdisjoint(kinds)
 
 
+def stepping_offloads(lane: Sequence[Action]) -> dict[int, int]:
+    """For each stage whose gradients ``lane`` returns, which of its ``OFFLOAD``s (counting
+    from 1) is the last to carry gradients (a ``B`` or ``W`` of the stage ran since its
+    ``LOAD``): where the stage's update may be made, the ``STEP`` the workers do not write."""
+    offloads: dict[int, int] = {}
+    carrying: set[int] = set()
+    stepping: dict[int, int] = {}
+    for action in lane:
+        kind, stage = action.kind, action.stage
+        if kind is Kind.LOAD:
+            carrying.discard(stage)
+        elif kind is Kind.BACKWARD or kind is Kind.WEIGHT:
+            carrying.add(stage)
+        elif kind is Kind.OFFLOAD:
+            offloads[stage] = offloads.get(stage, 0) + 1
+            if stage in carrying:
+                stepping[stage] = offloads[stage]
+    return stepping
+
+
 def check_residency(schedule: Schedule) -> None:
     """Raise :class:`ScheduleError` where a host-stored schedule breaks a residency rule
     (see the module's description)."""

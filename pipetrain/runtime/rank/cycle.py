@@ -17,10 +17,13 @@ keeps everything about that between the executor's actions and across calls:
   :class:`~pipetrain.runtime.rank.update.Updater`'s policies; ``ALLREDUCE`` finishes a
   replicated stage's gradient all-reduce, which the update's last gradient pass started,
   and ``GATHER`` all-gathers a sharded stage's parameters;
+- **the host store** (a schedule with ``LOAD`` and ``OFFLOAD``): ``LOAD`` and ``OFFLOAD``
+  go to the :class:`~pipetrain.runtime.rank.stored_stage.HostWeights`, and a stage's last
+  ``OFFLOAD`` of a run that returns gradients is its ``STEP``;
 - **the counters**: updates applied and skipped, restored from a checkpoint.
 
-The executor only dispatches: its ``STEP``, ``LOSS``, ``ALLREDUCE`` and ``GATHER`` handlers
-each make one call here.
+The executor only dispatches: its ``STEP``, ``LOSS``, ``ALLREDUCE``, ``GATHER``, ``LOAD`` and
+``OFFLOAD`` handlers each make one call here.
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ from pipetrain.runtime.rank.normalize import Normalizer, check_kinds
 from pipetrain.runtime.rank.precision import Precision
 from pipetrain.runtime.rank.reduce import Reducer, completing_passes
 from pipetrain.runtime.rank.stage import Loss, Stage
+from pipetrain.runtime.rank.stored_stage import HostWeights
 from pipetrain.runtime.rank.weights import Weights
 from pipetrain.schedules import Action, Kind, Schedule
+from pipetrain.schedules.residency import stepping_offloads
 
 
 class UpdateCycle:
@@ -45,7 +50,8 @@ class UpdateCycle:
     ``per_update`` counts the micro-batches of one update (by default every micro-batch of
     a run), which turns a run's summed loss into the mean over its updates. A ``mirror``
     (a tensor-parallel process other than its rank's first) computes the same losses as
-    the first, which alone counts them.
+    the first, which alone counts them. ``host`` holds the stages whose weights live in
+    the host store.
     """
 
     def __init__(
@@ -56,9 +62,12 @@ class UpdateCycle:
         device: torch.device,
         per_update: int | None = None,
         mirror: bool = False,
+        host: HostWeights | None = None,
     ) -> None:
         """Own the update cycle of ``weights``' stages."""
-        self._mirror = mirror
+        self._mirror, self._host = mirror, host
+        self._stepping: dict[int, int] = {}  # stage -> its OFFLOAD that is its STEP
+        self._offloads: dict[int, int] = {}
         self._weights, self._updater = weights, weights.updater
         self._reducers = dict(reducers)
         self._all_reduce, self._device, self._per_update = all_reduce, device, per_update
@@ -96,6 +105,7 @@ class UpdateCycle:
         self._reduce_accumulated()
         self._accumulated, self._reduced = False, False
         self._updater.apply(None)
+        self.settle()
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip every rank's gradients to the global 2-norm ``max_norm``; return the norm
@@ -162,6 +172,13 @@ class UpdateCycle:
         self.reset_weights()
         self._clear_gradients()
         self._accumulated = self._reduced = False
+        self.settle()
+
+    def settle(self) -> None:
+        """After a run (ended or failed) or an update outside one: the host store's stages
+        put back and their pages released, the optimizer's new state moved there."""
+        if self._host is not None:
+            self._host.settle(self.optimizer)
 
     def _clear_gradients(self) -> None:
         for module in self._weights.modules.values():
@@ -189,6 +206,9 @@ class UpdateCycle:
         self._pairs = 0
         # the step's count is learnt after this rank's last backward: at its last STEP
         self._steps_left = sum(a.kind is Kind.STEP for a in lane)
+        if self._host is not None:
+            self._stepping, self._offloads = stepping_offloads(lane), {}
+            self._steps_left = len(self._stepping)
         self._normalized = False
         self._reduced_loss: torch.Tensor | None = None  # by the update, when it sums them
         self._weights.begin(lane, update)
@@ -222,6 +242,20 @@ class UpdateCycle:
             )
         self._count += loss[1].double()
         self._pairs += 1
+
+    def on_load(self, stage: int) -> None:
+        """``LOAD``: the stage's weights from the host store."""
+        assert self._host is not None, "a host-stored schedule is assembled with its store"
+        self._host.load(stage)
+
+    def on_offload(self, stage: int) -> None:
+        """``OFFLOAD``: the stage's gradients into the host store; its last one of the run
+        that returns gradients is the stage's ``STEP``."""
+        assert self._host is not None, "a host-stored schedule is assembled with its store"
+        self._host.offload(stage)
+        self._offloads[stage] = self._offloads.get(stage, 0) + 1
+        if self._stepping.get(stage) == self._offloads[stage]:
+            self.on_step(stage)
 
     def on_gather(self, stage: int) -> None:
         """``GATHER``: all-gather a sharded stage's parameters for the step's passes."""

@@ -90,6 +90,8 @@ class Executor:
             Kind.ALLREDUCE: lambda action: cycle.on_allreduce(action.stage),
             Kind.GATHER: lambda action: cycle.on_gather(action.stage),
             Kind.STEP: lambda action: cycle.on_step(action.stage),
+            Kind.LOAD: lambda action: cycle.on_load(action.stage),
+            Kind.OFFLOAD: lambda action: cycle.on_offload(action.stage),
             Kind.LOSS: self._loss,
             # an overlapped pair's forward and backward follow as actions of their own, run
             # one after the other on this rank's one stream of work
@@ -130,6 +132,7 @@ class Executor:
         finally:
             for stage in self.stages.values():
                 stage.clear()
+            self.cycle.settle()
 
     def _local(self, stage: int, microbatch: int) -> Stage | None:
         """Stage ``stage`` if this rank runs its ``microbatch``, else ``None``."""

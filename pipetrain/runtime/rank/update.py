@@ -56,6 +56,10 @@ def _clip(parameters: Sequence[torch.Tensor], max_norm: float, norm: torch.Tenso
         grad.mul_(coefficient.to(grad.device))
 
 
+def _step(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.step()
+
+
 def _square_norm(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The squared 2-norm of ``tensors`` taken together, in float32 (0 for none)."""
     if not tensors:
@@ -74,7 +78,9 @@ class Updater:
     ``all_reduce`` sums a tensor over every rank (``None``: this rank is the whole group).
     ``reduce_shared`` sums the parts of parameters several stages share, once per update,
     before anything reads the gradients; ``count_shared_once`` keeps each such sum on one
-    holder, before more gradients are added to it.
+    holder, before more gradients are added to it. ``step_optimizer`` makes a synchronous
+    update's optimizer step (by default ``optimizer.step()``; a host store steps it stage by
+    stage).
     """
 
     def __init__(
@@ -93,6 +99,7 @@ class Updater:
         precision: Precision | None = None,
         reduce_shared: Callable[[], None] | None = None,
         count_shared_once: Callable[[], None] | None = None,
+        step_optimizer: Callable[[torch.optim.Optimizer], None] | None = None,
     ) -> None:
         """Step ``optimizer`` at each update, under the given policies."""
         check_policy(max_grad_norm, on_nonfinite)
@@ -106,6 +113,7 @@ class Updater:
         self.all_reduce = all_reduce
         self.all_reduce_start = all_reduce_start
         self.reduce_shared, self.count_shared_once = reduce_shared, count_shared_once
+        self.step_optimizer = step_optimizer or _step
         self._shared = False
         self.device = torch.device(device)
         self.max_grad_norm, self.on_nonfinite = max_grad_norm, on_nonfinite
@@ -216,7 +224,7 @@ class Updater:
         if self.max_grad_norm is not None:
             _clip(self.parameters, self.max_grad_norm, norm)
         if self.optimizer is not None:
-            self.optimizer.step()
+            self.step_optimizer(self.optimizer)
         self.finish()
 
     def step_local(self, tensors: Sequence[torch.Tensor], stage: int) -> None:

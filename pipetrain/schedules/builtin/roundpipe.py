@@ -111,8 +111,7 @@ def bubble(ranks: int, microbatches: int, options: Options, costs: UniformCosts)
 SPEC = ScheduleSpec(
     name="roundpipe",
     summary="RoundPipe: stages dealt round-robin to workers that load their weights from a "
-    "host store and return the gradients; one synchronous update (validated and "
-    "simulated only, for now)",
+    "host store and return the gradients; one synchronous update (not planned yet)",
     generate=generate,
     options=(
         Option(

@@ -1,0 +1,256 @@
+"""Stages whose weights live in the host store, loaded onto the worker for their passes.
+
+Between a stage's ``OFFLOAD`` and its next ``LOAD`` its module's parameters *are* views of
+the store (``param.data`` is the store's master weights, in the parameter's dtype: float32
+under pipetrain's mixed precision, which autocasts; ``param.grad`` the store's gradient),
+so everything that reads or writes them between passes (the update cycle's optimizer
+step, clipping, the norm, loss scaling and pair-loss normalization, a checkpoint's save and
+load, ``state_dict``) works on the store in place, unchanged, and the optimizer's
+parameters are the store's tensors. ``LOAD`` copies the master into a private tensor of the
+worker's and points the parameter at it; ``OFFLOAD`` adds the gradients the stage's
+backwards made into the store's gradient, points the parameter back at the store and
+frees the private tensor's storage (``untyped_storage().resize_(0)``, as FSDP does): the
+autograd graph of forwards whose backwards come later keeps that storage object, which
+the next ``LOAD`` fills again. Buffers stay in the module (they are small). A parameter
+two stages of the rank share (tied embeddings) is stored once, with the first stage, and
+stays loaded while either stage is.
+
+The optimizer's state is made by its first step in private memory and then moved into the
+store (:meth:`HostWeights.settle`), where later steps update it in place. After each use
+a stage's regions are released, so a worker's resident memory holds the stages it has
+loaded, not its share of the model.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from pipetrain.runtime.rank.host_store import Region, aligned
+
+
+class _Slot:
+    """One parameter in the store: at ``offset`` of each region of its ``home`` stage."""
+
+    def __init__(self, parameter: torch.Tensor, home: StoredStage, offset: int) -> None:
+        self.parameter, self.home, self.offset = parameter, home, offset
+        self.private: torch.Tensor | None = None  # the working copy, between LOAD and OFFLOAD
+        self.held: torch.Tensor | None = None  # the gradient the store held at the LOAD
+        self.lent: weakref.ref[torch.Tensor] | None = None  # the store's gradient, given out
+        self.loads = 0  # stages resident that use it
+
+    def master(self) -> torch.Tensor:
+        return self.home.master.view(self.offset, self.parameter)
+
+    def load(self, device: torch.device) -> None:
+        self.loads += 1
+        if self.loads > 1:
+            return  # loaded already for another stage
+        master, parameter = self.master(), self.parameter
+        if self.private is None:
+            self.private = torch.empty_like(master, device=device)
+        else:  # the storage a pending backward's graph may hold: filled again
+            self.private.untyped_storage().resize_(master.numel() * master.element_size())
+        self.private.copy_(master)
+        self.held, parameter.grad = parameter.grad, None
+        parameter.data = self.private
+
+    def offload(self) -> None:
+        self.loads -= 1
+        if self.loads > 0:
+            return  # another resident stage still uses it
+        parameter = self.parameter
+        grad, parameter.grad = self._gradient(parameter.grad), None
+        parameter.data = self.master()
+        parameter.grad = grad
+        assert self.private is not None  # allocated by the LOAD before
+        self.private.untyped_storage().resize_(0)
+
+    def _gradient(self, made: torch.Tensor | None) -> torch.Tensor | None:
+        """The gradient after an offload: what the store held at the load plus ``made``,
+        in the store where the store's tensor is free."""
+        held, self.held = self.held, None
+        if made is None:
+            return held
+        if held is not None:
+            return held.add_(made.to(held.device))
+        if self.lent is not None and self.lent() is not None:
+            # the store's gradient was taken off the parameter but is still in use (put
+            # aside by the pair-loss normalization): this one stays in private memory
+            return made
+        stored = self.home.region("grads").view(self.offset, self.parameter)
+        stored.copy_(made)
+        self.lent = weakref.ref(stored)
+        return stored
+
+    def adopt_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Move the parameter's optimizer state (each tensor laid out as the parameter)
+        into the store."""
+        parameter = self.parameter
+        if parameter not in optimizer.state:
+            return
+        state = optimizer.state[parameter]
+        for key, value in list(state.items()):
+            if _like(value, parameter):
+                stored = self.home.region(f"state:{key}").view(self.offset, parameter)
+                if value.data_ptr() != stored.data_ptr():
+                    stored.copy_(value)
+                    state[key] = stored
+
+
+class StoredStage:
+    """One stage's parameters in the host store: a region for the master weights, one for
+    their gradients and one per kind of optimizer state, laid out alike."""
+
+    def __init__(
+        self,
+        index: int,
+        module: nn.Module,
+        device: torch.device,
+        stored: dict[int, _Slot] | None = None,
+    ) -> None:
+        """Copy ``module``'s parameters into the store and point them at it; ``LOAD``
+        allocates their working copies on ``device``. Parameters in ``stored`` (by id; a
+        slot of another stage's) are shared with that stage; the others' slots are added."""
+        self.index, self.device = index, device
+        stored = {} if stored is None else stored
+        unique = list({id(p): p for p in module.parameters()}.values())
+        own, total = [], 0
+        for parameter in unique:
+            if id(parameter) not in stored:
+                stored[id(parameter)] = _Slot(parameter, self, total)
+                own.append(stored[id(parameter)])
+                total += aligned(parameter.numel() * parameter.element_size())
+        self._slots = [stored[id(p)] for p in unique]
+        self._own, self._nbytes = own, total
+        self.master = Region(f"stage{index}-weights", total)
+        self._regions: dict[str, Region] = {}
+        with torch.no_grad():
+            for slot in own:
+                slot.master().copy_(slot.parameter)
+                slot.parameter.data = slot.master()
+        self.master.release()
+
+    @property
+    def resident(self) -> bool:
+        """Whether the stage is loaded (its parameters are working copies)."""
+        return any(slot.loads for slot in self._slots)
+
+    def region(self, kind: str) -> Region:
+        """The stage's region of gradients (``"grads"``) or of one kind of optimizer state,
+        made on first use."""
+        if kind not in self._regions:
+            name = f"stage{self.index}-{len(self._regions)}"
+            self._regions[kind] = Region(name, self._nbytes)
+        return self._regions[kind]
+
+    def regions(self) -> list[Region]:
+        """Every region of the stage."""
+        return [self.master, *self._regions.values()]
+
+    def load(self) -> None:
+        """``LOAD``: the master weights copied into working tensors the parameters hold;
+        gradients already in the store are set aside for :meth:`offload` to add to."""
+        with torch.no_grad():
+            for slot in self._slots:
+                slot.load(self.device)
+        for home in {id(s.home): s.home for s in self._slots}.values():
+            home.master.release()
+
+    def offload(self) -> None:
+        """``OFFLOAD``: the gradients made since :meth:`load` added into the store's, the
+        parameters pointed back at the store and the working tensors freed."""
+        with torch.no_grad():
+            for slot in self._slots:
+                slot.offload()
+        for home in {id(s.home): s.home for s in self._slots}.values():
+            home.release()
+
+    def evict(self) -> None:
+        """After a failed run: parameters back on the store, the gradients made since the
+        load dropped (those held before kept)."""
+        if not self.resident:
+            return
+        for slot in self._slots:
+            slot.parameter.grad = None
+        self.offload()
+
+    def adopt_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Move the optimizer's state of the parameters stored here into the store, where
+        later steps update it in place."""
+        with torch.no_grad():
+            for slot in self._own:
+                slot.adopt_state(optimizer)
+
+    def stored_ids(self) -> set[int]:
+        """The ids of the parameters stored here (not those shared from another stage)."""
+        return {id(slot.parameter) for slot in self._own}
+
+    def release(self) -> None:
+        """Drop every region's pages from this process's resident set."""
+        for region in self.regions():
+            region.release()
+
+
+def _like(value: object, parameter: torch.Tensor) -> bool:
+    """Whether optimizer state ``value`` is a tensor laid out as ``parameter`` in the store."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dim() > 0
+        and value.shape == parameter.shape
+        and value.dtype == parameter.dtype
+        and value.device.type == "cpu"
+    )
+
+
+class HostWeights:
+    """The stages of this rank whose weights live in the host store, by stage index."""
+
+    def __init__(self, device: torch.device) -> None:
+        """Stages will be loaded onto ``device``."""
+        self.device = device
+        self.stages: dict[int, StoredStage] = {}
+        self._slots: dict[int, _Slot] = {}  # every stored parameter, by id
+
+    def adopt(self, index: int, module: nn.Module) -> None:
+        """Move stage ``index``'s parameters (just materialized) into the store."""
+        self.stages[index] = StoredStage(index, module, self.device, self._slots)
+
+    def load(self, stage: int) -> None:
+        """``LOAD`` of ``stage``."""
+        self.stages[stage].load()
+
+    def offload(self, stage: int) -> None:
+        """``OFFLOAD`` of ``stage``."""
+        self.stages[stage].offload()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer's step, one stage at a time (each parameter's update depends on it
+        alone), each stage's new state moved into the store and its pages released before
+        the next: the step holds one stage's weights, gradients and state at once."""
+        groups = [group["params"] for group in optimizer.param_groups]
+        try:
+            for stored in self.stages.values():
+                own = stored.stored_ids()
+                if not own:
+                    continue
+                for group, params in zip(optimizer.param_groups, groups):
+                    group["params"] = [p for p in params if id(p) in own]
+                optimizer.step()
+                stored.adopt_state(optimizer)
+                stored.release()
+        finally:
+            for group, params in zip(optimizer.param_groups, groups):
+                group["params"] = params
+
+    def settle(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """After a run or an update outside one: any stage left resident by a failure put
+        back, the optimizer's new state moved into the store, every region released."""
+        for stored in self.stages.values():
+            stored.evict()
+        for stored in self.stages.values():
+            if optimizer is not None:
+                stored.adopt_state(optimizer)
+            stored.release()
