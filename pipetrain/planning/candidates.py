@@ -13,6 +13,14 @@ A layout with ``shard`` has its replicated stages held as shards (less memory, s
 its stage's weights first (``GATHER``, :func:`~pipetrain.schedules.gathers.with_gathers`,
 costing a ring pass, ``Costs.gather_s``), and its ``ALLREDUCE`` is a ring reduce-scatter
 (:mod:`~pipetrain.planning.collective_costs`).
+
+A layout with a ``host_link`` is one for a family whose weights live in a host store
+(``roundpipe``): its ``virtual · N`` stages are dealt round-robin over the ``N`` workers,
+which load each stage's weights over a link of ``host_link`` bytes/s (``Costs.load_s``,
+the stage's weight bytes over it) and return its gradients the same way, the host then
+stepping the stage's optimizer (``Costs.offload_s``: the gradient bytes over the link plus
+the stage's optimizer step, the host's work the step waits for). Its memory is the
+worker's working set (:mod:`~pipetrain.planning.host_store`).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from functools import cached_property
 
 from pipetrain.planning.bounds import written_bound
 from pipetrain.planning.collective_costs import replica_collectives
+from pipetrain.planning.host_store import dealt_memory, host_link_costs
 from pipetrain.planning.memory import StageFootprint, worker_memory
 from pipetrain.planning.sharing import shared_cores_stretch
 from pipetrain.planning.topology import Topology
@@ -36,15 +45,22 @@ from pipetrain.timeline import Timeline
 VIRTUAL_CHUNKS = 2
 """Model chunks per rank in the candidates of schedules with chunks."""
 
+STAGES_OPTION, RESIDENT_OPTION = "model_stages", "resident"
+"""The options of a family whose weights live in a host store: the stages it deals over the
+workers, and how many a worker holds at once."""
+
 
 @dataclass(frozen=True)
 class Layout:
     """Stages as ``(start, stop, replicas)`` in pipeline order; ``virtual`` chunks per rank;
-    ``shard``: the replicated stages' replicas hold shards."""
+    ``shard``: the replicated stages' replicas hold shards; ``host_link``: the stages live
+    in a host store and are dealt round-robin over the workers (``virtual`` each), which
+    load them over a link of this many bytes/s (``None``: the workers own their stages)."""
 
     stages: tuple[tuple[int, int, int], ...]
     virtual: int = 1
     shard: bool = False
+    host_link: float | None = None
 
     @cached_property
     def replicas(self) -> list[int]:
@@ -71,6 +87,13 @@ class Layout:
         replica to run a micro-batch (as many micro-batches as the most replicas).
         """
         family = spec(schedule)
+        if family.host_weights or self.host_link is not None:
+            dealt = {STAGES_OPTION: len(self.stages)}
+            return (
+                family.host_weights
+                and self.host_link is not None
+                and family.accepts(self.workers, microbatches, None, dealt)
+            )
         if self.virtual > 1:
             chunked = {family.chunk_option: self.virtual} if family.chunk_option else None
             return chunked is not None and family.accepts(self.workers, microbatches, None, chunked)
@@ -117,6 +140,9 @@ class Candidate:
         """Peak bytes on a worker of each stage (for a chunk: its rank's total)."""
         stages, flags = self.layout.stages, self.recompute_flags
         footprints = [StageFootprint.of(self.profile, start, stop) for start, stop, _ in stages]
+        if self.layout.host_link is not None:
+            resident = int(self.options[RESIDENT_OPTION])
+            return dealt_memory(footprints, flags, self.layout.workers, self.microbatches, resident)
         if self.layout.virtual == 1:
             replicas = self.layout.replicas
             return [
@@ -147,6 +173,11 @@ class Candidate:
             )
         return [per_rank[self.ranks_of(chunk)[0]] for chunk in range(len(stages))]
 
+    @cached_property
+    def options(self) -> dict[str, int | bool]:
+        """The schedule's options for this layout, defaults filled in."""
+        return spec(self.schedule).resolve(self._arguments()[3])
+
     def ranks_of(self, stage: int) -> tuple[int, int]:
         """The first and last rank holding ``stage``: the schedule's placement for chunks,
         consecutive ranks for stages."""
@@ -156,7 +187,7 @@ class Candidate:
     def _rank_spans(self) -> list[tuple[int, int]]:
         """:meth:`ranks_of` of every stage (costs, memory and bounds ask for them often)."""
         layout = self.layout
-        if layout.virtual > 1:
+        if layout.virtual > 1 or layout.host_link is not None:
             placement = spec(self.schedule).placement
             return [
                 (rank, rank)
@@ -219,6 +250,13 @@ class Candidate:
             sum(layer.optimizer_s + layer.parameter_bytes * version_byte_s for layer in part)
             for part in (layers[start:stop] for start, stop, _ in layout.stages)
         ]
+        load, offload = (
+            ([0.0] * len(steps), [0.0] * len(steps))
+            if layout.host_link is None
+            else host_link_costs(
+                self.profile, [(a, b) for a, b, _ in layout.stages], layout.host_link, steps
+            )
+        )
         # each message keeps its sender busy while packing it and handing its bytes over,
         # and its receiver while copying it in
         message = self.profile.message_s
@@ -238,6 +276,8 @@ class Candidate:
             receive_byte_s=self.profile.receive_byte_s,
             # the loss all-reduce that ends the step: one small message, round the ring
             loss_s=message + everyone,
+            load_s=load,
+            offload_s=offload,
         )
 
     def _span(self, boundary: int) -> tuple[int, int]:
@@ -266,7 +306,7 @@ class Candidate:
         allreduce = costs.per_stage("allreduce_s", count)
         work = [f + b + w for f, b, w in zip(forward, backward, weight)]
         split = family.split_backward
-        if self.layout.virtual > 1:
+        if self.layout.virtual > 1 or self.layout.host_link is not None:
             held = [self.chunks_of(rank) for rank in range(self.layout.workers)]
             return max(
                 played * sum(work[c] for c in chunks)
@@ -309,6 +349,8 @@ class Candidate:
         options: dict[str, int | bool] = (
             {family.chunk_option: layout.virtual} if family.chunk_option else {}
         )
+        if layout.host_link is not None:
+            options = {STAGES_OPTION: len(layout.stages)}
         replicas = layout.replicas if max(layout.replicas) > 1 else None
         return layout.workers, self.microbatches, replicas, options
 

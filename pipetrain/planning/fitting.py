@@ -31,10 +31,13 @@ def fitting_candidates(
     verdicts: Verdicts,
     every_worker: bool,
     shard: bool | Literal["only"] = False,
+    host_link: float | None = None,
 ) -> tuple[list[tuple[Candidate, list[float]]], tuple[float, Candidate | None]]:
     """Candidates that fit with their memory, and the smallest peak among those that do not;
     each tried candidate goes to ``verdicts``. With ``shard``, a layout with replicated
-    stages is tried with shards too; with ``"only"``, only with shards."""
+    stages is tried with shards too; with ``"only"``, only with shards. A family whose
+    weights live in a host store gets its own layouts, loaded over ``host_link`` bytes/s."""
+    hosted = any(spec(name).host_weights for name in schedules)
     fitting: list[tuple[Candidate, list[float]]] = []
     smallest: tuple[float, Candidate | None] = (math.inf, None)
     layouts_by_batch: dict[int, list[Layout]] = {}
@@ -52,6 +55,7 @@ def fitting_candidates(
                     topology,
                     replication,
                     any(spec(name).chunk_option for name in schedules),
+                    host_link if hosted else None,
                 )
                 sharded = _sharded(found) if shard else []
                 layouts_by_batch[step_batch] = sharded if shard == "only" else found + sharded
@@ -80,7 +84,7 @@ def _sharded(found: list[Layout]) -> list[Layout]:
     return [
         replace(layout, shard=True)
         for layout in found
-        if layout.virtual == 1 and max(layout.replicas) > 1
+        if layout.virtual == 1 and max(layout.replicas) > 1 and layout.host_link is None
     ]
 
 
