@@ -295,7 +295,9 @@ class Candidate:
         ``2bw``); after its last backward come its all-reduce and, unless the backward is
         split, the backwards of the earlier stages, which overlap: the longer counts. A rank
         ``r`` holding chunks likewise waits for chunks ``0..r-1`` before its first forward
-        and, unless the backward is split, after its last backward.
+        and, unless the backward is split, after its last backward; with its stages in a
+        host store, its first forward also waits for its first stage's load, and the return
+        of that stage's gradients (and the host's step) follows its last backward.
         """
         family = spec(self.schedule)
         played = family.window(self.microbatches, family.resolve({}))
@@ -308,9 +310,14 @@ class Candidate:
         split = family.split_backward
         if self.layout.virtual > 1 or self.layout.host_link is not None:
             held = [self.chunks_of(rank) for rank in range(self.layout.workers)]
+            load, offload = costs.per_stage("load_s", count), costs.per_stage("offload_s", count)
             return max(
-                played * sum(work[c] for c in chunks)
-                + sum((forward if split else work)[: chunks[0]])
+                max(sum(forward[: chunks[0]]), load[chunks[0]])
+                + played * sum(work[c] for c in chunks)
+                + max(
+                    0.0 if split else sum(work[: chunks[0]]) - sum(forward[: chunks[0]]),
+                    offload[chunks[0]],
+                )
                 for chunks in held
                 if chunks
             )

@@ -18,6 +18,11 @@ HOST_STAGES_PER_WORKER = (1, 2, 3, 4)
 """Stages per worker in the layouts of a family whose weights live in a host store: finer
 stages shorten its fill and drain and its working set, and cost more loads."""
 
+HOST_MAX_STAGES = 128
+"""The most stages such a layout deals beyond one a worker: its schedule's actions, and so
+the planner's bounds and simulations of it, grow with them (on 64 workers, 3 and 4 stages a
+worker cost the default planning case a tenth more time for plans that did not win)."""
+
 
 def layouts(
     step_profile: Profile,
@@ -45,8 +50,9 @@ def layouts(
       every such schedule: exact on one level of links);
     - with a ``host_link`` (bytes/s; a family whose weights live in a host store asked
       for), the layers cut into ``v·p`` stages for each ``v`` of
-      :data:`HOST_STAGES_PER_WORKER` that the layers allow, dealt round-robin (stage ``s``
-      on worker ``s mod p``), each loaded over the workers' link to the host.
+      :data:`HOST_STAGES_PER_WORKER` that the layers allow (and, beyond ``v = 1``,
+      :data:`HOST_MAX_STAGES`), dealt round-robin (stage ``s`` on worker ``s mod p``),
+      each loaded over the workers' link to the host.
     """
     layers = step_profile.layers
     compute = [layer.compute_s for layer in layers]
@@ -71,12 +77,17 @@ def layouts(
         for stages in by_depth(compute, weights, activations, topology.workers, slowest):
             _add(found, [Layout(tuple((s.start, s.stop, s.replicas) for s in stages))])
     workers = topology.workers
+    splits: dict[int, tuple[tuple[int, int, int], ...] | None] = {}  # by stages a worker
     for virtual in (1, VIRTUAL_CHUNKS) if interleaved and workers > 1 else (1,):
-        split = _round_robin(compute, activations, topology, virtual)
+        split = splits[virtual] = _round_robin(compute, activations, topology, virtual)
         if split is not None:
             _add(found, [Layout(split, virtual)])
     for per_worker in HOST_STAGES_PER_WORKER if host_link is not None else ():
-        dealt = _round_robin(compute, activations, topology, per_worker)
+        if per_worker > 1 and per_worker * workers > HOST_MAX_STAGES:
+            break
+        if per_worker not in splits:  # the same split as a pipeline's with as many chunks
+            splits[per_worker] = _round_robin(compute, activations, topology, per_worker)
+        dealt = splits[per_worker]
         if dealt is not None:
             _add(found, [Layout(dealt, per_worker, host_link=host_link)])
     return found
