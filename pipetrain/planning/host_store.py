@@ -40,6 +40,7 @@ which the step's end waits for (:func:`host_link_costs`).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 from pipetrain.planning.memory import StageFootprint
@@ -111,6 +112,29 @@ def dealt_memory(
             )
         )
     return [per_rank[stage % ranks] for stage in range(len(footprints))]
+
+
+def balanced_peaks(
+    profile: Profile,
+    balance: Sequence[int],
+    ranks: int,
+    microbatches: int,
+    resident: int,
+    recompute: bool = False,
+) -> list[float]:
+    """Per rank, the working-set peak of a schedule dealing stages of ``balance`` layers
+    each (in order, adding up to the profile's layers) over ``ranks`` ranks, for
+    ``microbatches`` micro-batches of the profile's size, ``resident`` stages held at once
+    and every stage re-materialised in its backward where ``recompute``."""
+    if sum(balance) != len(profile.layers) or min(balance, default=0) < 1:
+        raise ValueError(
+            f"a balance of {list(balance)} does not split the profile's "
+            f"{len(profile.layers)} layers into stages of at least one layer each"
+        )
+    bounds = [sum(balance[:index]) for index in range(len(balance) + 1)]
+    footprints = [StageFootprint.of(profile, a, b) for a, b in itertools.pairwise(bounds)]
+    peaks = dealt_memory(footprints, [recompute] * len(balance), ranks, microbatches, resident)
+    return [peaks[rank] for rank in range(min(ranks, len(balance)))]
 
 
 def host_link_costs(
