@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from pipetrain.planning.candidates import RESIDENT_OPTION, STAGES_OPTION
-from pipetrain.planning.host_store import balanced_peaks
+from pipetrain.planning.host_store import RESIDENT_OPTION, STAGES_OPTION, balanced_peaks
 from pipetrain.profiler.costs import Profile
 from pipetrain.schedules import build, spec
 from pipetrain.units import format_bytes

@@ -32,7 +32,12 @@ from functools import cached_property
 
 from pipetrain.planning.bounds import written_bound
 from pipetrain.planning.collective_costs import replica_collectives
-from pipetrain.planning.host_store import dealt_memory, host_link_costs
+from pipetrain.planning.host_store import (
+    RESIDENT_OPTION,
+    STAGES_OPTION,
+    dealt_memory,
+    host_link_costs,
+)
 from pipetrain.planning.memory import StageFootprint, worker_memory
 from pipetrain.planning.sharing import shared_cores_stretch
 from pipetrain.planning.topology import Topology
@@ -44,10 +49,6 @@ from pipetrain.timeline import Timeline
 
 VIRTUAL_CHUNKS = 2
 """Model chunks per rank in the candidates of schedules with chunks."""
-
-STAGES_OPTION, RESIDENT_OPTION = "model_stages", "resident"
-"""The options of a family whose weights live in a host store: the stages it deals over the
-workers, and how many a worker holds at once."""
 
 
 @dataclass(frozen=True)
@@ -250,13 +251,8 @@ class Candidate:
             sum(layer.optimizer_s + layer.parameter_bytes * version_byte_s for layer in part)
             for part in (layers[start:stop] for start, stop, _ in layout.stages)
         ]
-        load, offload = (
-            ([0.0] * len(steps), [0.0] * len(steps))
-            if layout.host_link is None
-            else host_link_costs(
-                self.profile, [(a, b) for a, b, _ in layout.stages], layout.host_link, steps
-            )
-        )
+        layer_spans = [(start, stop) for start, stop, _ in layout.stages]
+        load, offload = host_link_costs(self.profile, layer_spans, layout.host_link, steps)
         # each message keeps its sender busy while packing it and handing its bytes over,
         # and its receiver while copying it in
         message = self.profile.message_s

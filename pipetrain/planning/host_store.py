@@ -46,6 +46,10 @@ from collections.abc import Sequence
 from pipetrain.planning.memory import StageFootprint
 from pipetrain.profiler.costs import Profile
 
+STAGES_OPTION, RESIDENT_OPTION = "model_stages", "resident"
+"""The options of a family whose weights live in a host store: the stages it deals over the
+workers, and how many a worker holds at once."""
+
 DEFAULT_HOST_BANDWIDTH = 10e9
 """Bytes/s of each worker's link to the host store where none is given: a CPU worker
 copying a stage out of the node's shared memory (memcpy-class, 10 GB/s). For GPU workers
@@ -138,11 +142,17 @@ def balanced_peaks(
 
 
 def host_link_costs(
-    profile: Profile, stages: Sequence[tuple[int, int]], link: float, steps: Sequence[float]
+    profile: Profile,
+    stages: Sequence[tuple[int, int]],
+    link: float | None,
+    steps: Sequence[float],
 ) -> tuple[list[float], list[float]]:
     """Per stage (layers ``start..stop-1``), the seconds its weights take from the host
     over a link of ``link`` bytes/s (``Costs.load_s``), and its gradients back followed by
-    the host's optimizer step of ``steps[s]`` seconds (``Costs.offload_s``)."""
+    the host's optimizer step of ``steps[s]`` seconds (``Costs.offload_s``); nothing
+    without a host store (``link`` None)."""
+    if link is None:
+        return [0.0] * len(stages), [0.0] * len(stages)
     load = [
         sum(layer.parameter_bytes for layer in profile.layers[start:stop]) / link
         for start, stop in stages
