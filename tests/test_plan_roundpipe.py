@@ -259,6 +259,20 @@ def test_plan_takes_the_worker_limit_by_its_name_and_its_former_one(
     assert "no candidate plan fits a memory limit of 300 MB" in capsys.readouterr().err
 
 
+def test_plan_takes_the_host_links_bandwidth(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    heavy_weights_profile().save(tmp_path / "profile.json")
+    base = ["plan", "--profile", str(tmp_path / "profile.json"), "--ranks", "2", "--json"]
+    base += ["--batch-size", "4"]
+    steps = []
+    for rate in ("10GB/s", "1GB/s"):
+        assert cli.main([*base, "--schedules", "roundpipe", "--host-bandwidth", rate]) == 0
+        steps.append(json.loads(capsys.readouterr().out)["steady_step_s"])
+    # each rank loads its half of the model's 640 MB at least once: 0.32 s at 1 GB/s
+    assert steps[0] < 0.32 <= steps[1]
+
+
 def test_train_refuses_a_worker_limit_it_cannot_check(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["train", "--model", "mlp", "--worker-memory", "200MB"]) == 2
     assert "give --plan auto or --schedule roundpipe" in capsys.readouterr().err
