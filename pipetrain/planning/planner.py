@@ -86,10 +86,11 @@ def plan(
     ``memory_limit`` is a worker's working set (the stages it holds at once and its stages'
     activations: :mod:`~pipetrain.planning.host_store`), so it can fit a model no other
     family fits. Each worker loads a stage's weights and returns its gradients over a link
-    of ``host_bandwidth`` bytes/s (default :data:`~pipetrain.planning.host_store.
-    DEFAULT_HOST_BANDWIDTH`, a CPU's memcpy; give a GPU's PCIe bandwidth for GPUs), and the
-    host steps the optimizer. Its host store holds the whole model once (``Plan.host_bytes``);
-    a store above ``host_memory_limit`` bytes (None: no limit) rules the family out.
+    of ``host_bandwidth`` bytes/s (default 10 GB/s, a CPU's memcpy from shared memory,
+    :data:`~pipetrain.planning.host_store.DEFAULT_HOST_BANDWIDTH`; for GPU workers give
+    their PCIe link's, about 25e9 for PCIe 4.0 x16), and the host steps the optimizer. Its
+    host store holds the whole model once (``Plan.host_bytes``); a store above
+    ``host_memory_limit`` bytes (None: no limit) rules the family out.
     ``exhaustive`` simulates every candidate that the stage-sum bound leaves in, without
     the tighter written bound that spares most simulations (see
     :mod:`pipetrain.planning.choice`): the same plan, slower; for checking that claim.
