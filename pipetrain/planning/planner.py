@@ -137,7 +137,10 @@ def plan(
         host_bandwidth,
     )
     if not fitting:
-        raise ValueError(_no_fit_message(memory_limit, smallest, profile, topology, replication))
+        hosted = any(spec(name).host_weights for name in schedules)
+        raise ValueError(
+            _no_fit_message(memory_limit, smallest, profile, topology, replication, hosted)
+        )
     chosen = fastest(fitting, topology, report, verdicts, shared_cores, exhaustive)
     chosen.rejected = verdicts.rejected(chosen.schedule, memory_limit)
     chosen.rejected_layouts = verdicts.rejected_layouts(chosen.layout_kind, memory_limit)
@@ -223,8 +226,10 @@ def _no_fit_message(
     profile: Profile,
     topology: Topology,
     replication: bool,
+    hosted: bool,
 ) -> str:
-    """Why nothing was chosen, and which knobs would help."""
+    """Why nothing was chosen, and which knobs would help (``hosted``: a family whose
+    weights live in a host store was among those tried)."""
     need, candidate = smallest
     if candidate is None:
         reason = (
@@ -245,6 +250,12 @@ def _no_fit_message(
         f"{counted(candidate.microbatches, 'micro-batch', 'micro-batches')}, recomputation "
         f"{candidate.recompute}, the cheapest that fits it). Raise the limit to at least that, "
         "or make each rank hold less: more micro-batches for the same batch size (smaller "
-        "micro-batches hold less activation memory), more ranks (fewer layers and weights "
-        "each), or roundpipe, whose workers hold a few stages at a time from a host store."
+        "micro-batches hold less activation memory), or more ranks (fewer layers and weights "
+        "each)"
+        + (
+            "."
+            if hosted
+            else ", or schedules=['roundpipe'], whose workers hold a few stages at a time "
+            "from a host store."
+        )
     )
