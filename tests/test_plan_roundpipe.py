@@ -12,7 +12,8 @@ import pytest
 
 from pipetrain.app import cli
 from pipetrain.app.worker_memory import check_worker_memory, even_balance, host_schedule_peak
-from pipetrain.planning import Plan, plan
+from pipetrain.planning import Plan, Topology, plan
+from pipetrain.planning.candidates import Candidate, Layout
 from pipetrain.planning.host_store import balanced_peaks, host_store_bytes, rank_stages
 from pipetrain.profiler import LayerCost, Profile
 from pipetrain.schedules import build, names, spec
@@ -142,6 +143,17 @@ def test_the_host_link_is_in_the_prediction() -> None:
     # each rank loads half the model's 640 MB at least once at 1 GB/s: 0.32 s at the least
     assert slow.steady_step_s is not None and fast.steady_step_s is not None
     assert slow.steady_step_s >= 0.32 > fast.steady_step_s
+
+
+def test_each_stages_optimizer_step_is_its_workers_compute_and_its_bytes_cross_the_link() -> None:
+    profile = heavy_weights_profile(layers=8)
+    dealt = Layout(tuple((2 * s, 2 * s + 2, 1) for s in range(4)), 2, host_link=1e9)
+    costs = Candidate(dealt, "roundpipe", 4, "never", profile).costs(Topology.flat(2))
+    # two layers a stage: 80 MB of weights each way at 1 GB/s; the input-gradient halves of
+    # two 2 ms backwards, 2 ms, and the stage's 2 ms step shared over 4 micro-batches
+    assert costs.load_s == pytest.approx([0.08] * 4) and costs.offload_s == costs.load_s
+    assert costs.backward_s == pytest.approx([2e-3 + 2e-3 / 4] * 4)
+    assert costs.weight_s == pytest.approx([2e-3] * 4)
 
 
 def test_a_host_store_over_the_host_limit_rules_roundpipe_out() -> None:

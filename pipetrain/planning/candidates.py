@@ -17,10 +17,10 @@ costing a ring pass, ``Costs.gather_s``), and its ``ALLREDUCE`` is a ring reduce
 A layout with a ``host_link`` is one for a family whose weights live in a host store
 (``roundpipe``): its ``virtual · N`` stages are dealt round-robin over the ``N`` workers,
 which load each stage's weights over a link of ``host_link`` bytes/s (``Costs.load_s``,
-the stage's weight bytes over it) and return its gradients the same way, the host then
-stepping the stage's optimizer (``Costs.offload_s``: the gradient bytes over the link plus
-the stage's optimizer step, the host's work the step waits for). Its memory is the
-worker's working set (:mod:`~pipetrain.planning.host_store`).
+the stage's weight bytes over it) and return its gradients the same way
+(``Costs.offload_s``); the worker then steps the stage's optimizer in the store, on its own
+compute, which is added to the stage's backwards there, shared out over its micro-batches.
+Its memory is the worker's working set (:mod:`~pipetrain.planning.host_store`).
 """
 
 from __future__ import annotations
@@ -252,7 +252,12 @@ class Candidate:
             for part in (layers[start:stop] for start, stop, _ in layout.stages)
         ]
         layer_spans = [(start, stop) for start, stop, _ in layout.stages]
-        load, offload = host_link_costs(self.profile, layer_spans, layout.host_link, steps)
+        load, offload = host_link_costs(self.profile, layer_spans, layout.host_link)
+        if layout.host_link is not None:
+            # a worker steps a stage's optimizer in the store as it returns the gradients:
+            # its own compute, shared out over the stage's backwards there
+            played = spec(self.schedule).window(self.microbatches, self.options)
+            backward = [b + step / played for b, step in zip(backward, steps)]
         # each message keeps its sender busy while packing it and handing its bytes over,
         # and its receiver while copying it in
         message = self.profile.message_s
@@ -293,7 +298,7 @@ class Candidate:
         ``r`` holding chunks likewise waits for chunks ``0..r-1`` before its first forward
         and, unless the backward is split, after its last backward; with its stages in a
         host store, its first forward also waits for its first stage's load, and the return
-        of that stage's gradients (and the host's step) follows its last backward.
+        of that stage's gradients follows its last backward.
         """
         family = spec(self.schedule)
         played = family.window(self.microbatches, family.resolve({}))

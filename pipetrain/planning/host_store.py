@@ -34,8 +34,10 @@ fp32 weights and autocasts the compute), their gradients and the optimizer state
 
 Each worker reaches the host store over a link of its own (``host_link`` bytes/s each
 way): a stage's ``LOAD`` carries its weights, ``|W| / host_link``; its ``OFFLOAD`` after
-its backwards carries the gradients back, and the host then steps the stage's optimizer,
-which the step's end waits for (:func:`host_link_costs`).
+its backwards carries the gradients back, as many bytes (:func:`host_link_costs`). The
+simulator overlaps both with compute, as a GPU's copy engine does. The optimizer step over
+the stage's part of the store is the worker's compute (the planner adds it to the stage's
+backwards, :class:`~pipetrain.planning.candidates.Candidate`).
 """
 
 from __future__ import annotations
@@ -142,22 +144,18 @@ def balanced_peaks(
 
 
 def host_link_costs(
-    profile: Profile,
-    stages: Sequence[tuple[int, int]],
-    link: float | None,
-    steps: Sequence[float],
+    profile: Profile, stages: Sequence[tuple[int, int]], link: float | None
 ) -> tuple[list[float], list[float]]:
     """Per stage (layers ``start..stop-1``), the seconds its weights take from the host
-    over a link of ``link`` bytes/s (``Costs.load_s``), and its gradients back followed by
-    the host's optimizer step of ``steps[s]`` seconds (``Costs.offload_s``); nothing
-    without a host store (``link`` None)."""
+    over a link of ``link`` bytes/s (``Costs.load_s``), and its gradients back
+    (``Costs.offload_s``, as many bytes); nothing without a host store (``link`` None)."""
     if link is None:
         return [0.0] * len(stages), [0.0] * len(stages)
     load = [
         sum(layer.parameter_bytes for layer in profile.layers[start:stop]) / link
         for start, stop in stages
     ]
-    return load, [crossing + step for crossing, step in zip(load, steps)]
+    return load, list(load)
 
 
 def host_store_bytes(profile: Profile) -> float:

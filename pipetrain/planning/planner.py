@@ -88,9 +88,10 @@ def plan(
     family fits. Each worker loads a stage's weights and returns its gradients over a link
     of ``host_bandwidth`` bytes/s (default 10 GB/s, a CPU's memcpy from shared memory,
     :data:`~pipetrain.planning.host_store.DEFAULT_HOST_BANDWIDTH`; for GPU workers give
-    their PCIe link's, about 25e9 for PCIe 4.0 x16), and the host steps the optimizer. Its
-    host store holds the whole model once (``Plan.host_bytes``); a store above
-    ``host_memory_limit`` bytes (None: no limit) rules the family out.
+    their PCIe link's, about 25e9 for PCIe 4.0 x16); each worker steps the optimizer of the
+    stages it returns in the store, on its own compute. Its host store holds the whole model
+    once (``Plan.host_bytes``); a store above ``host_memory_limit`` bytes (None: no limit)
+    rules the family out.
     ``exhaustive`` simulates every candidate that the stage-sum bound leaves in, without
     the tighter written bound that spares most simulations (see
     :mod:`pipetrain.planning.choice`): the same plan, slower; for checking that claim.
