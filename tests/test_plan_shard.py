@@ -218,7 +218,7 @@ def test_plan_prints_the_mesh(tmp_path: Any) -> None:
 def test_memory_plans_only_with_plan_auto() -> None:
     done = run_cli("train", "--model", "mlp", "--memory", "300kB")
     assert done.returncode == 2
-    assert "--memory is the limit --plan auto plans within" in done.stderr
+    assert "--worker-memory is the limit --plan auto plans within" in done.stderr
 
 
 @pytest.mark.slow  # 4 processes profiling, planning, training; planned sharded in-process above

@@ -26,7 +26,6 @@ from pipetrain.schedules import (
     ScheduleSpec,
     names,
     register,
-    spec,
     unregister,
 )
 from pipetrain.schedules.builtin import interleaved_zb, v_half, v_min, vshape, zb_v
@@ -88,9 +87,9 @@ def test_the_plan_is_the_one_every_simulation_would_choose(seeds: Sequence[int])
 def test_the_bounds_never_exceed_the_simulated_step(seed: int) -> None:
     profile, arguments = random_case(seed)
     topology = Topology.parse(arguments["topology"])
-    # the asynchronous and replicated families too (not those the planner refuses: weights
-    # in a host store)
-    everything = tuple(name for name in names() if not spec(name).host_weights)
+    # the asynchronous and replicated families too, and roundpipe over a host link slow
+    # enough that its loads and returns matter
+    everything = names()
     fitting, _ = fitting_candidates(
         profile,
         topology,
@@ -102,7 +101,10 @@ def test_the_bounds_never_exceed_the_simulated_step(seed: int) -> None:
         lambda line: None,
         Verdicts(everything),
         False,
+        host_link=2e8,
     )
+    dealt = any(candidate.layout.host_link for candidate, _ in fitting)
+    assert dealt == (len(profile.layers) >= topology.workers)  # a stage a worker at least
     assert fitting
     for candidate, _ in fitting:
         costs = candidate.costs(topology)

@@ -7,11 +7,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from planning_cases import resnet_like_profile
 
 from pipetrain.app import cli
-from pipetrain.planning import plan
-from pipetrain.schedules import Action, Kind, Schedule, ScheduleError, build, spec, validate
+from pipetrain.schedules import Action, Kind, Schedule, ScheduleError, build, validate
 from pipetrain.simulation import Costs, simulate
 from pipetrain.simulation.measured import measured_costs
 
@@ -289,12 +287,6 @@ def test_roundpipe_has_less_bubble_than_1f1b_on_the_same_workers_and_compute() -
 
 
 # where it cannot go yet -------------------------------------------------------------------
-
-
-def test_the_planner_leaves_it_out() -> None:
-    assert not spec("roundpipe").planned_by_default
-    with pytest.raises(ValueError, match="roundpipe keeps the weights in a host store"):
-        plan(resnet_like_profile(layers=8), workers=2, schedules=["roundpipe"])
 
 
 def test_the_command_line_simulates_and_draws_it(

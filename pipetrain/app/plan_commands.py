@@ -8,7 +8,7 @@ import sys
 
 from pipetrain.app.arguments import add_model_argument, emit, positive_int, progress_printer
 from pipetrain.schedules import names, spec
-from pipetrain.units import counted, format_bytes, format_seconds, parse_bytes
+from pipetrain.units import counted, format_bytes, format_seconds, parse_bandwidth, parse_bytes
 
 
 def add_profile(commands: argparse._SubParsersAction) -> None:
@@ -106,7 +106,25 @@ def add_plan(commands: argparse._SubParsersAction) -> None:
         "(default: N workers, fast links)",
     )
     parser.add_argument(
-        "--memory", metavar="SIZE", help="memory per worker, e.g. 16GiB (default: no limit)"
+        "--worker-memory",
+        dest="memory",
+        metavar="SIZE",
+        help="memory per worker, e.g. 16GiB (default: no limit); roundpipe's workers need "
+        "only their working set",
+    )
+    # its former name, still read
+    parser.add_argument("--memory", dest="memory", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--host-memory",
+        metavar="SIZE",
+        help="memory of the host store that roundpipe keeps the whole model in (weights, "
+        "gradients, optimizer state), e.g. 64GiB (default: no limit)",
+    )
+    parser.add_argument(
+        "--host-bandwidth",
+        metavar="RATE",
+        help="each worker's link to roundpipe's host store, e.g. 25GB/s for a GPU's PCIe 4.0 "
+        "x16 (default 10GB/s, a CPU's memcpy from shared memory)",
     )
     parser.add_argument(
         "--batch-size",
@@ -136,6 +154,7 @@ def add_plan(commands: argparse._SubParsersAction) -> None:
 
 def run_plan(args: argparse.Namespace) -> None:
     from pipetrain.planning import plan
+    from pipetrain.planning.host_store import DEFAULT_HOST_BANDWIDTH
     from pipetrain.profiler import Profile
 
     if args.workers is None and args.topology is None:
@@ -145,6 +164,10 @@ def run_plan(args: argparse.Namespace) -> None:
         workers=args.workers,
         topology=args.topology,
         memory_limit=parse_bytes(args.memory) if args.memory else None,
+        host_memory_limit=parse_bytes(args.host_memory) if args.host_memory else None,
+        host_bandwidth=parse_bandwidth(args.host_bandwidth)
+        if args.host_bandwidth
+        else DEFAULT_HOST_BANDWIDTH,
         batch_size=args.batch_size,
         replication=not args.no_replication,
         shard=not args.no_shard,

@@ -15,6 +15,7 @@ from pipetrain.app.arguments import (
     non_negative_float,
     output_path,
     positive_int,
+    say,
     schedule_options,
 )
 from pipetrain.app.data_arguments import (
@@ -29,6 +30,7 @@ from pipetrain.units import parse_bytes
 if TYPE_CHECKING:
     from pipetrain.app.train_config import TrainConfig
     from pipetrain.planning import Plan
+    from pipetrain.runtime import PipelineConfig
 
 
 def add_train(commands: argparse._SubParsersAction) -> None:
@@ -173,12 +175,17 @@ def add_train(commands: argparse._SubParsersAction) -> None:
         "auto profiles and plans first",
     )
     parser.add_argument(
-        "--memory",
+        "--worker-memory",
+        dest="memory",
         type=_bytes,
         metavar="SIZE",
-        help="with --plan auto: memory per worker the plan must fit, e.g. 2GiB (replicated "
-        "stages may then be sharded; default: no limit)",
+        help="memory per worker, e.g. 2GiB: with --plan auto, the plan must fit it "
+        "(replicated stages may then be sharded, or roundpipe chosen); with --schedule "
+        "roundpipe, its predicted worker peak is checked against it before the workers "
+        "start (default: no limit)",
     )
+    # its former name, still read
+    parser.add_argument("--memory", dest="memory", type=_bytes, help=argparse.SUPPRESS)
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of the weights and the data (default 0)"
     )
@@ -237,6 +244,30 @@ def add_train(commands: argparse._SubParsersAction) -> None:
     add_data_arguments(parser)
 
 
+def _check_worker_memory(args: argparse.Namespace, pipeline: PipelineConfig) -> None:
+    """Refuse a hand-given host-stored schedule whose predicted worker peak exceeds
+    ``--worker-memory``, before any worker starts (the model profiled here, once, on one
+    micro-batch of its built-in data)."""
+    from pipetrain.app.model_registry import model_spec
+    from pipetrain.app.plan_job import profile_builtin
+    from pipetrain.app.train_config import DEFAULT_RANKS
+    from pipetrain.app.worker_memory import check_worker_memory
+
+    batch = args.batch_size or model_spec(args.model).batch_size
+    say(f"checking {args.schedule}'s worker memory against --worker-memory ...")
+    profile = profile_builtin(args.model, batch, args.microbatches, args.seed, args.threads, 1)
+    check_worker_memory(
+        profile,
+        args.schedule,
+        args.ranks or DEFAULT_RANKS,
+        args.microbatches,
+        pipeline.schedule_options,
+        args.memory,
+        args.balance,
+        args.recompute,
+    )
+
+
 def _balance(text: str) -> tuple[int, ...]:
     return tuple(positive_int(part) for part in text.split(","))
 
@@ -260,8 +291,13 @@ def run_train(args: argparse.Namespace) -> None:
     refuse_stages(args)
     check_saving(args.save_dir, args.save_every, args.accumulate, args.keep_checkpoints)
     check_data_flags(args)
-    if args.memory is not None and args.plan != "auto":
-        raise ValueError("--memory is the limit --plan auto plans within: give --plan auto too")
+    hand_checked = args.memory is not None and args.plan != "auto"
+    if hand_checked and not (args.schedule and spec(args.schedule).host_weights):
+        raise ValueError(
+            "--worker-memory is the limit --plan auto plans within, or that a schedule "
+            "keeping its weights in a host store (--schedule roundpipe) is checked against: "
+            "give --plan auto or --schedule roundpipe too"
+        )
     from pipetrain.app.train_config import TrainConfig
     from pipetrain.app.train_job import run_training
     from pipetrain.app.train_resume import RunFinished
@@ -308,6 +344,8 @@ def run_train(args: argparse.Namespace) -> None:
         data=corpus_settings(args),
         adaptive=args.adaptive,
     )
+    if hand_checked:
+        _check_worker_memory(args, pipeline)
     if args.ddp:
         _run_ddp(args, config)
         return

@@ -53,6 +53,9 @@ def written_bound(
         Kind.WEIGHT: weight,
         Kind.STEP: step,
         Kind.ALLREDUCE: allreduce,  # a collective ends no sooner than its own rank's share
+        # a host store's loads and returns take the rank's link to it, not its compute
+        Kind.LOAD: [0.0] * stages,
+        Kind.OFFLOAD: [0.0] * stages,
     }
     boundaries = max(stages - 1, 1)
     sizes = costs.per_stage("activation_bytes", boundaries)

@@ -13,6 +13,14 @@ A layout with ``shard`` has its replicated stages held as shards (less memory, s
 its stage's weights first (``GATHER``, :func:`~pipetrain.schedules.gathers.with_gathers`,
 costing a ring pass, ``Costs.gather_s``), and its ``ALLREDUCE`` is a ring reduce-scatter
 (:mod:`~pipetrain.planning.collective_costs`).
+
+A layout with a ``host_link`` is one for a family whose weights live in a host store
+(``roundpipe``): its ``virtual · N`` stages are dealt round-robin over the ``N`` workers,
+which load each stage's weights over a link of ``host_link`` bytes/s (``Costs.load_s``,
+the stage's weight bytes over it) and return its gradients the same way
+(``Costs.offload_s``); the worker then steps the stage's optimizer in the store, on its own
+compute, which is added to the stage's backwards there, shared out over its micro-batches.
+Its memory is the worker's working set (:mod:`~pipetrain.planning.host_store`).
 """
 
 from __future__ import annotations
@@ -24,6 +32,12 @@ from functools import cached_property
 
 from pipetrain.planning.bounds import written_bound
 from pipetrain.planning.collective_costs import replica_collectives
+from pipetrain.planning.host_store import (
+    RESIDENT_OPTION,
+    STAGES_OPTION,
+    dealt_memory,
+    host_link_costs,
+)
 from pipetrain.planning.memory import StageFootprint, worker_memory
 from pipetrain.planning.sharing import shared_cores_stretch
 from pipetrain.planning.topology import Topology
@@ -40,11 +54,14 @@ VIRTUAL_CHUNKS = 2
 @dataclass(frozen=True)
 class Layout:
     """Stages as ``(start, stop, replicas)`` in pipeline order; ``virtual`` chunks per rank;
-    ``shard``: the replicated stages' replicas hold shards."""
+    ``shard``: the replicated stages' replicas hold shards; ``host_link``: the stages live
+    in a host store and are dealt round-robin over the workers (``virtual`` each), which
+    load them over a link of this many bytes/s (``None``: the workers own their stages)."""
 
     stages: tuple[tuple[int, int, int], ...]
     virtual: int = 1
     shard: bool = False
+    host_link: float | None = None
 
     @cached_property
     def replicas(self) -> list[int]:
@@ -71,6 +88,13 @@ class Layout:
         replica to run a micro-batch (as many micro-batches as the most replicas).
         """
         family = spec(schedule)
+        if family.host_weights or self.host_link is not None:
+            dealt = {STAGES_OPTION: len(self.stages)}
+            return (
+                family.host_weights
+                and self.host_link is not None
+                and family.accepts(self.workers, microbatches, None, dealt)
+            )
         if self.virtual > 1:
             chunked = {family.chunk_option: self.virtual} if family.chunk_option else None
             return chunked is not None and family.accepts(self.workers, microbatches, None, chunked)
@@ -117,6 +141,9 @@ class Candidate:
         """Peak bytes on a worker of each stage (for a chunk: its rank's total)."""
         stages, flags = self.layout.stages, self.recompute_flags
         footprints = [StageFootprint.of(self.profile, start, stop) for start, stop, _ in stages]
+        if self.layout.host_link is not None:
+            resident = int(self.options[RESIDENT_OPTION])
+            return dealt_memory(footprints, flags, self.layout.workers, self.microbatches, resident)
         if self.layout.virtual == 1:
             replicas = self.layout.replicas
             return [
@@ -147,6 +174,11 @@ class Candidate:
             )
         return [per_rank[self.ranks_of(chunk)[0]] for chunk in range(len(stages))]
 
+    @cached_property
+    def options(self) -> dict[str, int | bool]:
+        """The schedule's options for this layout, defaults filled in."""
+        return spec(self.schedule).resolve(self._arguments()[3])
+
     def ranks_of(self, stage: int) -> tuple[int, int]:
         """The first and last rank holding ``stage``: the schedule's placement for chunks,
         consecutive ranks for stages."""
@@ -156,7 +188,7 @@ class Candidate:
     def _rank_spans(self) -> list[tuple[int, int]]:
         """:meth:`ranks_of` of every stage (costs, memory and bounds ask for them often)."""
         layout = self.layout
-        if layout.virtual > 1:
+        if layout.virtual > 1 or layout.host_link is not None:
             placement = spec(self.schedule).placement
             return [
                 (rank, rank)
@@ -219,6 +251,13 @@ class Candidate:
             sum(layer.optimizer_s + layer.parameter_bytes * version_byte_s for layer in part)
             for part in (layers[start:stop] for start, stop, _ in layout.stages)
         ]
+        layer_spans = [(start, stop) for start, stop, _ in layout.stages]
+        load, offload = host_link_costs(self.profile, layer_spans, layout.host_link)
+        if layout.host_link is not None:
+            # a worker steps a stage's optimizer in the store as it returns the gradients:
+            # its own compute, shared out over the stage's backwards there
+            played = spec(self.schedule).window(self.microbatches, self.options)
+            backward = [b + step / played for b, step in zip(backward, steps)]
         # each message keeps its sender busy while packing it and handing its bytes over,
         # and its receiver while copying it in
         message = self.profile.message_s
@@ -238,6 +277,8 @@ class Candidate:
             receive_byte_s=self.profile.receive_byte_s,
             # the loss all-reduce that ends the step: one small message, round the ring
             loss_s=message + everyone,
+            load_s=load,
+            offload_s=offload,
         )
 
     def _span(self, boundary: int) -> tuple[int, int]:
@@ -255,7 +296,9 @@ class Candidate:
         ``2bw``); after its last backward come its all-reduce and, unless the backward is
         split, the backwards of the earlier stages, which overlap: the longer counts. A rank
         ``r`` holding chunks likewise waits for chunks ``0..r-1`` before its first forward
-        and, unless the backward is split, after its last backward.
+        and, unless the backward is split, after its last backward; with its stages in a
+        host store, its first forward also waits for its first stage's load, and the return
+        of that stage's gradients follows its last backward.
         """
         family = spec(self.schedule)
         played = family.window(self.microbatches, family.resolve({}))
@@ -266,11 +309,16 @@ class Candidate:
         allreduce = costs.per_stage("allreduce_s", count)
         work = [f + b + w for f, b, w in zip(forward, backward, weight)]
         split = family.split_backward
-        if self.layout.virtual > 1:
+        if self.layout.virtual > 1 or self.layout.host_link is not None:
             held = [self.chunks_of(rank) for rank in range(self.layout.workers)]
+            load, offload = costs.per_stage("load_s", count), costs.per_stage("offload_s", count)
             return max(
-                played * sum(work[c] for c in chunks)
-                + sum((forward if split else work)[: chunks[0]])
+                max(sum(forward[: chunks[0]]), load[chunks[0]])
+                + played * sum(work[c] for c in chunks)
+                + max(
+                    0.0 if split else sum(work[: chunks[0]]) - sum(forward[: chunks[0]]),
+                    offload[chunks[0]],
+                )
                 for chunks in held
                 if chunks
             )
@@ -309,6 +357,8 @@ class Candidate:
         options: dict[str, int | bool] = (
             {family.chunk_option: layout.virtual} if family.chunk_option else {}
         )
+        if layout.host_link is not None:
+            options = {STAGES_OPTION: len(layout.stages)}
         replicas = layout.replicas if max(layout.replicas) > 1 else None
         return layout.workers, self.microbatches, replicas, options
 

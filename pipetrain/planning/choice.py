@@ -90,7 +90,8 @@ def fastest(
 
     Of the candidates within :data:`FEWER_WITHIN` of the fastest, the one with the fewest
     stages wins, then the fewest micro-batches, then the faster, then the one on fewer
-    workers, then the one with the smaller peak memory, then the one first in line.
+    workers, then whole copies before shards and a worker's own weights before a host
+    store's, then the one with the smaller peak memory, then the one first in line.
     """
     report(f"planning: {counted(len(fitting), 'candidate')} fit; simulating the most promising")
     line: list[tuple[float, _Entry]] = []
@@ -220,8 +221,9 @@ def _chosen(results: list[_Simulated], fastest: float) -> _Simulated:
     """Of ``results`` within :data:`FEWER_WITHIN` of ``fastest``, the one with the fewest
     stages (model chunks), then the fewest micro-batches, then the fastest (within
     :data:`_TIED`), then the one on the fewest workers (a replica whose all-reduce hides
-    behind other work costs nothing in the simulation), then the smallest peak memory, then
-    the first in line."""
+    behind other work costs nothing in the simulation), then whole copies and then own
+    weights (before shards and a host store), then the smallest peak memory, then the first
+    in line."""
     near = [r for r in results if r.throughput >= fastest * (1 - FEWER_WITHIN)]
     for count in (
         lambda r: len(r.entry.candidate.layout.stages),
@@ -232,10 +234,12 @@ def _chosen(results: list[_Simulated], fastest: float) -> _Simulated:
     quickest = max(r.throughput for r in near)
     return min(
         (r for r in near if r.throughput >= quickest * (1 - _TIED)),
-        # whole copies before shards: gathering costs copies the model leaves out
+        # whole copies before shards, own weights before a host store's: gathering and the
+        # host's loads cost copies the model leaves out
         key=lambda r: (
             r.entry.candidate.layout.workers,
             r.entry.candidate.layout.shard,
+            r.entry.candidate.layout.host_link is not None,
             r.entry.peak,
             r.place,
         ),

@@ -31,10 +31,15 @@ def fitting_candidates(
     verdicts: Verdicts,
     every_worker: bool,
     shard: bool | Literal["only"] = False,
+    host_link: float | None = None,
 ) -> tuple[list[tuple[Candidate, list[float]]], tuple[float, Candidate | None]]:
     """Candidates that fit with their memory, and the smallest peak among those that do not;
     each tried candidate goes to ``verdicts``. With ``shard``, a layout with replicated
-    stages is tried with shards too; with ``"only"``, only with shards."""
+    stages is tried with shards too; with ``"only"``, only with shards. A family whose
+    weights live in a host store gets its own layouts, loaded over ``host_link`` bytes/s;
+    with a ``batch_size``, only at the counts :func:`_host_counts` keeps."""
+    hosted = any(spec(name).host_weights for name in schedules)
+    host_counts = _host_counts(counts, topology.workers, batch_size)
     fitting: list[tuple[Candidate, list[float]]] = []
     smallest: tuple[float, Candidate | None] = (math.inf, None)
     layouts_by_batch: dict[int, list[Layout]] = {}
@@ -52,6 +57,7 @@ def fitting_candidates(
                     topology,
                     replication,
                     any(spec(name).chunk_option for name in schedules),
+                    host_link if hosted else None,
                 )
                 sharded = _sharded(found) if shard else []
                 layouts_by_batch[step_batch] = sharded if shard == "only" else found + sharded
@@ -59,7 +65,9 @@ def fitting_candidates(
                 if every_worker and layout.workers != topology.workers:
                     continue
                 for schedule in runnable:
-                    if not layout.runs(schedule, count):
+                    if not layout.runs(schedule, count) or (
+                        layout.host_link is not None and count not in host_counts
+                    ):
                         continue
                     fit, unfit = _cheapest_recompute(
                         [
@@ -75,12 +83,25 @@ def fitting_candidates(
     return fitting, smallest
 
 
+def _host_counts(counts: list[int], workers: int, batch_size: int | None) -> list[int]:
+    """The micro-batch counts a family whose weights live in a host store is tried at.
+
+    Its workers hold every micro-batch of the step at once, so with a fixed ``batch_size``
+    cutting it into fewer micro-batches saves no memory (the same activations, in fewer
+    pieces, and a larger workspace), while fewer than the ``workers`` leave each worker
+    waiting at the wrap-around: only the counts of at least ``workers`` are tried (the
+    largest where none is that many). Without a batch size every count is."""
+    if batch_size is None:
+        return counts
+    return [count for count in counts if count >= min(workers, max(counts))]
+
+
 def _sharded(found: list[Layout]) -> list[Layout]:
     """The layouts of ``found`` with a replicated stage, their replicas holding shards."""
     return [
         replace(layout, shard=True)
         for layout in found
-        if layout.virtual == 1 and max(layout.replicas) > 1
+        if layout.virtual == 1 and max(layout.replicas) > 1 and layout.host_link is None
     ]
 
 

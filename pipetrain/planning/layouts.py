@@ -1,7 +1,9 @@
 """The stage layouts worth simulating for one step's costs: PipeDream's replicated pipeline
 (on the hierarchical topology and on one level at its slowest link, with the workers it
 leaves idle given to each stage in turn), the least-bottleneck pipeline of each depth, a
-straight pipeline, and one with :data:`VIRTUAL_CHUNKS` chunks per worker."""
+straight pipeline, one with :data:`VIRTUAL_CHUNKS` chunks per worker, and for a family whose
+weights live in a host store, the model cut into :data:`HOST_STAGES_PER_WORKER` times as
+many stages as workers, dealt round-robin."""
 
 from __future__ import annotations
 
@@ -12,9 +14,22 @@ from pipetrain.planning.replicate import replicate
 from pipetrain.planning.topology import Topology
 from pipetrain.profiler.costs import Profile
 
+HOST_STAGES_PER_WORKER = (1, 2, 3, 4)
+"""Stages per worker in the layouts of a family whose weights live in a host store: finer
+stages shorten its fill and drain and its working set, and cost more loads."""
+
+HOST_MAX_STAGES = 128
+"""The most stages such a layout deals beyond one a worker: its schedule's actions, and so
+the planner's bounds and simulations of it, grow with them (on 64 workers, 3 and 4 stages a
+worker cost the default planning case a tenth more time for plans that did not win)."""
+
 
 def layouts(
-    step_profile: Profile, topology: Topology, replication: bool, interleaved: bool
+    step_profile: Profile,
+    topology: Topology,
+    replication: bool,
+    interleaved: bool,
+    host_link: float | None = None,
 ) -> list[Layout]:
     """The stage layouts worth simulating for one step's costs.
 
@@ -32,7 +47,12 @@ def layouts(
     - a straight pipeline with one stage per worker;
     - with ``interleaved`` (any schedule with chunks asked for), :data:`VIRTUAL_CHUNKS`
       chunks per worker, split as if chunk ``c`` sat on rank ``c mod p`` (one split for
-      every such schedule: exact on one level of links).
+      every such schedule: exact on one level of links);
+    - with a ``host_link`` (bytes/s; a family whose weights live in a host store asked
+      for), the layers cut into ``v·p`` stages for each ``v`` of
+      :data:`HOST_STAGES_PER_WORKER` that the layers allow (and, beyond ``v = 1``,
+      :data:`HOST_MAX_STAGES`), dealt round-robin (stage ``s`` on worker ``s mod p``),
+      each loaded over the workers' link to the host.
     """
     layers = step_profile.layers
     compute = [layer.compute_s for layer in layers]
@@ -57,15 +77,35 @@ def layouts(
         for stages in by_depth(compute, weights, activations, topology.workers, slowest):
             _add(found, [Layout(tuple((s.start, s.stop, s.replicas) for s in stages))])
     workers = topology.workers
+    splits: dict[int, tuple[tuple[int, int, int], ...] | None] = {}  # by stages a worker
     for virtual in (1, VIRTUAL_CHUNKS) if interleaved and workers > 1 else (1,):
-        chunks = virtual * workers
-        if chunks > len(layers):
-            continue
-        links = [topology.span_bandwidth(c % workers, (c + 1) % workers) for c in range(chunks - 1)]
-        balance = partition(compute, chunks, activations, links)
-        bounds = [sum(balance[:index]) for index in range(chunks + 1)]
-        _add(found, [Layout(tuple((bounds[c], bounds[c + 1], 1) for c in range(chunks)), virtual)])
+        split = splits[virtual] = _round_robin(compute, activations, topology, virtual)
+        if split is not None:
+            _add(found, [Layout(split, virtual)])
+    for per_worker in HOST_STAGES_PER_WORKER if host_link is not None else ():
+        if per_worker > 1 and per_worker * workers > HOST_MAX_STAGES:
+            break
+        if per_worker not in splits:  # the same split as a pipeline's with as many chunks
+            splits[per_worker] = _round_robin(compute, activations, topology, per_worker)
+        dealt = splits[per_worker]
+        if dealt is not None:
+            _add(found, [Layout(dealt, per_worker, host_link=host_link)])
     return found
+
+
+def _round_robin(
+    compute: list[float], activations: list[float], topology: Topology, per_worker: int
+) -> tuple[tuple[int, int, int], ...] | None:
+    """The layers split into ``per_worker`` stages a worker, stage ``c`` on worker
+    ``c mod p`` (least bottleneck); ``None`` where the layers are too few."""
+    workers = topology.workers
+    chunks = per_worker * workers
+    if chunks > len(compute):
+        return None
+    links = [topology.span_bandwidth(c % workers, (c + 1) % workers) for c in range(chunks - 1)]
+    balance = partition(compute, chunks, activations, links)
+    bounds = [sum(balance[:index]) for index in range(chunks + 1)]
+    return tuple((bounds[c], bounds[c + 1], 1) for c in range(chunks))
 
 
 def _with_idle_workers(stages: list[tuple[int, int, int]], workers: int) -> list[Layout]:

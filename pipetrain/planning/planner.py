@@ -21,6 +21,7 @@ from pipetrain.planning.candidates import Candidate
 from pipetrain.planning.choice import FEWER_WITHIN as FEWER_WITHIN
 from pipetrain.planning.choice import fastest
 from pipetrain.planning.fitting import fitting_candidates
+from pipetrain.planning.host_store import DEFAULT_HOST_BANDWIDTH, host_store_bytes
 from pipetrain.planning.result import Plan
 from pipetrain.planning.topology import Topology, resolve
 from pipetrain.planning.verdicts import Verdicts
@@ -50,6 +51,8 @@ def plan(
     *,
     exhaustive: bool = False,
     shard: bool | Literal["only"] = True,
+    host_bandwidth: float = DEFAULT_HOST_BANDWIDTH,
+    host_memory_limit: float | None = None,
 ) -> Plan:
     """The fastest plan whose every worker fits in ``memory_limit`` bytes (None: no limit).
 
@@ -78,6 +81,17 @@ def plan(
     ``shard="only"`` plans only sharded layouts (every layout with replicated stages, its
     replicas holding shards): for a model that must be sharded for reasons the profile
     does not show.
+    A family whose weights live in a host store (``roundpipe``) is planned on the layers
+    cut into 1, 2, 3 and 4 times as many stages as workers, dealt round-robin; its
+    ``memory_limit`` is a worker's working set (the stages it holds at once and its stages'
+    activations: :mod:`~pipetrain.planning.host_store`), so it can fit a model no other
+    family fits. Each worker loads a stage's weights and returns its gradients over a link
+    of ``host_bandwidth`` bytes/s (default 10 GB/s, a CPU's memcpy from shared memory,
+    :data:`~pipetrain.planning.host_store.DEFAULT_HOST_BANDWIDTH`; for GPU workers give
+    their PCIe link's, about 25e9 for PCIe 4.0 x16); each worker steps the optimizer of the
+    stages it returns in the store, on its own compute. Its host store holds the whole model
+    once (``Plan.host_bytes``); a store above ``host_memory_limit`` bytes (None: no limit)
+    rules the family out.
     ``exhaustive`` simulates every candidate that the stage-sum bound leaves in, without
     the tighter written bound that spares most simulations (see
     :mod:`pipetrain.planning.choice`): the same plan, slower; for checking that claim.
@@ -103,8 +117,12 @@ def plan(
         )
     if shard not in (True, False, "only"):
         raise ValueError(f"shard must be True, False or 'only', got {shard!r}")
+    _check_host(host_bandwidth, host_memory_limit)
     report = progress or _silent
     verdicts = Verdicts(schedules)
+    host_bytes = host_store_bytes(profile)
+    if host_memory_limit is not None and host_bytes > host_memory_limit:
+        schedules = _without_host_store(schedules, host_bytes, host_memory_limit, verdicts)
     fitting, smallest = fitting_candidates(
         profile,
         topology,
@@ -117,13 +135,51 @@ def plan(
         verdicts,
         every_worker,
         shard,
+        host_bandwidth,
     )
     if not fitting:
-        raise ValueError(_no_fit_message(memory_limit, smallest, profile, topology, replication))
+        hosted = any(spec(name).host_weights for name in schedules)
+        raise ValueError(
+            _no_fit_message(memory_limit, smallest, profile, topology, replication, hosted)
+        )
     chosen = fastest(fitting, topology, report, verdicts, shared_cores, exhaustive)
     chosen.rejected = verdicts.rejected(chosen.schedule, memory_limit)
     chosen.rejected_layouts = verdicts.rejected_layouts(chosen.layout_kind, memory_limit)
+    if spec(chosen.schedule).host_weights:
+        chosen.host_bytes = host_bytes
     return chosen
+
+
+def _without_host_store(
+    schedules: tuple[str, ...], host_bytes: float, limit: float, verdicts: Verdicts
+) -> tuple[str, ...]:
+    """``schedules`` but those whose host store of ``host_bytes`` exceeds ``limit``, each
+    told to ``verdicts``; ValueError where none is left."""
+    hosted = [name for name in schedules if spec(name).host_weights]
+    for name in hosted:
+        verdicts.host_over(name, host_bytes, limit)
+    kept = tuple(name for name in schedules if name not in hosted)
+    if not kept:
+        raise ValueError(
+            f"{hosted[0]} keeps the whole model in a host store of {format_bytes(host_bytes)}, "
+            f"over the host memory limit of {format_bytes(limit)}; raise the limit "
+            "(host_memory_limit, pipetrain plan --host-memory) or plan other schedules"
+        )
+    return kept
+
+
+def _check_host(host_bandwidth: float, host_memory_limit: float | None) -> None:
+    """Refuse a host link or host memory limit that is not a positive number."""
+    if isinstance(host_bandwidth, bool) or not (
+        isinstance(host_bandwidth, (int, float)) and host_bandwidth > 0
+    ):
+        raise ValueError(
+            f"host_bandwidth must be a positive number of bytes/s, got {host_bandwidth!r}"
+        )
+    if host_memory_limit is not None and not host_memory_limit > 0:
+        raise ValueError(
+            f"host_memory_limit must be a positive number of bytes, got {host_memory_limit!r}"
+        )
 
 
 def _silent(message: str) -> None:
@@ -140,12 +196,6 @@ def _checked_schedules(schedules: Sequence[str] | None) -> tuple[str, ...]:
     if unknown or not schedules:
         raise ValueError(
             f"schedules {list(schedules)!r} must be a non-empty choice of {', '.join(names())}"
-        )
-    hosted = [name for name in schedules if spec(name).host_weights]
-    if hosted:
-        raise ValueError(
-            f"{hosted[0]} keeps the weights in a host store, which the planner does not price "
-            f"yet; simulate it with pipetrain simulate --schedule {hosted[0]}, and plan others"
         )
     return tuple(schedules)
 
@@ -177,8 +227,10 @@ def _no_fit_message(
     profile: Profile,
     topology: Topology,
     replication: bool,
+    hosted: bool,
 ) -> str:
-    """Why nothing was chosen, and which knobs would help."""
+    """Why nothing was chosen, and which knobs would help (``hosted``: a family whose
+    weights live in a host store was among those tried)."""
     need, candidate = smallest
     if candidate is None:
         reason = (
@@ -193,11 +245,18 @@ def _no_fit_message(
         )
     return (
         f"no candidate plan fits a memory limit of {format_bytes(memory_limit or 0.0)} a rank "
-        f"(memory_limit, pipetrain plan --memory); the smallest needs {math.ceil(need)} bytes "
+        f"(memory_limit, pipetrain plan --worker-memory); the smallest needs "
+        f"{math.ceil(need)} bytes "
         f"({format_bytes(need)}: {candidate.schedule}, "
         f"{counted(candidate.microbatches, 'micro-batch', 'micro-batches')}, recomputation "
         f"{candidate.recompute}, the cheapest that fits it). Raise the limit to at least that, "
         "or make each rank hold less: more micro-batches for the same batch size (smaller "
         "micro-batches hold less activation memory), or more ranks (fewer layers and weights "
-        "each)."
+        "each)"
+        + (
+            "."
+            if hosted
+            else ", or schedules=['roundpipe'], whose workers hold a few stages at a time "
+            "from a host store."
+        )
     )

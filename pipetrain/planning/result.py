@@ -12,10 +12,10 @@ from pipetrain.planning.topology import Topology
 from pipetrain.schedules import spec
 from pipetrain.units import counted, format_bytes
 
-FORMAT_VERSION = 5
-"""Version of the JSON layout written by :meth:`Plan.save` (5: ``shard`` and
-``rejected_layouts``; 4: ``ranks``, which version 3 called ``workers``; version 4 and 3
-files are still read, as plans of whole copies)."""
+FORMAT_VERSION = 6
+"""Version of the JSON layout written by :meth:`Plan.save` (6: ``host_bytes``; 5: ``shard``
+and ``rejected_layouts``; 4: ``ranks``, which version 3 called ``workers``; versions 5, 4
+and 3 are still read, as plans of whole copies whose workers own their weights)."""
 
 
 @dataclass
@@ -50,6 +50,11 @@ class Plan(JsonFile):
     ``PipelineConfig(shard=True)``, which :meth:`PipelineConfig.from_plan` sets; a stage
     on one rank holds it whole); ``rejected_layouts`` says why the other way of replicating
     stages (``replicated``: whole copies, or ``sharded``) lost.
+    For a schedule whose weights live in a host store (``roundpipe``), ``stages`` are its
+    ``virtual · ranks`` model stages, stage ``s`` dealt to rank ``s mod ranks``;
+    ``stage_memory_bytes[i]`` is the working-set peak of the rank stage ``i`` is dealt to,
+    and ``host_bytes`` what the host store holds (the whole model's weights, gradients and
+    optimizer state; 0 for other schedules).
     """
 
     stages: list[PlanStage]
@@ -69,6 +74,7 @@ class Plan(JsonFile):
     model: str = ""
     shard: bool = False
     rejected_layouts: dict[str, str] = field(default_factory=dict)
+    host_bytes: float = 0.0
 
     @property
     def balance(self) -> list[int]:
@@ -88,6 +94,12 @@ class Plan(JsonFile):
         return family.window(self.microbatches, family.resolve({})) * self.microbatch_size
 
     @property
+    def host_stored(self) -> bool:
+        """Whether the schedule keeps the weights in a host store that the ranks load
+        stages from (``roundpipe``)."""
+        return spec(self.schedule).host_weights
+
+    @property
     def layout_kind(self) -> str | None:
         """``replicated`` (whole copies) or ``sharded`` for a plan with a replicated stage,
         else ``None``."""
@@ -98,6 +110,8 @@ class Plan(JsonFile):
     def mesh(self) -> str:
         """The ranks as a mesh: ``pp 2 x dp 2, sharded`` where every stage has as many
         replicas, else the replicas per stage."""
+        if self.host_stored:
+            return f"{len(self.stages)} stages dealt round-robin over {self.ranks} ranks"
         replicas = self.replicas
         kind = self.layout_kind or "one rank per stage"
         if self.virtual == 1 and len(set(replicas)) == 1:
@@ -117,7 +131,7 @@ class Plan(JsonFile):
         if isinstance(data, dict) and data.get("format_version") == 3:
             data = {**data, "format_version": 4, "ranks": data.get("workers")}
             data.pop("workers")
-        if isinstance(data, dict) and data.get("format_version") == 4:
+        if isinstance(data, dict) and data.get("format_version") in (4, 5):
             data = {**data, "format_version": FORMAT_VERSION}
         fields = unversioned(data, "plan", FORMAT_VERSION, advice)
         try:
@@ -129,6 +143,8 @@ class Plan(JsonFile):
     def describe(self) -> str:
         """A readable summary, one table row per stage, and the schedules rejected and why."""
         chunks = f", {self.virtual} chunks per rank" if self.virtual > 1 else ""
+        if self.host_stored:
+            chunks = f", {self.virtual} per rank from a host store"
         network = f" ({self.topology})" if self.topology and _has_links(self.topology) else ""
         updates = self.batch_size // (self.microbatches * self.microbatch_size)
         per_update = f" per update, {updates} updates a step" if updates > 1 else ""
@@ -160,6 +176,11 @@ class Plan(JsonFile):
                     f"stage {index}: {self.microbatches} of its {stage.replicas} replicas get "
                     f"a micro-batch; the other {idle} only join its all-reduce"
                 )
+        if self.host_stored:
+            lines.append(
+                f"host store: {format_bytes(self.host_bytes)} (the model's weights, gradients "
+                "and optimizer state, once for all ranks)"
+            )
         if self.rejected:
             lines.append("rejected:")
             lines += [f"  {name}: {reason}" for name, reason in self.rejected.items()]

@@ -21,6 +21,7 @@ class _Record:
     ceiling: float = 0.0  # the best throughput bound among those that fitted
     ruled_out: float = 0.0  # the best ceiling of those a close bound ruled out unsimulated
     simulated: float = 0.0  # the best simulated throughput
+    host_over: tuple[float, float] | None = None  # a host store's bytes over the host limit
 
 
 LAYOUT_KINDS = ("replicated", "sharded")
@@ -65,6 +66,11 @@ class Verdicts:
             elif not fits and (record.over_limit is None or peak < record.over_limit[0]):
                 record.over_limit = (peak, candidate)
 
+    def host_over(self, schedule: str, host_bytes: float, limit: float) -> None:
+        """``schedule`` keeps the model in a host store of ``host_bytes``, over the host
+        memory ``limit``: it was not tried."""
+        self._records[schedule].host_over = (host_bytes, limit)
+
     def bounded(self, candidate: Candidate, ceiling: float) -> None:
         """A fitting ``candidate`` can reach at most ``ceiling`` samples per second."""
         for record in self._of(candidate):
@@ -102,6 +108,12 @@ class Verdicts:
 
     def _reason(self, record: _Record, memory_limit: float | None) -> str:
         """Why the configurations of ``record`` lost to the plan chosen."""
+        if record.host_over is not None:
+            host_bytes, limit = record.host_over
+            return (
+                f"its host store holds the whole model, {format_bytes(host_bytes)}, over the "
+                f"host memory limit of {format_bytes(limit)}"
+            )
         if not record.runnable:
             return (
                 "runs none of the layouts tried (too few layers for its chunks per "

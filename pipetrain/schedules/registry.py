@@ -111,8 +111,9 @@ class ScheduleSpec:
       per-micro-batch times; ``planned_by_default``: the planner tries it unless told.
     - ``host_weights``: the weights live in a host store that the ranks ``LOAD`` stages
       from and ``OFFLOAD`` gradients to, and the host steps
-      (:mod:`~pipetrain.schedules.residency`); the runtime and the planner cannot play such
-      a family yet.
+      (:mod:`~pipetrain.schedules.residency`); the planner prices such a family on its own
+      layouts (:mod:`pipetrain.planning.host_store`); the runtime keeps such stages in a
+      host store on each rank (``pipetrain.runtime.rank.host_store``).
     """
 
     name: str

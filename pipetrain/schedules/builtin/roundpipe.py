@@ -130,5 +130,6 @@ SPEC = ScheduleSpec(
     ),
     check=check,
     textbook_bubble=bubble,
+    planned_by_default=True,
     host_weights=True,
 )
