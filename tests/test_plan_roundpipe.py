@@ -16,6 +16,7 @@ from pipetrain.planning import Plan, Topology, plan
 from pipetrain.planning.candidates import Candidate, Layout
 from pipetrain.planning.host_store import balanced_peaks, host_store_bytes, rank_stages
 from pipetrain.profiler import LayerCost, Profile
+from pipetrain.runtime.config import PipelineConfig
 from pipetrain.schedules import build, names, spec
 from pipetrain.simulation import Costs, simulate
 from pipetrain.units import format_bytes, parse_bytes
@@ -298,3 +299,13 @@ def test_train_refuses_a_roundpipe_over_the_worker_limit_before_any_worker_start
     err = capsys.readouterr().err
     assert re.search(r"roundpipe with 4 model stages on 2 ranks .* over --worker-memory 10 kB", err)
     assert "starting" not in err
+
+
+def test_a_roundpipe_plan_configures_a_pipeline_of_its_stages() -> None:
+    chosen = plan(heavy_weights_profile(), workers=4, memory_limit=300e6)
+    assert chosen.schedule == "roundpipe" and len(chosen.stages) != 2 * chosen.ranks
+    schedule = PipelineConfig.from_plan(chosen).build(4, layers=16)
+    assert schedule.stages == len(chosen.stages)
+    assert [ranks[0] for ranks in schedule.stage_ranks] == [
+        s % 4 for s in range(len(chosen.stages))
+    ]

@@ -21,6 +21,7 @@ from pipetrain.model.capture import Inputs
 from pipetrain.model.layers import check_balance
 from pipetrain.model.materialize import InitFn
 from pipetrain.model.weights_source import WeightsArg
+from pipetrain.planning.host_store import STAGES_OPTION
 from pipetrain.runtime.rank.recompute import check_mode
 from pipetrain.runtime.rank.tensor_parallel import check_mirrorable, schedule_ranks
 from pipetrain.schedules import Kind, Schedule, ScheduleSpec, build, spec, validate
@@ -91,10 +92,13 @@ class PipelineConfig:
         recomputation of ``plan``, with ``overrides`` (any other field) on top."""
         family = spec(plan.schedule)
         chunked = family.chunk_option is not None and plan.virtual > 1
+        options: dict[str, object] = {family.chunk_option: plan.virtual} if chunked else {}
+        if family.host_weights:  # its stages are dealt, not given per rank
+            options = {STAGES_OPTION: len(plan.stages)}
         settings: dict[str, Any] = {
             "schedule": plan.schedule,
             "microbatches": plan.microbatches,
-            "schedule_options": {family.chunk_option: plan.virtual} if chunked else {},
+            "schedule_options": options,
             "replicas": tuple(plan.replicas) if max(plan.replicas) > 1 else None,
             "balance": tuple(plan.balance),
             "recompute": plan.recompute,
