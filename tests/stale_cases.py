@@ -90,10 +90,14 @@ def stale_replay(
         with warnings.catch_warnings():  # the first update's step waits: none was made yet
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
             schedule.step()
+        if update + 1 == updates:  # evaluated with the last update's step waiting
+            model.eval()
+            with torch.no_grad():
+                evaluated = model(data[0][0])
         if update + 1 == flush_after or update + 1 == updates:
             apply(waiting)
             waiting = None
-    return {"losses": losses, "norms": norms, "state": model.state_dict()}
+    return {"losses": losses, "norms": norms, "state": model.state_dict(), "evaluated": evaluated}
 
 
 def train(pipe: pipetrain.Pipeline, start: int, stop: int) -> list[float]:
@@ -108,7 +112,8 @@ def train(pipe: pipetrain.Pipeline, start: int, stop: int) -> list[float]:
 def stale_loops(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per config (``clip``, ``tied`` and the pipeline's settings), the loop on a stale roundpipe
     pipeline, its waiting step applied by ``update()`` at the end: every call's loss,
-    whether a step waited before that, and the weights this rank holds."""
+    whether a step waited before that, the evaluation of the first batch then (on the
+    weights without it), and the weights this rank holds."""
     results = []
     for config in configs:
         settings = dict(config)
@@ -117,10 +122,17 @@ def stale_loops(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         pipe = pipeline(clip, tied, schedule="roundpipe", schedule_options=options, **settings)
         losses = train(pipe, 0, UPDATES * cases.ACCUMULATE)
         waited = pipe._rank.cycle._host.pending
+        evaluated = pipe.eval_step(cases.calls(UPDATES)[0][0])
         pipe.update()
         state = {k: v.clone() for k, v in pipe.state_dict().items()}
         results.append(
-            {"losses": losses, "waited": waited, "state": state, "updates": pipe.updates}
+            {
+                "losses": losses,
+                "waited": waited,
+                "evaluated": evaluated,
+                "state": state,
+                "updates": pipe.updates,
+            }
         )
     return results
 

@@ -42,6 +42,8 @@ def test_two_workers_four_stages_equal_the_replay_of_the_stale_rule() -> None:
     results = [rank[0] for rank in per_rank]
     assert all(result["waited"] for result in results), "no step waited for the next update"
     assert all(result["updates"] == cases.UPDATES for result in results)
+    for result in results:  # evaluated before update() applied the last step
+        torch.testing.assert_close(result["evaluated"], expected["evaluated"])
     assert_matches_replay(results, expected)
 
 
