@@ -8,11 +8,13 @@ from __future__ import annotations
 import warnings
 from typing import Any, cast
 
+import precision_cases
 import roundpipe_cases as cases
 import torch
+from pipeline_cases import mlp
 from settings import make_pipeline
 from torch import nn
-from training_cases import scheduler
+from training_cases import adamw, loop_pipeline, scheduler
 
 import pipetrain
 from pipetrain.app.models.gpt import gpt_loss
@@ -43,6 +45,22 @@ def pipeline(clip: bool, tied: bool, **settings: Any) -> pipetrain.Pipeline:
     )
 
 
+def _apply(
+    optimizer: torch.optim.Optimizer,
+    parameters: list[nn.Parameter],
+    step: tuple[list[torch.Tensor | None], float],
+) -> None:
+    """A waiting step: its gradients on ``parameters``, ``optimizer`` stepped at its
+    learning rate (the current one kept)."""
+    grads, lr = step
+    current = optimizer.param_groups[0]["lr"]
+    for parameter, grad in zip(parameters, grads):
+        parameter.grad = grad
+    optimizer.param_groups[0]["lr"] = lr
+    optimizer.step()
+    optimizer.param_groups[0]["lr"] = current
+
+
 def stale_replay(
     clip: bool, tied: bool = False, updates: int = UPDATES, flush_after: int | None = None
 ) -> dict[str, Any]:
@@ -60,15 +78,6 @@ def stale_replay(
     norms: list[float] = []
     waiting: tuple[list[torch.Tensor | None], float] | None = None
 
-    def apply(step: tuple[list[torch.Tensor | None], float]) -> None:
-        grads, lr = step
-        current = optimizer.param_groups[0]["lr"]
-        for parameter, grad in zip(parameters, grads):
-            parameter.grad = grad
-        optimizer.param_groups[0]["lr"] = lr
-        optimizer.step()
-        optimizer.param_groups[0]["lr"] = current
-
     for update in range(updates):
         for parameter in parameters:
             parameter.grad = None
@@ -85,7 +94,7 @@ def stale_replay(
             norms.append(float(torch.nn.utils.clip_grad_norm_(parameters, cases.MAX_NORM)))
         grads = [None if p.grad is None else p.grad.clone() for p in parameters]
         if waiting is not None:
-            apply(waiting)
+            _apply(optimizer, parameters, waiting)
         waiting = (grads, optimizer.param_groups[0]["lr"])
         with warnings.catch_warnings():  # the first update's step waits: none was made yet
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
@@ -95,7 +104,7 @@ def stale_replay(
             with torch.no_grad():
                 evaluated = model(data[0][0])
         if update + 1 == flush_after or update + 1 == updates:
-            apply(waiting)
+            _apply(optimizer, parameters, waiting)
             waiting = None
     return {"losses": losses, "norms": norms, "state": model.state_dict(), "evaluated": evaluated}
 
@@ -162,3 +171,76 @@ def stale_saved_and_resumed(root: str) -> dict[str, Any]:
     second.update()
     state = {k: v.clone() for k, v in second.state_dict().items()}
     return {"losses": losses, "state": state, "refusal": refusal, "found": found.updates}
+
+
+def fp16_stale_replay(microbatches: int) -> dict[str, Any]:
+    """The mixed-precision tests' fp16 loop (:func:`precision_cases.reference_loop`: updates
+    overflow, back off and grow) under the stale rule: an update's gradients unscaled,
+    checked and clipped at its end; the step waiting from the update before applied once
+    they are computed, overflowed or not; an overflowed update leaves none waiting (and
+    steps no learning rate). Every update's loss, skips and scale, and the weights at the
+    end, the last waiting step applied."""
+    model = mlp()
+    parameters = list(model.parameters())
+    optimizer = adamw(parameters)
+    schedule = scheduler(optimizer)
+    policy = precision_cases.LOSS_SCALE
+    scaler = torch.amp.GradScaler(
+        "cpu",
+        init_scale=policy.init_scale,
+        growth_factor=policy.growth_factor,
+        backoff_factor=policy.backoff_factor,
+        growth_interval=policy.growth_interval,
+    )
+    losses, skipped, scales = [], [], []
+    waiting: tuple[list[torch.Tensor | None], float] | None = None
+    for x, y in precision_cases.data():
+        optimizer.zero_grad()
+        total = 0.0
+        for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches)):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(xs), ys)
+            loss = loss.float() * (len(xs) / len(x))
+            scaler.scale(loss).backward()
+            total += loss.item()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(parameters, precision_cases.MAX_NORM)
+        before = scaler.get_scale()
+        scaler.update()
+        overflowed = scaler.get_scale() < before
+        grads = [None if p.grad is None else p.grad.clone() for p in parameters]
+        if waiting is not None:
+            _apply(optimizer, parameters, waiting)
+        waiting = None if overflowed else (grads, optimizer.param_groups[0]["lr"])
+        if not overflowed:
+            with warnings.catch_warnings():  # the first step waits: none was made yet
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler", UserWarning)
+                schedule.step()
+        losses.append(total)
+        skipped.append(overflowed)
+        scales.append(scaler.get_scale())
+    if waiting is not None:
+        _apply(optimizer, parameters, waiting)
+    return {"losses": losses, "skipped": skipped, "scales": scales, "state": model.state_dict()}
+
+
+def fp16_stale_loop(config: dict[str, Any]) -> dict[str, Any]:
+    """:func:`fp16_stale_replay`'s loop on a stale roundpipe pipeline of ``config``'s
+    settings, its waiting step applied by ``update()`` at the end."""
+    settings = dict(config)
+    options = {**settings.pop("schedule_options"), "stale": True}
+    pipe = loop_pipeline(
+        loss_scale=precision_cases.LOSS_SCALE,
+        precision="fp16",
+        schedule_options=options,
+        **settings,
+    )
+    losses, skipped, scales = [], [], []
+    for x, y in precision_cases.data():
+        before = pipe.skipped_updates
+        losses.append(pipe.train_step(x, y))
+        skipped.append(pipe.skipped_updates > before)
+        scales.append(pipe.precision.scale)
+    pipe.update()
+    state = {k: v.clone() for k, v in pipe.state_dict().items()}
+    return {"losses": losses, "skipped": skipped, "scales": scales, "state": state}
