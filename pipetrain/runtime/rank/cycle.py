@@ -19,8 +19,7 @@ keeps everything about that between the executor's actions and across calls:
   and ``GATHER`` all-gathers a sharded stage's parameters;
 - **the host store** (a schedule with ``LOAD`` and ``OFFLOAD``): ``LOAD`` and ``OFFLOAD``
   go to the :class:`~pipetrain.runtime.rank.stored_stage.HostWeights`, and a stage's last
-  ``OFFLOAD`` of a run that returns gradients is its ``STEP`` (which a one-step-stale
-  store, :mod:`~pipetrain.runtime.rank.stale_store`, applies during the next update);
+  ``OFFLOAD`` of a run that returns gradients is its ``STEP`` (a stale store's: a step late);
 - **the counters**: updates applied and skipped, restored from a checkpoint.
 
 The executor only dispatches: its ``STEP``, ``LOSS``, ``ALLREDUCE``, ``GATHER``, ``LOAD`` and
