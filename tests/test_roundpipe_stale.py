@@ -4,6 +4,7 @@ k + 1, once that update's loads have read the weights without it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import stale_cases as cases
 import torch
 
 import pipetrain
+from pipetrain.app import cli
 
 
 def assert_matches_replay(per_rank: list[dict[str, Any]], expected: dict[str, Any]) -> None:
@@ -113,3 +115,26 @@ def test_fp16_loss_scaling_skips_and_grows_as_the_stale_replay() -> None:
     # about 1e-5: a step applied at the wrong time or rate moves them by about lr = 1e-2
     for name, value in expected["state"].items():
         torch.testing.assert_close(state[name], value, rtol=1e-3, atol=1e-4, msg=name)
+
+
+@pytest.mark.slow
+def test_train_stale_with_save_dir_resumes_as_the_run_that_went_on(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """``pipetrain train --stale --save-dir`` applies the waiting step before each save, so
+    a run stopped after its first save and started again has the losses of one that went
+    on."""
+    common = ["train", "--model", "mlp", "--json", "--ranks", "2", "--schedule", "roundpipe"]
+    common += ["--stale", "--model-stages", "4", "--microbatches", "2", "--save-every", "3"]
+
+    def losses(*args: str) -> list[float]:
+        capfd.readouterr()
+        status = cli.main([*common, *args])
+        out, err = capfd.readouterr()
+        assert status == 0, err
+        return list(json.loads(out.strip().splitlines()[-1])["losses"])
+
+    whole = losses("--steps", "6", "--save-dir", str(tmp_path / "whole"))
+    first = losses("--steps", "3", "--save-dir", str(tmp_path / "parts"))
+    again = losses("--steps", "6", "--save-dir", str(tmp_path / "parts"))
+    assert first == whole[:3] and again == whole
