@@ -57,9 +57,8 @@ class StaleHostWeights(HostWeights):
         self._optimizer: torch.optim.Optimizer | None = None
         self._loads_left: Counter[int] = Counter()  # an updating run's LOADs still to come
         self._updating = False
-        self._gradless: set[int] = (
-            set()
-        )  # ids of the parameters the waiting step has no gradient for
+        self._gradless: set[int] = set()  # parameters (ids) the waiting step has no gradient
+        self._readers: dict[int, list[int]] = {}  # found at the first run's loads
 
     def begin(self, lane: Sequence[Action], updating: bool) -> None:
         """Before a run of ``lane``: an updating run applies the waiting step of each stage
@@ -75,7 +74,7 @@ class StaleHostWeights(HostWeights):
         if not self._updating or self._optimizer is None:
             return
         for index in sorted(self._waiting):
-            if not any(self._loads_left[j] > 0 for j in self._readers(index)):
+            if not any(self._loads_left[j] > 0 for j in self._readers_of(index)):
                 self._apply(index)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -122,10 +121,13 @@ class StaleHostWeights(HostWeights):
         """Forget the waiting steps (the weights were replaced)."""
         self._waiting.clear()
 
-    def _readers(self, index: int) -> list[int]:
+    def _readers_of(self, index: int) -> list[int]:
         """The stages whose ``LOAD`` reads parameters stored with stage ``index``."""
-        own = self.stages[index].stored_ids()
-        return [j for j, stored in self.stages.items() if stored.used_ids() & own]
+        if index not in self._readers:
+            own = self.stages[index].stored_ids()
+            found = [j for j, stored in self.stages.items() if stored.used_ids() & own]
+            self._readers[index] = found
+        return self._readers[index]
 
     def _apply(self, index: int) -> None:
         """Stage ``index``'s waiting step on the store's weights, with the gradients and
