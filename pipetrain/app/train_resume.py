@@ -108,7 +108,9 @@ def save_if_due(
     pipe: Pipeline, config: TrainConfig, batches: Positioned | None, history: History
 ) -> None:
     """Save the run after its latest step if that is a multiple of ``save_every`` or the
-    last; rank 0's data position and history travel with the checkpoint."""
+    last; rank 0's data position and history travel with the checkpoint. A stale
+    ``roundpipe`` run's waiting step is applied first, so a run resumed from the
+    checkpoint goes on as the saving run does."""
     step = history.steps
     if config.save_dir is None:
         return
@@ -121,4 +123,6 @@ def save_if_due(
         "step_times_s": history.step_times_s,
         "evaluations": history.evaluations,
     }
+    if pipe.schedule.options.get("stale"):
+        pipe.update()  # the step waiting for the next update, applied: a checkpoint keeps none
     pipe.save(config.save_dir, step=step, extra=extra, keep=config.keep_checkpoints)

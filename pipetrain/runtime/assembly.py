@@ -35,6 +35,7 @@ from pipetrain.runtime.rank.reduce import Reducer, replica_groups, replica_reduc
 from pipetrain.runtime.rank.shard import ShardedReducer, shard_stage
 from pipetrain.runtime.rank.shared import SharedGradients, check_sharing, counted_once
 from pipetrain.runtime.rank.stage import LossFn, Stage
+from pipetrain.runtime.rank.stale_store import StaleHostWeights
 from pipetrain.runtime.rank.stored_stage import HostWeights
 from pipetrain.runtime.rank.tensor_parallel import Mirrors, counted_by_mirror, stage_plan
 from pipetrain.runtime.rank.update import Updater
@@ -125,7 +126,7 @@ def assemble(
             groups = mirrors.replica_groups(schedule)
             transport = MirroredTransport(transport, mirrors.degree, mirrors.messages)
     device = transport.device
-    host = HostWeights(device) if schedule.host_stored else None
+    host = _host_weights(schedule, device)
     stages = _stage_modules(schedule, rank, front, balance, device, source or ModelSource(), host)
     shared = shared_parameters(front, balance)
     check_sharing(shared, schedule)
@@ -199,3 +200,11 @@ def assemble(
     )
     executor = Executor(rank, runners, transport, cycle, recorder)
     return Rank(stages, transport, recorder, cycle, executor, sharing.names)
+
+
+def _host_weights(schedule: Schedule, device: torch.device) -> HostWeights | None:
+    """The host store of a schedule whose weights live there: stepping one update late
+    under the ``stale`` option, else at once."""
+    if not schedule.host_stored:
+        return None
+    return (StaleHostWeights if schedule.options.get("stale") else HostWeights)(device)

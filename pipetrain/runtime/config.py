@@ -91,10 +91,11 @@ class PipelineConfig:
         """The split, replication (whole or sharded), schedule, micro-batches and
         recomputation of ``plan``, with ``overrides`` (any other field) on top."""
         family = spec(plan.schedule)
-        chunked = family.chunk_option is not None and plan.virtual > 1
-        options: dict[str, object] = {family.chunk_option: plan.virtual} if chunked else {}
+        options: dict[str, object] = {}
         if family.host_weights:  # its stages are dealt, not given per rank
-            options = {STAGES_OPTION: len(plan.stages)}
+            options[STAGES_OPTION] = len(plan.stages)
+        elif family.chunk_option is not None and plan.virtual > 1:
+            options[family.chunk_option] = plan.virtual
         settings: dict[str, Any] = {
             "schedule": plan.schedule,
             "microbatches": plan.microbatches,

@@ -224,7 +224,7 @@ class Pipeline(HeldStages):
         return (loss, self._io.outputs(outputs)) if return_outputs else loss
 
     def update(self) -> None:
-        """Apply what ``train_step(..., update=False)`` calls accumulated (every rank)."""
+        """Apply (every rank) what ``update=False`` calls accumulated, or a waiting stale step."""
         if self.schedule.asynchronous:
             raise ValueError(f"{self.schedule.name} updates the weights inside every step")
         self._cycle.apply_accumulated()

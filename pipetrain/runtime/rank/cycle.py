@@ -19,7 +19,7 @@ keeps everything about that between the executor's actions and across calls:
   and ``GATHER`` all-gathers a sharded stage's parameters;
 - **the host store** (a schedule with ``LOAD`` and ``OFFLOAD``): ``LOAD`` and ``OFFLOAD``
   go to the :class:`~pipetrain.runtime.rank.stored_stage.HostWeights`, and a stage's last
-  ``OFFLOAD`` of a run that returns gradients is its ``STEP``;
+  ``OFFLOAD`` of a run that returns gradients is its ``STEP`` (a stale store's: a step late);
 - **the counters**: updates applied and skipped, restored from a checkpoint.
 
 The executor only dispatches: its ``STEP``, ``LOSS``, ``ALLREDUCE``, ``GATHER``, ``LOAD`` and
@@ -97,8 +97,12 @@ class UpdateCycle:
     def apply_accumulated(self) -> None:
         """Apply the gradients that non-updating calls accumulated, as an updating call
         would (replicas all-reduced, the norm and finiteness checked, clipping, the
-        optimizer and scheduler stepped). Every rank calls it."""
+        optimizer and scheduler stepped); with none, a one-step-stale store's waiting step.
+        Every rank calls it."""
         if not self._accumulated:
+            if self._host is not None and self._host.defers:
+                self._host.flush()  # a one-step-stale update's step that waits, applied
+                return self.settle()
             raise RuntimeError(
                 "no gradients wait for an update: call train_step(..., update=False) first"
             )
@@ -159,6 +163,8 @@ class UpdateCycle:
         for stage, stash in self._weights.stashes.items():
             if len(stash.versions) != 1:  # a call drains the pipeline: only the newest is left
                 raise RuntimeError(f"stage {stage} holds {len(stash.versions)} weight versions")
+        if self._host is not None:
+            self._host.check_saving()
         return self.updates, self.skipped_updates
 
     def restore(self, progress: tuple[int, int] | None) -> None:
@@ -171,6 +177,8 @@ class UpdateCycle:
                 stash.newest = progress[0]  # version v: the weights after v updates
         self.reset_weights()
         self._clear_gradients()
+        if self._host is not None:
+            self._host.drop_pending()  # a step of the replaced weights
         self._accumulated = self._reduced = False
         self.settle()
 
@@ -208,6 +216,7 @@ class UpdateCycle:
         self._steps_left = sum(a.kind is Kind.STEP for a in lane)
         if self._host is not None:
             self._stepping, self._offloads = stepping_offloads(lane), {}
+            self._host.begin(lane, update)
             self._steps_left = len(self._stepping)
         self._normalized = False
         self._reduced_loss: torch.Tensor | None = None  # by the update, when it sums them

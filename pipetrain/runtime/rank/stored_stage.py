@@ -24,11 +24,13 @@ loaded, not its share of the model.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from pipetrain.runtime.rank.host_store import Region, aligned
+from pipetrain.schedules import Action
 
 
 class _Slot:
@@ -188,6 +190,16 @@ class StoredStage:
         """The ids of the parameters stored here (not those shared from another stage)."""
         return {id(slot.parameter) for slot in self._own}
 
+    def used_ids(self) -> set[int]:
+        """The ids of every parameter the stage uses (those shared from another included)."""
+        return {id(slot.parameter) for slot in self._slots}
+
+    def stored_views(self, kind: str | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each parameter stored here with its tensor in the master weights (``None``) or
+        in the region of ``kind`` (see :meth:`region`)."""
+        region = self.master if kind is None else self.region(kind)
+        return [(slot.parameter, region.view(slot.offset, slot.parameter)) for slot in self._own]
+
     def release(self) -> None:
         """Drop every region's pages from this process's resident set."""
         for region in self.regions():
@@ -230,20 +242,41 @@ class HostWeights:
         """The optimizer's step, one stage at a time (each parameter's update depends on it
         alone), each stage's new state moved into the store and its pages released before
         the next: the step holds one stage's weights, gradients and state at once."""
+        for stored in self.stages.values():
+            self.step_stage(optimizer, stored)
+
+    def step_stage(self, optimizer: torch.optim.Optimizer, stored: StoredStage) -> None:
+        """The optimizer's step of the parameters stored in ``stored`` alone (its param
+        groups cut to them), their new state moved into the store and its pages released."""
+        own = stored.stored_ids()
+        if not own:
+            return
         groups = [group["params"] for group in optimizer.param_groups]
         try:
-            for stored in self.stages.values():
-                own = stored.stored_ids()
-                if not own:
-                    continue
-                for group, params in zip(optimizer.param_groups, groups):
-                    group["params"] = [p for p in params if id(p) in own]
-                optimizer.step()
-                stored.adopt_state(optimizer)
-                stored.release()
+            for group, params in zip(optimizer.param_groups, groups):
+                group["params"] = [p for p in params if id(p) in own]
+            optimizer.step()
         finally:
             for group, params in zip(optimizer.param_groups, groups):
                 group["params"] = params
+        stored.adopt_state(optimizer)
+        stored.release()
+
+    # a one-step-stale store (:mod:`.stale_store`) defers each step; this one steps at once
+    defers = False
+    """Whether an update's step waits for the next update."""
+
+    def begin(self, lane: Sequence[Action], updating: bool) -> None:
+        """Before a run of ``lane`` (updating or not)."""
+
+    def check_saving(self) -> None:
+        """Raise where a checkpoint could not keep what the store holds."""
+
+    def flush(self) -> None:
+        """Apply a step that waits, now."""
+
+    def drop_pending(self) -> None:
+        """Forget a step that waits (the weights were replaced)."""
 
     def settle(self, optimizer: torch.optim.Optimizer | None) -> None:
         """After a run or an update outside one: any stage left resident by a failure put

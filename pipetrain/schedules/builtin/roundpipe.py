@@ -1,5 +1,5 @@
 """RoundPipe (Luo et al., 2026, arXiv 2604.27085): stateless workers fed round-robin from a
-host weight store; one synchronous update.
+host weight store; one synchronous update, or with ``stale=True`` updates one step stale.
 
 The model is cut into ``model_stages`` S ≥ N stages for N workers (default 2N). Stage s's
 forward for every micro-batch runs on rank s mod N, so the pipeline wraps around (stage N
@@ -27,6 +27,11 @@ backward to come back down the ranks (looped BFS's bubble: with S a multiple of 
 passes are looped BFS's, in the same order), where RoundPipe's counter hands the next
 backward to the next GPU in turn, paying a recomputation of every stage's forward
 instead.
+
+With ``stale=True`` the schedule is the same; the runtime applies update k's optimizer
+step to the host store during update k + 1, once that update's loads have read the weights
+(:mod:`~pipetrain.runtime.rank.stale_store`): per stage w_{t+1} = step(w_t, g(w_{t-1})),
+RoundPipe's optional stale update, which overlaps the optimizer with the next step.
 
 RoundPipe also cuts the backward differently from the forward (``ModelExecutePlan``'s
 separate layer ranges); here both use the same S stages.
@@ -111,7 +116,8 @@ def bubble(ranks: int, microbatches: int, options: Options, costs: UniformCosts)
 SPEC = ScheduleSpec(
     name="roundpipe",
     summary="RoundPipe: stages dealt round-robin to workers that load their weights from a "
-    "host store and return the gradients; one synchronous update (not planned yet)",
+    "host store and return the gradients; synchronous updates, or one step stale with "
+    "stale=True (not planned yet)",
     generate=generate,
     options=(
         Option(
@@ -126,6 +132,13 @@ SPEC = ScheduleSpec(
             2,
             "stages a rank holds at once: 2 loads the next stage's weights while the current "
             "one computes, 1 loads each just before its passes",
+        ),
+        Option(
+            "stale",
+            False,
+            "one-step-stale updates: update k's optimizer step is applied to the host store "
+            "during update k+1, after its loads read the weights (w_{t+1} = w_t - "
+            "lr*g(w_{t-1})); default: synchronous",
         ),
     ),
     check=check,
