@@ -63,6 +63,43 @@ class WeightOnlyOutput(nn.Module):
         return self.linear(x) * self.scale.sum(), self.scale * 2.0, x
 
 
+class Scale(torch.autograd.Function):
+    """``x * w`` as a custom function: a branch point the weight pass cannot call itself."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        return grad * w, (grad * x).sum(0)
+
+
+class CustomBranch(nn.Module):
+    """A weight whose gradient branches off the input path inside a custom function."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.scale = nn.Linear(5, 5), nn.Parameter(torch.randn(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(Scale.apply(torch.tanh(x), self.scale))
+
+
+class Autocast(nn.Module):
+    """``inner`` under CPU bfloat16 autocast: weights reach their matmuls through casts."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.inner(x).float()
+
+
 def split_and_whole(
     module: nn.Module, make_inputs: Callable[[], tuple[torch.Tensor, ...]]
 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
@@ -115,13 +152,22 @@ def test_the_weight_pass_recomputes_no_activation_gradient() -> None:
     [
         (UsedTwice(), seeded(3, 5)),
         (WeightOnlyOutput(), seeded(2, 5)),
+        (CustomBranch(), seeded(3, 5)),
+        (Autocast(build_model("gpt")[2]), seeded(2, 16, 64)),
         (build_model("gpt")[2], seeded(2, 16, 64)),  # a transformer block
         (
             build_model("gpt")[:2],  # embeddings: no input gradient
             lambda: (torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3)),),
         ),
     ],
-    ids=["weight-used-twice", "weight-only-output", "gpt-block", "embedding"],
+    ids=[
+        "weight-used-twice",
+        "weight-only-output",
+        "custom-function-branch",
+        "bf16-autocast-block",
+        "gpt-block",
+        "embedding",
+    ],
 )
 def test_two_passes_give_every_gradient_one_backward_gives(
     module: nn.Module, make_inputs: Callable[[], tuple[torch.Tensor, ...]]
