@@ -33,8 +33,8 @@ from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node, _engine_run_backward, get_gradient_edge
 
 Tensors = tuple[torch.Tensor, ...]
-_ACCUMULATE = torch._C._functions.AccumulateGrad
 Kept = tuple[torch.Tensor | None, ...]
+_ACCUMULATE = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 
 
 @dataclass
@@ -51,14 +51,14 @@ class _CallBranches(torch.autograd.Function):
     needs it: the input-path outputs are skipped."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, anchor: torch.Tensor, calls: list[tuple[_Branch, Kept]], results: list[Any]
     ) -> torch.Tensor:
         ctx.calls, ctx.results = calls, results
         return anchor.clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         for branch, kept in ctx.calls:
             outputs = branch.node(*kept)
             ctx.results.extend(outputs[position] for position, _ in branch.edges)
@@ -76,7 +76,7 @@ def _run_branches(
     anchor = torch.zeros((), device=device, requires_grad=True)
     results: list[torch.Tensor | None] = []
     trigger = _CallBranches.apply(anchor, calls, results)
-    captures = (anchor, *dict.fromkeys(edges))
+    captures: tuple[torch.Tensor | GradientEdge, ...] = (anchor, *dict.fromkeys(edges))
     _run_engine((trigger,), (torch.ones_like(trigger),), captures, accumulate=False)
     pairs = [(edge, grad) for edge, grad in zip(edges, results) if grad is not None]
     if pairs:
@@ -232,7 +232,9 @@ def _branches(
     wanted = {id(w) for w in weights if w.requires_grad}
     # the graph's own accumulators, not get_gradient_edge's: it runs an operation a weight
     accumulators = [
-        node for node in parents if type(node) is _ACCUMULATE and id(node.variable) in wanted
+        node
+        for node in parents
+        if type(node) is _ACCUMULATE and id(node.variable) in wanted  # type: ignore[attr-defined]
     ]
     weight_side, met = _reached(accumulators, parents, frozenset(on_input_path))
     if any(isinstance(node, BackwardCFunction) for node in met):
