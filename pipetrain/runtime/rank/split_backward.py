@@ -23,10 +23,8 @@ the weight pass.
 
 from __future__ import annotations
 
-import gc
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,13 +147,12 @@ class WeightPass:
 
     def run(self) -> None:
         """Accumulate the weight gradients into the weights' ``.grad``."""
-        with _collector_off():
-            _run_branches(self.branches, self.kept, self.weights)
-            for group in self.groups:
-                group.run(self.kept)
-            outputs, grads = self.whole
-            if outputs and self.weights:
-                torch.autograd.backward(outputs, grads, inputs=self.weights)
+        _run_branches(self.branches, self.kept, self.weights)
+        for group in self.groups:
+            group.run(self.kept)
+        outputs, grads = self.whole
+        if outputs and self.weights:
+            torch.autograd.backward(outputs, grads, inputs=self.weights)
 
 
 def input_pass(
@@ -163,13 +160,6 @@ def input_pass(
 ) -> tuple[tuple[torch.Tensor | None, ...], WeightPass]:
     """The gradients of ``inputs`` (``None`` where unused) from ``outputs`` and their
     gradients ``grads``, and the pass that later gives ``weights`` theirs."""
-    with _collector_off():
-        return _input_pass(outputs, grads, inputs, weights)
-
-
-def _input_pass(
-    outputs: Tensors, grads: Tensors, inputs: Sequence[torch.Tensor], weights: list[torch.Tensor]
-) -> tuple[tuple[torch.Tensor | None, ...], WeightPass]:
     roots = [get_gradient_edge(t).node for t in outputs]
     parents = _parents(roots)
     on_input_path = _reached(
@@ -196,21 +186,6 @@ def _input_pass(
             handle.remove()
     kept_outputs = tuple(t for t, _ in whole), tuple(g for _, g in whole)
     return input_grads, WeightPass(branches or [], groups, kept, kept_outputs, weights)
-
-
-@contextmanager
-def _collector_off() -> Iterator[None]:
-    """The cyclic garbage collector off for a pass: the lists and tuples a pass makes hold
-    no cycles and die with it, so a collection they set off would find nothing, and a full
-    one walks every object of the process (measured: a tenth of a small weight pass)."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def _parents(roots: Iterable[Node]) -> dict[Node, list[Node]]:
