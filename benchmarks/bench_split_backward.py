@@ -10,7 +10,7 @@ blocks, micro-batches of ``--gpt-rows`` sequences of 64 tokens; MLP: 2 blocks of
 rotating), after 5 untimed repetitions; gradients accumulate into ``.grad`` as in a step
 after its first micro-batch. Times are the thread's CPU time (``time.thread_time``),
 medians; B and W are timed apart as well. glibc keeps freed memory as pipetrain's workers
-do.
+do, and the cyclic collector is off while timing (a worker collects 0-1 times a step).
 
     git show REV:pipetrain/runtime/rank/split_backward.py > /tmp/before.py
     python benchmarks/bench_split_backward.py [--before /tmp/before.py] [--repeats 100]
@@ -19,6 +19,7 @@ do.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import os
 import statistics
@@ -88,6 +89,9 @@ def timings(model_name: str, rows: int, repeats: int, before: str | None) -> dic
     total: dict[str, list[float]] = {name: [] for name in variants}
     parts: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
     names = list(variants)
+    # a training worker collects 0-1 times a step; here the growing lists of times would
+    # set collections off inside whichever pass is running
+    gc.disable()
     for index in range(repeats + 5):
         shift = index % len(names)
         for name in names[shift:] + names[:shift]:
@@ -98,6 +102,7 @@ def timings(model_name: str, rows: int, repeats: int, before: str | None) -> dic
             if index >= 5:
                 total[name].append(time.thread_time() - start)
                 parts[name].append(part)
+    gc.enable()
     return {
         name: (
             statistics.median(total[name]),
