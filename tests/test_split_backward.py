@@ -88,6 +88,29 @@ class CustomBranch(nn.Module):
         return self.linear(Scale.apply(torch.tanh(x), self.scale))
 
 
+class NoGradient(torch.autograd.Function):
+    """The identity, whose backward sends no gradient back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> None:  # type: ignore[override]
+        return None
+
+
+class CutBranch(nn.Module):
+    """The one branch point, on the input path, reached by the backward with no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cut = nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return NoGradient.apply(self.cut(x)) + 2 * x
+
+
 class Autocast(nn.Module):
     """``inner`` under CPU bfloat16 autocast: weights reach their matmuls through casts."""
 
@@ -176,6 +199,13 @@ def test_two_passes_give_every_gradient_one_backward_gives(
     split, whole = split_and_whole(module, make_inputs)
     assert_same(split, whole)
     assert all(g is not None for g in split[-len(list(module.parameters())) :])
+
+
+def test_a_branch_point_reached_without_gradient_gives_its_weights_none() -> None:
+    torch.manual_seed(0)
+    split, whole = split_and_whole(CutBranch(), seeded(3, 5))
+    assert_same(split, whole)
+    assert split[0] is not None and split[1:] == [None, None]  # the input's; cut's
 
 
 def test_a_weight_pass_right_after_its_backward_runs_with_it() -> None:

@@ -68,11 +68,14 @@ class _CallBranches(torch.autograd.Function):
 def _run_branches(
     branches: list[_Branch], kept: dict[Node, Kept], weights: list[torch.Tensor]
 ) -> None:
+    """Every branch point's weight outputs from its kept gradient, into ``weights``'
+    ``.grad``, in two engine calls."""
     calls = [(branch, kept[branch.node]) for branch in branches if branch.node in kept]
+    calls = [(branch, grads) for branch, grads in calls if any(g is not None for g in grads)]
     if not calls:
         return
     edges = [edge for branch, _ in calls for _, edge in branch.edges]
-    device = next(g.device for _, grads in calls for g in grads if g is not None)
+    device = next(g.device for g in calls[0][1] if g is not None)
     anchor = torch.zeros((), device=device, requires_grad=True)
     results: list[torch.Tensor | None] = []
     trigger = _CallBranches.apply(anchor, calls, results)
@@ -96,9 +99,10 @@ def _run_engine(
     inputs: tuple[torch.Tensor | GradientEdge, ...],
     accumulate: bool,
 ) -> None:
-    """One autograd engine call, without ``torch.autograd.backward``'s checks of every root
-    against its gradient (20-100 µs a call, measured): the gradients come from the graph.
-    The graph is kept: the weight-only outputs' backward may pass through the same nodes."""
+    """One autograd engine call through the function ``torch.autograd.backward`` ends in,
+    without its checks of every root against its gradient (20-100 µs a call, measured):
+    these gradients come from the graph. The graph is kept: the weight-only outputs'
+    backward may pass through the same nodes."""
     _engine_run_backward(
         roots, grads, True, False, inputs, allow_unreachable=True, accumulate_grad=accumulate
     )
