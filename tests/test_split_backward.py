@@ -63,6 +63,66 @@ class WeightOnlyOutput(nn.Module):
         return self.linear(x) * self.scale.sum(), self.scale * 2.0, x
 
 
+class Scale(torch.autograd.Function):
+    """``x * w`` as a custom function: a branch point the weight pass cannot call itself."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        return grad * w, (grad * x).sum(0)
+
+
+class CustomBranch(nn.Module):
+    """A weight whose gradient branches off the input path inside a custom function."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.scale = nn.Linear(5, 5), nn.Parameter(torch.randn(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(Scale.apply(torch.tanh(x), self.scale))
+
+
+class NoGradient(torch.autograd.Function):
+    """The identity, whose backward sends no gradient back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> None:  # type: ignore[override]
+        return None
+
+
+class CutBranch(nn.Module):
+    """The one branch point, on the input path, reached by the backward with no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cut = nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return NoGradient.apply(self.cut(x)) + 2 * x
+
+
+class Autocast(nn.Module):
+    """``inner`` under CPU bfloat16 autocast: weights reach their matmuls through casts."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.inner(x).float()
+
+
 def split_and_whole(
     module: nn.Module, make_inputs: Callable[[], tuple[torch.Tensor, ...]]
 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
@@ -115,13 +175,22 @@ def test_the_weight_pass_recomputes_no_activation_gradient() -> None:
     [
         (UsedTwice(), seeded(3, 5)),
         (WeightOnlyOutput(), seeded(2, 5)),
+        (CustomBranch(), seeded(3, 5)),
+        (Autocast(build_model("gpt")[2]), seeded(2, 16, 64)),
         (build_model("gpt")[2], seeded(2, 16, 64)),  # a transformer block
         (
             build_model("gpt")[:2],  # embeddings: no input gradient
             lambda: (torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3)),),
         ),
     ],
-    ids=["weight-used-twice", "weight-only-output", "gpt-block", "embedding"],
+    ids=[
+        "weight-used-twice",
+        "weight-only-output",
+        "custom-function-branch",
+        "bf16-autocast-block",
+        "gpt-block",
+        "embedding",
+    ],
 )
 def test_two_passes_give_every_gradient_one_backward_gives(
     module: nn.Module, make_inputs: Callable[[], tuple[torch.Tensor, ...]]
@@ -130,6 +199,13 @@ def test_two_passes_give_every_gradient_one_backward_gives(
     split, whole = split_and_whole(module, make_inputs)
     assert_same(split, whole)
     assert all(g is not None for g in split[-len(list(module.parameters())) :])
+
+
+def test_a_branch_point_reached_without_gradient_gives_its_weights_none() -> None:
+    torch.manual_seed(0)
+    split, whole = split_and_whole(CutBranch(), seeded(3, 5))
+    assert_same(split, whole)
+    assert split[0] is not None and split[1:] == [None, None]  # the input's; cut's
 
 
 def test_a_weight_pass_right_after_its_backward_runs_with_it() -> None:
