@@ -185,3 +185,28 @@ def checkpoints_across_layouts(root: str) -> dict[str, dict[str, Any]]:
             {**roundpipe, "schedule_options": {"model_stages": 8, "resident": 1}},
         ),
     }
+
+
+def resident_while_stored() -> dict[str, Any]:
+    """In a fresh process (the test runner's allocator holds memory earlier tests freed): a
+    64 MiB layer's resident set before it is stored, once stored, loaded, and offloaded
+    after a backward, and whether its weight and gradient came back right."""
+    from pipetrain.runtime.rank.host_store import resident_bytes
+    from pipetrain.runtime.rank.stored_stage import StoredStage
+
+    module = nn.Linear(4096, 4096, bias=False)  # 64 MiB of weights
+    expected = module.weight.detach().clone()
+    sizes = {"before": resident_bytes()}
+    stored = StoredStage(0, module, torch.device("cpu"))
+    sizes["stored"] = resident_bytes()
+    stored.load()
+    sizes["loaded"] = resident_bytes()
+    module(torch.ones(1, 4096)).sum().backward()
+    stored.offload()
+    sizes["offloaded"] = resident_bytes()
+    assert module.weight.grad is not None
+    return {
+        **sizes,
+        "weight_kept": torch.equal(module.weight, expected),
+        "gradient_right": torch.equal(module.weight.grad, torch.ones(4096, 4096)),
+    }

@@ -22,7 +22,6 @@ from torch import nn
 import pipetrain
 from pipetrain.runtime.config import PipelineConfig
 from pipetrain.runtime.rank import host_store
-from pipetrain.runtime.rank.host_store import resident_bytes
 from pipetrain.runtime.rank.stored_stage import HostWeights, StoredStage
 from pipetrain.schedules import build
 from pipetrain.schedules.residency import stepping_offloads
@@ -105,19 +104,12 @@ def test_two_workers_eight_stages_of_a_meta_model_read_stage_by_stage(tmp_path: 
 
 # the store, in one process ---------------------------------------------------------------
 def test_a_stage_in_the_store_takes_private_memory_only_while_loaded() -> None:
-    module = nn.Linear(4096, 4096, bias=False)  # 64 MiB of weights
-    expected = module.weight.detach().clone()
-    before = resident_bytes()
-    stored = StoredStage(0, module, torch.device("cpu"))
-    stored_alone = resident_bytes()
-    assert stored_alone < before - 48 * MIB  # the private copy is gone, the store released
-    stored.load()
-    assert resident_bytes() > stored_alone + 48 * MIB
-    module(torch.ones(1, 4096)).sum().backward()
-    stored.offload()
-    assert resident_bytes() < stored_alone + 16 * MIB  # weights and gradient freed
-    assert torch.equal(module.weight, expected)
-    torch.testing.assert_close(module.weight.grad, torch.ones(4096, 4096))
+    (sizes,) = pipetrain.launch(cases.resident_while_stored, 1, timeout_s=300)
+    stored_alone = sizes["stored"]
+    assert stored_alone < sizes["before"] - 48 * MIB  # the private copy gone, the store released
+    assert sizes["loaded"] > stored_alone + 48 * MIB
+    assert sizes["offloaded"] < stored_alone + 16 * MIB  # weights and gradient freed
+    assert sizes["weight_kept"] and sizes["gradient_right"]
 
 
 def test_a_backward_after_its_stage_was_offloaded_and_loaded_again_is_exact() -> None:
