@@ -27,6 +27,31 @@ def data() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [batch(seed=40 + k, size=BATCH) for k in range(UPDATES)]
 
 
+def grad_scaler(enabled: bool = True) -> torch.amp.GradScaler:
+    """torch's GradScaler on the pipelines' loss-scale policy, :data:`LOSS_SCALE`."""
+    policy = LOSS_SCALE
+    return torch.amp.GradScaler(
+        "cpu",
+        init_scale=policy.init_scale,
+        growth_factor=policy.growth_factor,
+        backoff_factor=policy.backoff_factor,
+        growth_interval=policy.growth_interval,
+        enabled=enabled,
+    )
+
+
+def scaled_steps(pipe: Any) -> tuple[list[float], list[bool], list[float]]:
+    """A pipeline's steps on :func:`data`: each loss, whether its update was skipped, and
+    the loss scale after it."""
+    losses, skipped, scales = [], [], []
+    for x, y in data():
+        before = pipe.skipped_updates
+        losses.append(pipe.train_step(x, y))
+        skipped.append(pipe.skipped_updates > before)
+        scales.append(pipe.precision.scale)
+    return losses, skipped, scales
+
+
 def reference_loop(precision: str, microbatches: int) -> dict[str, Any]:
     """The unpipelined loop on the pipeline's micro-batches: autocast forwards, float32
     losses weighted by their share of the batch, GradScaler for fp16 (unscale, clip, step,
@@ -34,15 +59,7 @@ def reference_loop(precision: str, microbatches: int) -> dict[str, Any]:
     model = mlp()
     optimizer = adamw(model.parameters())
     schedule = scheduler(optimizer)
-    policy = LOSS_SCALE
-    scaler = torch.amp.GradScaler(
-        "cpu",
-        init_scale=policy.init_scale,
-        growth_factor=policy.growth_factor,
-        backoff_factor=policy.backoff_factor,
-        growth_interval=policy.growth_interval,
-        enabled=precision == "fp16",
-    )
+    scaler = grad_scaler(enabled=precision == "fp16")
     losses, skipped, scales = [], [], []
     for x, y in data():
         optimizer.zero_grad()
@@ -73,12 +90,7 @@ def pipelined_loop(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     results = []
     for config in configs:
         pipe = loop_pipeline(loss_scale=LOSS_SCALE, **config)
-        losses, skipped, scales = [], [], []
-        for x, y in data():
-            before = pipe.skipped_updates
-            losses.append(pipe.train_step(x, y))
-            skipped.append(pipe.skipped_updates > before)
-            scales.append(pipe.precision.scale)
+        losses, skipped, scales = scaled_steps(pipe)
         results.append(
             {
                 "losses": losses,

@@ -96,12 +96,7 @@ def fp16_loop() -> dict[str, Any]:
         data_parallel=2,
         shard=True,
     )
-    losses, skipped, scales = [], [], []
-    for x, y in precision_cases.data():
-        before = pipe.skipped_updates
-        losses.append(pipe.train_step(x, y))
-        skipped.append(pipe.skipped_updates > before)
-        scales.append(pipe.precision.scale)
+    losses, skipped, scales = precision_cases.scaled_steps(pipe)
     state = {name: _full(t).clone() for name, t in pipe.state_dict().items()}
     return {"losses": losses, "skipped": skipped, "scales": scales, "state": state}
 

@@ -184,14 +184,7 @@ def fp16_stale_replay(microbatches: int) -> dict[str, Any]:
     parameters = list(model.parameters())
     optimizer = adamw(parameters)
     schedule = scheduler(optimizer)
-    policy = precision_cases.LOSS_SCALE
-    scaler = torch.amp.GradScaler(
-        "cpu",
-        init_scale=policy.init_scale,
-        growth_factor=policy.growth_factor,
-        backoff_factor=policy.backoff_factor,
-        growth_interval=policy.growth_interval,
-    )
+    scaler = precision_cases.grad_scaler()
     losses, skipped, scales = [], [], []
     waiting: tuple[list[torch.Tensor | None], float] | None = None
     for x, y in precision_cases.data():
@@ -235,12 +228,7 @@ def fp16_stale_loop(config: dict[str, Any]) -> dict[str, Any]:
         schedule_options=options,
         **settings,
     )
-    losses, skipped, scales = [], [], []
-    for x, y in precision_cases.data():
-        before = pipe.skipped_updates
-        losses.append(pipe.train_step(x, y))
-        skipped.append(pipe.skipped_updates > before)
-        scales.append(pipe.precision.scale)
+    losses, skipped, scales = precision_cases.scaled_steps(pipe)
     pipe.update()
     state = {k: v.clone() for k, v in pipe.state_dict().items()}
     return {"losses": losses, "skipped": skipped, "scales": scales, "state": state}
