@@ -210,3 +210,70 @@ def resident_while_stored() -> dict[str, Any]:
         "weight_kept": torch.equal(module.weight, expected),
         "gradient_right": torch.equal(module.weight.grad, torch.ones(4096, 4096)),
     }
+
+
+def _peak_bytes() -> int:
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise KeyError("VmHWM")
+
+
+def step_peaks() -> dict[str, Any]:
+    """In a fresh process: a stored stage of four 16 MiB layers, its gradients in the store,
+    stepped by Adam twice through the host store; the peak resident set over each step
+    (the peak reset just before it), and whether the weights equal a plain Adam's."""
+    from pipetrain.runtime.rank.host_store import resident_bytes
+    from pipetrain.runtime.rank.stored_stage import HostWeights
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(2048, 2048, bias=False) for _ in range(4)))
+    reference = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    expected = torch.optim.Adam(reference, lr=0.01)
+    host = HostWeights(torch.device("cpu"))
+    host.adopt(0, model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    x = torch.randn(8, 2048)
+    peaks = []
+    for _ in range(2):
+        host.load(0)
+        model(x).square().sum().backward()
+        host.offload(0)
+        host.settle(optimizer)
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as refs:
+            refs.write("5")  # the peak starts again from here
+        before = resident_bytes()
+        host.step(optimizer)
+        peaks.append(_peak_bytes() - before)
+        optimizer.zero_grad()
+        expected.zero_grad()
+        output = x
+        for weight in reference:  # the stage's layers, unstored
+            output = output @ weight.t()
+        output.square().sum().backward()
+        expected.step()
+    return {
+        "peaks": peaks,
+        "exact": all(torch.equal(p, r) for p, r in zip(model.parameters(), reference)),
+    }
+
+
+def freed_blocks_return(trim: bool) -> int:
+    """In a fresh process: the resident bytes that freeing 64 blocks of 1 MiB (each
+    followed by a small tensor kept alive) gave back, after a freed 4 MiB block raised
+    glibc's threshold for blocks mapped on their own; with ``trim``, after
+    :func:`~pipetrain.runtime.rank.host_store.return_freed_memory`."""
+    from pipetrain.runtime.rank.host_store import resident_bytes, return_freed_memory
+
+    big = torch.ones(2**20)
+    del big
+    blocks, kept = [], []
+    for _ in range(64):
+        blocks.append(torch.ones(2**18))  # 1 MiB
+        kept.append(torch.ones(16))
+    held = resident_bytes()
+    blocks.clear()
+    if trim:
+        return_freed_memory()
+    return held - resident_bytes()

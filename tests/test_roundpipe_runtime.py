@@ -301,3 +301,22 @@ def test_fp16_loss_scaling_skips_and_grows_as_the_unpipelined_loop() -> None:
     }
     per_rank = pipetrain.launch(precision_cases.pipelined_loop, 2, [config], timeout_s=300)
     assert_loop_matches([rank[0] for rank in per_rank], config)
+
+
+def test_the_stores_step_holds_a_part_of_the_stage_at_a_time() -> None:
+    # four 16 MiB layers: a step of the whole stage at once would touch its weights,
+    # gradients and Adam's two moments in the store (4 x 64 MiB) and hold the first step's
+    # new moments (2 x 64) in private memory besides; a part at a time it touches one
+    # layer's (4 x 16), with that layer's new moments and Adam's temporaries
+    (result,) = pipetrain.launch(cases.step_peaks, 1, timeout_s=300)
+    first, later = result["peaks"]
+    assert first < 10 * 16 * MIB, first / MIB
+    assert later < 8 * 16 * MIB, later / MIB
+    assert result["exact"]
+
+
+def test_the_allocators_free_pages_are_given_back() -> None:
+    (kept,) = pipetrain.launch(cases.freed_blocks_return, 1, False, timeout_s=300)
+    (returned,) = pipetrain.launch(cases.freed_blocks_return, 1, True, timeout_s=300)
+    assert returned > 56 * MIB
+    assert kept < 8 * MIB, "the case must show what the setting changes"

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipetrain.runtime.rank.host_store import return_freed_memory
 from pipetrain.runtime.rank.stored_stage import HostWeights
 from pipetrain.schedules import Action, Kind
 
@@ -131,36 +132,50 @@ class StaleHostWeights(HostWeights):
 
     def _apply(self, index: int) -> None:
         """Stage ``index``'s waiting step on the store's weights, with the gradients and
-        hyperparameters of its update. The optimizer steps stand-ins of the parameters on
-        the store's tensors (their state lent to them): a loaded stage's parameters, whose
-        forwards' graphs wait for their backwards, are not written to."""
+        hyperparameters of its update, a part of the stage at a time
+        (:meth:`~.stored_stage.StoredStage.parts`). The optimizer steps stand-ins of the
+        parameters on the store's tensors (their state lent to them): a loaded stage's
+        parameters, whose forwards' graphs wait for their backwards, are not written to."""
         self._waiting.discard(index)
         stored, optimizer = self.stages[index], self._optimizer
         assert optimizer is not None  # set by the step that made it wait
         state = optimizer.state
-        stand_ins: dict[int, torch.Tensor] = {}
+        stand_ins: dict[int, nn.Parameter] = {}
         for (parameter, master), (_, kept) in zip(
             stored.stored_views(), stored.stored_views(PENDING)
         ):
             stand_in = nn.Parameter(master, requires_grad=parameter.requires_grad)
             stand_in.grad = None if id(parameter) in self._gradless else kept
-            if parameter in state:
-                state[stand_in] = state.pop(parameter)
             stand_ins[id(parameter)] = stand_in
+        parameters = {id(parameter): parameter for parameter, _ in stored.stored_views()}
         groups = optimizer.param_groups
         kept_groups = [dict(group) for group in groups]
         try:
             for group, hyper in zip(groups, self._hyper):
                 group.update(hyper)
-                group["params"] = [stand_ins[id(p)] for p in hyper["params"] if id(p) in stand_ins]
-            with torch.no_grad():
-                optimizer.step()
+            for part in stored.parts():
+                _lend(state, [(parameters[i], stand_ins[i]) for i in part])
+                try:
+                    for group, hyper in zip(groups, self._hyper):
+                        group["params"] = [
+                            stand_ins[id(p)] for p in hyper["params"] if id(p) in part
+                        ]
+                    with torch.no_grad():
+                        optimizer.step()
+                finally:
+                    _lend(state, [(stand_ins[i], parameters[i]) for i in part])
+                stored.adopt_state(optimizer, part)
+                stored.release(part)
+                return_freed_memory()  # the part's private state and temporaries
         finally:
             for group, kept_group in zip(groups, kept_groups):
                 group.clear()
                 group.update(kept_group)
-            for parameter, _ in stored.stored_views():
-                if stand_ins[id(parameter)] in state:
-                    state[parameter] = state.pop(stand_ins[id(parameter)])
-        stored.adopt_state(optimizer)
         stored.release()
+
+
+def _lend(state: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Move each ``(owner, borrower)`` pair's optimizer state from owner to borrower."""
+    for owner, borrower in pairs:
+        if owner in state:
+            state[borrower] = state.pop(owner)

@@ -11,14 +11,17 @@ worker's and points the parameter at it; ``OFFLOAD`` adds the gradients the stag
 backwards made into the store's gradient, points the parameter back at the store and
 frees the private tensor's storage (``untyped_storage().resize_(0)``, as FSDP does): the
 autograd graph of forwards whose backwards come later keeps that storage object, which
-the next ``LOAD`` fills again. Buffers stay in the module (they are small). A parameter
-two stages of the rank share (tied embeddings) is stored once, with the first stage, and
-stays loaded while either stage is.
+the next ``LOAD`` fills again. The C allocator's free pages go back to the system after
+each ``OFFLOAD`` and each stage's step (:func:`.host_store.return_freed_memory`). Buffers
+stay in the module (they are small). A parameter two stages of the rank share (tied
+embeddings) is stored once, with the first stage, and stays loaded while either stage is.
 
-The optimizer's state is made by its first step in private memory and then moved into the
-store (:meth:`HostWeights.settle`), where later steps update it in place. After each use
-a stage's regions are released, so a worker's resident memory holds the stages it has
-loaded, not its share of the model.
+The optimizer steps a stage a part at a time (:meth:`StoredStage.parts`: parameters that
+lie together, of at most the largest one's bytes), each part's pages released before the
+next, so a step holds one part of the stage's weights, gradients and state. The state is
+made by the first step in private memory and moved into the store a part at a time, where
+later steps update it in place. After each use a stage's regions are released, so a
+worker's resident memory holds the stages it has loaded, not its share of the model.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from pipetrain.runtime.rank.host_store import Region, aligned
+from pipetrain.runtime.rank.host_store import Region, aligned, return_freed_memory
 from pipetrain.schedules import Action
 
 
@@ -127,6 +130,7 @@ class StoredStage:
                 total += aligned(parameter.numel() * parameter.element_size())
         self._slots = [stored[id(p)] for p in unique]
         self._own, self._nbytes = own, total
+        self._parts: list[set[int]] | None = None
         self.master = Region(f"stage{index}-weights", total)
         self._regions: dict[str, Region] = {}
         with torch.no_grad():
@@ -169,6 +173,7 @@ class StoredStage:
                 slot.offload()
         for home in {id(s.home): s.home for s in self._slots}.values():
             home.release()
+        return_freed_memory()
 
     def evict(self) -> None:
         """After a failed run: parameters back on the store, the gradients made since the
@@ -179,12 +184,30 @@ class StoredStage:
             slot.parameter.grad = None
         self.offload()
 
-    def adopt_state(self, optimizer: torch.optim.Optimizer) -> None:
-        """Move the optimizer's state of the parameters stored here into the store, where
-        later steps update it in place."""
+    def adopt_state(self, optimizer: torch.optim.Optimizer, ids: set[int] | None = None) -> None:
+        """Move the optimizer's state of the parameters stored here (those whose ids are in
+        ``ids``, where given) into the store, where later steps update it in place."""
         with torch.no_grad():
             for slot in self._own:
-                slot.adopt_state(optimizer)
+                if ids is None or id(slot.parameter) in ids:
+                    slot.adopt_state(optimizer)
+
+    def parts(self) -> list[set[int]]:
+        """The ids of the parameters stored here in parts that lie together in the
+        regions, each of at most the largest parameter's bytes (or that one alone): an
+        optimizer steps a part at a time, so the step touches that much of each region,
+        and its first step makes that much state in private memory, before the part's
+        pages are released."""
+        if self._parts is None:
+            budget = max((_nbytes(slot.parameter) for slot in self._own), default=0)
+            self._parts, used = [], budget
+            for slot in self._own:
+                if used + _nbytes(slot.parameter) > budget:
+                    self._parts.append(set())
+                    used = 0
+                self._parts[-1].add(id(slot.parameter))
+                used += _nbytes(slot.parameter)
+        return self._parts
 
     def stored_ids(self) -> set[int]:
         """The ids of the parameters stored here (not those shared from another stage)."""
@@ -200,10 +223,35 @@ class StoredStage:
         region = self.master if kind is None else self.region(kind)
         return [(slot.parameter, region.view(slot.offset, slot.parameter)) for slot in self._own]
 
-    def release(self) -> None:
-        """Drop every region's pages from this process's resident set."""
+    def release(self, ids: set[int] | None = None) -> None:
+        """Drop every region's pages (those of the parameters whose ids are in ``ids``,
+        stored here, where given) from this process's resident set."""
+        if ids is None:
+            for region in self.regions():
+                region.release()
+            return
+        slots = [slot for slot in self._own if id(slot.parameter) in ids]
+        start = min(slot.offset for slot in slots)
+        end = max(slot.offset + _nbytes(slot.parameter) for slot in slots)
         for region in self.regions():
-            region.release()
+            region.release(start, end - start)
+
+
+def step_only(optimizer: torch.optim.Optimizer, ids: set[int]) -> None:
+    """``optimizer.step()`` over the parameters whose ids are in ``ids`` alone, its param
+    groups cut to them for the step (each parameter's update depends on it alone)."""
+    groups = [group["params"] for group in optimizer.param_groups]
+    try:
+        for group, params in zip(optimizer.param_groups, groups):
+            group["params"] = [p for p in params if id(p) in ids]
+        optimizer.step()
+    finally:
+        for group, params in zip(optimizer.param_groups, groups):
+            group["params"] = params
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _like(value: object, parameter: torch.Tensor) -> bool:
@@ -246,21 +294,14 @@ class HostWeights:
             self.step_stage(optimizer, stored)
 
     def step_stage(self, optimizer: torch.optim.Optimizer, stored: StoredStage) -> None:
-        """The optimizer's step of the parameters stored in ``stored`` alone (its param
-        groups cut to them), their new state moved into the store and its pages released."""
-        own = stored.stored_ids()
-        if not own:
-            return
-        groups = [group["params"] for group in optimizer.param_groups]
-        try:
-            for group, params in zip(optimizer.param_groups, groups):
-                group["params"] = [p for p in params if id(p) in own]
-            optimizer.step()
-        finally:
-            for group, params in zip(optimizer.param_groups, groups):
-                group["params"] = params
-        stored.adopt_state(optimizer)
-        stored.release()
+        """The optimizer's step of the parameters stored in ``stored`` alone, in the
+        stage's parts (:meth:`StoredStage.parts`): each part's new state moved into the
+        store and its pages released before the next."""
+        for part in stored.parts():
+            step_only(optimizer, part)
+            stored.adopt_state(optimizer, part)
+            stored.release(part)
+            return_freed_memory()  # the part's private state and temporaries
 
     # a one-step-stale store (:mod:`.stale_store`) defers each step; this one steps at once
     defers = False
