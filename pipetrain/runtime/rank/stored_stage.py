@@ -59,6 +59,7 @@ class _Slot:
         else:  # the storage a pending backward's graph may hold: filled again
             self.private.untyped_storage().resize_(master.numel() * master.element_size())
         self.private.copy_(master)
+        self.home.master.release(self.offset, _nbytes(master))  # one parameter's pages at a time
         self.held, parameter.grad = parameter.grad, None
         parameter.data = self.private
 
@@ -79,16 +80,19 @@ class _Slot:
         held, self.held = self.held, None
         if made is None:
             return held
+        grads = self.home.region("grads")
         if held is not None:
-            return held.add_(made.to(held.device))
-        if self.lent is not None and self.lent() is not None:
+            held.add_(made.to(held.device))
+        elif self.lent is not None and self.lent() is not None:
             # the store's gradient was taken off the parameter but is still in use (put
             # aside by the pair-loss normalization): this one stays in private memory
             return made
-        stored = self.home.region("grads").view(self.offset, self.parameter)
-        stored.copy_(made)
-        self.lent = weakref.ref(stored)
-        return stored
+        else:
+            held = grads.view(self.offset, self.parameter)
+            held.copy_(made)
+            self.lent = weakref.ref(held)
+        grads.release(self.offset, _nbytes(made))  # one parameter's pages at a time
+        return held
 
     def adopt_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Move the parameter's optimizer state (each tensor laid out as the parameter)
