@@ -180,10 +180,15 @@ def store_bytes() -> int:
     return total
 
 
-def memory_worker(args: argparse.Namespace, schedule: str, size: tuple[int, int]) -> dict[str, int]:
+def memory_worker(
+    args: argparse.Namespace,
+    schedule: str,
+    size: tuple[int, int],
+    planned: pipetrain.Plan | None = None,
+) -> dict[str, int]:
     """Worker: the GPT of ``size`` (blocks, width), built on the meta device, trained for
-    ``--steps`` steps under ``schedule``; this process's peak resident set, its private
-    part at the end and the host store's bytes here."""
+    ``--steps`` steps under ``schedule`` (or as ``planned``); this process's peak resident
+    set, its private part at the end and the host store's bytes here."""
     layers, width = size
     x, y = tokens(args.microbatches * args.rows, args.context)
     with torch.device("meta"):
@@ -191,17 +196,15 @@ def memory_worker(args: argparse.Namespace, schedule: str, size: tuple[int, int]
             d_model=width, heads=4, n_layers=layers, context=args.context, vocab=VOCAB
         )
     options = {"model_stages": args.model_stages} if schedule == "roundpipe" else {}
-    pipe = pipetrain.Pipeline(
-        model,
-        loss_fn=gpt_loss,
-        optimizer=adam,
-        config=pipetrain.PipelineConfig(
-            schedule=schedule,
-            microbatches=args.microbatches,
-            schedule_options=options,
-            recompute=args.recompute,
-        ),
+    config = pipetrain.PipelineConfig(
+        schedule=schedule,
+        microbatches=args.microbatches,
+        schedule_options=options,
+        recompute=args.recompute,
     )
+    if planned is not None:
+        config = pipetrain.PipelineConfig.from_plan(planned)
+    pipe = pipetrain.Pipeline(model, loss_fn=gpt_loss, optimizer=adam, config=config)
     for _ in range(args.steps):
         pipe.train_step(x, y)
     return {
@@ -212,9 +215,10 @@ def memory_worker(args: argparse.Namespace, schedule: str, size: tuple[int, int]
 
 
 def memory(args: argparse.Namespace) -> None:
-    """Part (b): each worker's peak under roundpipe and 1f1b, over a floor run of a tiny GPT
-    (what the interpreter, torch, gloo and the runtime take whatever the model); the host
-    store's size; the planner's verdict on the same model under the limit."""
+    """Part (b): each worker's peak under roundpipe and 1f1b, and under the layout the
+    planner chooses for the limit, over a floor run of a tiny GPT (what the interpreter,
+    torch, gloo and the runtime take whatever the model); the host store's size; the
+    planner's verdict, with the reason each other family was rejected."""
     limit = parse_bytes(args.worker_memory)
     with torch.device("meta"):
         model = gpt(args.layers, args.d_model, args.context)
@@ -227,26 +231,49 @@ def memory(args: argparse.Namespace) -> None:
         f"{args.model_stages} stages; {args.microbatches} micro-batches of {args.rows} x "
         f"{args.context} tokens; recompute {args.recompute}; {args.steps} steps\n"
     )
-    tiny = (max(1, args.model_stages - 2), 8)  # as many layers as roundpipe has stages
-    runs = {
-        (schedule, size): pipetrain.launch(
-            memory_worker, WORKERS, args, schedule, size, threads_per_worker=1, timeout_s=600
+    real = gpt(args.layers, args.d_model, args.context)
+    x, y = tokens(args.rows, args.context)
+    measured = profile(real, x, y, gpt_loss)
+    chosen: pipetrain.Plan | None = None
+    try:
+        chosen = pipetrain.plan(
+            measured, workers=WORKERS, memory_limit=limit, microbatches=(args.microbatches,)
         )
-        for schedule in ("roundpipe", "1f1b")
-        for size in (tiny, (args.layers, args.d_model))
+        print(f"plan under the limit:\n{chosen.describe()}\n")
+    except ValueError as refused:
+        print(f"no plan under the limit: {refused}\n")
+    tiny = (max(1, args.model_stages - 2), 8)  # as many layers as roundpipe has stages
+    sizes = {"roundpipe": tiny, "1f1b": tiny}
+    if chosen is not None:  # the floor keeps the plan's split: the model's layer count
+        sizes["planned"] = (args.layers, 8)
+    runs = {
+        (name, size): pipetrain.launch(
+            memory_worker,
+            WORKERS,
+            args,
+            name,
+            size,
+            chosen if name == "planned" else None,
+            threads_per_worker=1,
+            timeout_s=600,
+        )
+        for name, floor in sizes.items()
+        for size in (floor, (args.layers, args.d_model))
     }
     print(
         "| schedule | worker | peak RSS MiB | floor MiB | peak over the floor MiB "
-        "| within the limit | private RSS at the end MiB | host store MiB |"
+        "| within the limit | predicted MiB | private RSS at the end MiB | host store MiB |"
     )
-    print("|---|---:|---:|---:|---:|---|---:|---:|")
-    for schedule in ("roundpipe", "1f1b"):
-        floor, full = runs[(schedule, tiny)], runs[(schedule, (args.layers, args.d_model))]
+    print("|---|---:|---:|---:|---:|---|---:|---:|---:|")
+    for name, floor_size in sizes.items():
+        floor, full = runs[(name, floor_size)], runs[(name, (args.layers, args.d_model))]
+        predicted = "" if name != "planned" or chosen is None else predicted_peaks(chosen)
+        label = name if chosen is None or name != "planned" else f"{chosen.schedule}, as planned"
         for rank, (low, high) in enumerate(zip(floor, full)):
             net = high["peak"] - low["peak"]
             print(
-                f"| {schedule} | {rank} | {high['peak'] / MIB:.1f} | {low['peak'] / MIB:.1f} | "
-                f"{net / MIB:.1f} | {'yes' if net <= limit else 'no'} | "
+                f"| {label} | {rank} | {high['peak'] / MIB:.1f} | {low['peak'] / MIB:.1f} | "
+                f"{net / MIB:.1f} | {'yes' if net <= limit else 'no'} | {predicted} | "
                 f"{high['private'] / MIB:.1f} | {high['store'] / MIB:.1f} |"
             )
     stored = sum(r["store"] for r in runs[("roundpipe", (args.layers, args.d_model))])
@@ -254,16 +281,12 @@ def memory(args: argparse.Namespace) -> None:
         f"\nroundpipe's host store over every worker: {stored / MIB:.1f} MiB "
         f"({stored / state:.2f} x the weights, gradients and Adam state)"
     )
-    real = gpt(args.layers, args.d_model, args.context)
-    x, y = tokens(args.rows, args.context)
-    measured = profile(real, x, y, gpt_loss)
-    try:
-        chosen = pipetrain.plan(
-            measured, workers=WORKERS, memory_limit=limit, microbatches=(args.microbatches,)
-        )
-        print(f"\nplan under the limit:\n{chosen.describe()}")
-    except ValueError as refused:
-        print(f"\nno plan under the limit: {refused}")
+
+
+def predicted_peaks(chosen: pipetrain.Plan) -> str:
+    """The plan's predicted peaks of a worker, MiB (lowest to highest)."""
+    low, high = min(chosen.stage_memory_bytes), max(chosen.stage_memory_bytes)
+    return f"{low / MIB:.1f}" if low == high else f"{low / MIB:.1f}-{high / MIB:.1f}"
 
 
 def main() -> None:

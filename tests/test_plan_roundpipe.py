@@ -60,8 +60,13 @@ def test_a_workers_peak_is_counted_as_by_hand() -> None:
     # recomputation keeps stage inputs (5 and 30; 10 and 40) and re-materialises the largest
     inputs = [3 * (5 + 30) + 70, 3 * (10 + 40) + 150]
     recomputed = [r["resident"] + kept + r["rest"] for r, kept in zip((RANK_0, RANK_1), inputs)]
-    got = balanced_peaks(profile, [1, 2, 1, 2], 2, 3, resident=2, recompute=True)
+    got = balanced_peaks(profile, [1, 2, 1, 2], 2, 3, resident=2, recompute="always")
     assert got == pytest.approx(recomputed)
+    # except_last: each stage's last micro-batch is kept whole until after the turn
+    whole_last = [(15 - 5) + (70 - 30), (60 - 10) + (150 - 40)]
+    keeping = [peak + extra for peak, extra in zip(recomputed, whole_last)]
+    got = balanced_peaks(profile, [1, 2, 1, 2], 2, 3, resident=2, recompute="except_last")
+    assert got == pytest.approx(keeping)
 
 
 def test_the_host_store_holds_the_model_once() -> None:

@@ -49,7 +49,7 @@ def host_schedule_peak(
             f"--{STAGES_OPTION.replace('_', '-')} {len(split)} or a balance of {stages} stages"
         )
     resident = int(family.resolve(options).get(RESIDENT_OPTION, 1))
-    peaks = balanced_peaks(profile, split, ranks, microbatches, resident, recompute != "never")
+    peaks = balanced_peaks(profile, split, ranks, microbatches, resident, recompute)
     peak = max(peaks)
     return peak, peaks.index(peak)
 

@@ -131,6 +131,12 @@ class Candidate:
         return [self.recompute != "never"] * len(self.layout.stages)
 
     @property
+    def keeps_last(self) -> bool:
+        """Whether the memory model keeps each stage's last micro-batch whole: a host
+        store's ``except_last``, whose last forwards' backwards come after the turn."""
+        return self.recompute == "except_last" and self.layout.host_link is not None
+
+    @property
     def recompute_share(self) -> float:
         """The share of micro-batches whose forward runs again in the backward."""
         if self.recompute == "except_last":
@@ -143,7 +149,8 @@ class Candidate:
         footprints = [StageFootprint.of(self.profile, start, stop) for start, stop, _ in stages]
         if self.layout.host_link is not None:
             resident = int(self.options[RESIDENT_OPTION])
-            return dealt_memory(footprints, flags, self.layout.workers, self.microbatches, resident)
+            workers, keeps_last = self.layout.workers, self.keeps_last
+            return dealt_memory(footprints, flags, workers, self.microbatches, resident, keeps_last)
         if self.layout.virtual == 1:
             replicas = self.layout.replicas
             return [

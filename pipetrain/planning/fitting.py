@@ -110,13 +110,15 @@ def _cheapest_recompute(
 ) -> tuple[tuple[Candidate, list[float]] | None, list[tuple[float, Candidate | None]]]:
     """The first of ``candidates`` (one per recomputation mode, cheapest first) that fits
     ``memory_limit``, with its memory, and the peaks of those tried before it that do not;
-    modes that recompute the same stages are tried once, and each try goes to ``verdicts``."""
-    seen: set[tuple[bool, ...]] = set()
+    modes that recompute the same stages and keep as much are tried once, and each try
+    goes to ``verdicts``."""
+    seen: set[tuple[tuple[bool, ...], bool]] = set()
     unfit: list[tuple[float, Candidate | None]] = []
     for candidate in candidates:
-        if tuple(candidate.recompute_flags) in seen:
+        key = (tuple(candidate.recompute_flags), candidate.keeps_last)
+        if key in seen:
             continue
-        seen.add(tuple(candidate.recompute_flags))
+        seen.add(key)
         memory = candidate.memory()
         fits = memory_limit is None or max(memory) <= memory_limit
         verdicts.tried(candidate, max(memory), fits)

@@ -18,7 +18,9 @@ what its layers keep), ``I_s`` its input alone and ``O_s`` its output:
   the next stage's weights are loaded while the current one computes), counted whole at
   the turn as the other schedules' model counts a stage's gradients through the step;
 - ``activations = m · Σ_s A_s`` without recomputation, ``m · Σ_s I_s + max_s A_s`` with it
-  (only stage inputs are kept; one micro-batch's stage is re-materialised at a time);
+  (only stage inputs are kept; one micro-batch's stage is re-materialised at a time); under
+  ``except_last`` each stage's last micro-batch keeps its activations whole until its
+  backward, which comes after the turn: ``+ Σ_s (A_s − I_s)``;
 - ``workspace``: the most one layer of the rank's stages keeps for one micro-batch (its
   backward holds gradients about as large), as for the other schedules;
 - ``sent = m · Σ_s O_s``: at the turn every forward has sent its output to the next rank
@@ -78,11 +80,13 @@ def host_worker_memory(
     microbatches: int,
     resident: int,
     sends: bool = True,
+    keeps_last: bool = False,
 ) -> float:
     """Peak bytes on one worker running the stages ``footprints`` (its stages, in order)
     for ``microbatches`` micro-batches, with ``resident`` stages held at once (see the
     module docstring); ``recompute[i]`` says whether stage ``i`` re-materialises its
-    activations in the backward; ``sends``: its forwards' outputs go to another rank."""
+    activations in the backward, ``keeps_last`` that its last micro-batch does not
+    (``except_last``); ``sends``: its forwards' outputs go to another rank."""
     if not footprints or len(footprints) != len(recompute):
         raise ValueError("give one recompute flag per stage, and at least one stage")
     if resident < 1:
@@ -91,6 +95,10 @@ def host_worker_memory(
     kept = sum(stage.input_bytes if again else stage.activation_bytes for stage, again in pairs)
     rematerialised = max((stage.activation_bytes for stage, again in pairs if again), default=0.0)
     activations = microbatches * kept + rematerialised
+    if keeps_last:
+        activations += sum(
+            stage.activation_bytes - stage.input_bytes for stage, again in pairs if again
+        )
     workspace = max(stage.workspace_bytes for stage in footprints)
     sent = microbatches * sum(stage.output_bytes for stage in footprints) if sends else 0.0
     return resident_bytes(footprints, resident) + activations + workspace + sent
@@ -102,6 +110,7 @@ def dealt_memory(
     ranks: int,
     microbatches: int,
     resident: int,
+    keeps_last: bool = False,
 ) -> list[float]:
     """Per stage of ``footprints`` (all of the model's, dealt round-robin over ``ranks``
     workers), the peak of the worker it is dealt to (:func:`host_worker_memory`)."""
@@ -115,6 +124,7 @@ def dealt_memory(
                 microbatches,
                 resident,
                 sends=ranks > 1,
+                keeps_last=keeps_last,
             )
         )
     return [per_rank[stage % ranks] for stage in range(len(footprints))]
@@ -126,12 +136,13 @@ def balanced_peaks(
     ranks: int,
     microbatches: int,
     resident: int,
-    recompute: bool = False,
+    recompute: str = "never",
 ) -> list[float]:
     """Per rank, the working-set peak of a schedule dealing stages of ``balance`` layers
     each (in order, adding up to the profile's layers) over ``ranks`` ranks, for
     ``microbatches`` micro-batches of the profile's size, ``resident`` stages held at once
-    and every stage re-materialised in its backward where ``recompute``."""
+    and every stage re-materialised in its backward as the ``recompute`` mode says
+    (``never``, ``always`` or ``except_last``)."""
     if sum(balance) != len(profile.layers) or min(balance, default=0) < 1:
         raise ValueError(
             f"a balance of {list(balance)} does not split the profile's "
@@ -139,7 +150,9 @@ def balanced_peaks(
         )
     bounds = [sum(balance[:index]) for index in range(len(balance) + 1)]
     footprints = [StageFootprint.of(profile, a, b) for a, b in itertools.pairwise(bounds)]
-    peaks = dealt_memory(footprints, [recompute] * len(balance), ranks, microbatches, resident)
+    flags = [recompute != "never"] * len(balance)
+    keeps_last = recompute == "except_last"
+    peaks = dealt_memory(footprints, flags, ranks, microbatches, resident, keeps_last)
     return [peaks[rank] for rank in range(min(ranks, len(balance)))]
 
 
