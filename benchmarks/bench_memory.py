@@ -45,7 +45,8 @@ from torch.utils._pytree import tree_leaves
 import pipetrain
 from pipetrain.app.data import BatchStream
 from pipetrain.app.models import build_model, loss_function
-from pipetrain.planning.candidates import Candidate, Layout
+from pipetrain.planning.candidates import Candidate
+from pipetrain.planning.layouts import Layout
 from pipetrain.profiler import LayerCost, Profile
 from pipetrain.runtime import PipelineConfig, launch
 from pipetrain.schedules import spec

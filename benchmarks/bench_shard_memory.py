@@ -48,7 +48,8 @@ import pipetrain
 from pipetrain.app.data import BatchStream
 from pipetrain.app.models import build_model, loss_function
 from pipetrain.app.models.gpt import build_gpt, gpt_loss
-from pipetrain.planning.candidates import Candidate, Layout
+from pipetrain.planning.candidates import Candidate
+from pipetrain.planning.layouts import Layout
 from pipetrain.profiler import Profile
 
 BATCH, MICROBATCHES = 16, 4

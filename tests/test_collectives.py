@@ -9,7 +9,8 @@ import pytest
 
 import pipetrain
 from pipetrain.planning import Topology
-from pipetrain.planning.candidates import Candidate, Layout
+from pipetrain.planning.candidates import Candidate
+from pipetrain.planning.layouts import Layout
 from pipetrain.profiler import LayerCost, Profile
 from pipetrain.profiler.collectives import Collectives, measure_collectives
 

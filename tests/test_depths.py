@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 from planning_cases import vgg16_profile
 
 from pipetrain.planning import Topology, plan
-from pipetrain.planning.candidates import Candidate, Layout
+from pipetrain.planning.candidates import Candidate
 from pipetrain.planning.depths import MAX_WORK, by_depth
+from pipetrain.planning.layouts import Layout
 from pipetrain.planning.planner import FEWER_WITHIN
 
 Stages = Sequence[tuple[int, int, int]]

@@ -13,8 +13,9 @@ import pytest
 from pipetrain.app import cli
 from pipetrain.app.worker_memory import check_worker_memory, even_balance, host_schedule_peak
 from pipetrain.planning import Plan, Topology, plan
-from pipetrain.planning.candidates import Candidate, Layout
+from pipetrain.planning.candidates import Candidate
 from pipetrain.planning.host_store import balanced_peaks, host_store_bytes, rank_stages
+from pipetrain.planning.layouts import Layout
 from pipetrain.profiler import LayerCost, Profile
 from pipetrain.runtime.config import PipelineConfig
 from pipetrain.schedules import build, names, spec

@@ -17,8 +17,9 @@ from test_cli import run_cli
 
 import pipetrain
 from pipetrain.planning import Plan, StageFootprint, Topology, plan, worker_memory
-from pipetrain.planning.candidates import Candidate, Layout
+from pipetrain.planning.candidates import Candidate
 from pipetrain.planning.fitting import fitting_candidates
+from pipetrain.planning.layouts import Layout
 from pipetrain.planning.planner import FEWER_WITHIN
 from pipetrain.planning.verdicts import Verdicts
 from pipetrain.profiler import LayerCost, Profile

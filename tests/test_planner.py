@@ -597,7 +597,8 @@ def test_a_plan_says_which_replicas_get_no_micro_batch() -> None:
 def test_an_asynchronous_update_also_pays_for_its_next_weight_version(
     schedule: str, charged: bool
 ) -> None:
-    from pipetrain.planning.candidates import Candidate, Layout
+    from pipetrain.planning.candidates import Candidate
+    from pipetrain.planning.layouts import Layout
 
     layers = [LayerCost(1.0, 2.0, parameter_bytes=1e6, optimizer_s=0.01) for _ in range(4)]
     profile = Profile(layers, weight_version_byte_s=1e-8)
@@ -615,7 +616,8 @@ def test_the_stage_sum_bound_counts_every_micro_batch_its_step_plays(
     schedule: str, stages: int
 ) -> None:
     # 2bw's step plays two updates' worth of micro-batches: its bound counts them all
-    from pipetrain.planning.candidates import Candidate, Layout
+    from pipetrain.planning.candidates import Candidate
+    from pipetrain.planning.layouts import Layout
 
     profile = uniform(8, parameter_bytes=1e6, activation_bytes=1e5)
     share = 8 // stages

@@ -1,7 +1,8 @@
 """Candidate pipelines for the planner: their layouts, simulator costs, memory and bounds.
 
-A :class:`Layout` says which layers each stage holds and on how many workers (the layouts
-worth simulating come from :mod:`~pipetrain.planning.layouts`); a :class:`Candidate` adds
+A :class:`~pipetrain.planning.layouts.Layout` says which layers each stage holds and on how
+many workers (the layouts worth simulating come from :mod:`~pipetrain.planning.layouts`);
+a :class:`Candidate` adds
 the schedule, micro-batch count and recomputation mode, and knows how to turn the profile
 into :class:`pipetrain.simulation.Costs` for its stages. Workers are
 placed as :func:`pipetrain.schedules.build` places them: each stage on consecutive ranks,
@@ -25,7 +26,6 @@ Its memory is the worker's working set (:mod:`~pipetrain.planning.host_store`).
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -38,6 +38,7 @@ from pipetrain.planning.host_store import (
     dealt_memory,
     host_link_costs,
 )
+from pipetrain.planning.layouts import Layout
 from pipetrain.planning.memory import StageFootprint, worker_memory
 from pipetrain.planning.sharing import shared_cores_stretch
 from pipetrain.planning.topology import Topology
@@ -46,69 +47,6 @@ from pipetrain.schedules import Schedule, build, spec
 from pipetrain.schedules.gathers import with_gathers
 from pipetrain.simulation import Costs, Variation, simulate
 from pipetrain.timeline import Timeline
-
-VIRTUAL_CHUNKS = 2
-"""Model chunks per rank in the candidates of schedules with chunks."""
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Stages as ``(start, stop, replicas)`` in pipeline order; ``virtual`` chunks per rank;
-    ``shard``: the replicated stages' replicas hold shards; ``host_link``: the stages live
-    in a host store and are dealt round-robin over the workers (``virtual`` each), which
-    load them over a link of this many bytes/s (``None``: the workers own their stages)."""
-
-    stages: tuple[tuple[int, int, int], ...]
-    virtual: int = 1
-    shard: bool = False
-    host_link: float | None = None
-
-    @cached_property
-    def replicas(self) -> list[int]:
-        """Workers per stage."""
-        return [replicas for _, _, replicas in self.stages]
-
-    @property
-    def workers(self) -> int:
-        """Workers the layout occupies."""
-        if self.virtual > 1:
-            return len(self.stages) // self.virtual
-        return sum(self.replicas)
-
-    @cached_property
-    def offsets(self) -> list[int]:
-        """First rank of each stage (consecutive placement)."""
-        return [0, *itertools.accumulate(self.replicas)][:-1]
-
-    def runs(self, schedule: str, microbatches: int) -> bool:
-        """Whether ``schedule`` can run this layout with ``microbatches`` micro-batches.
-
-        Replicated layouts go to synchronous replicable families only: the replication
-        planner proposes them under one all-reduce per step. A sharded one also needs every
-        replica to run a micro-batch (as many micro-batches as the most replicas).
-        """
-        family = spec(schedule)
-        if family.host_weights or self.host_link is not None:
-            dealt = {STAGES_OPTION: len(self.stages)}
-            return (
-                family.host_weights
-                and self.host_link is not None
-                and family.accepts(self.workers, microbatches, None, dealt)
-            )
-        if self.virtual > 1:
-            chunked = {family.chunk_option: self.virtual} if family.chunk_option else None
-            return chunked is not None and family.accepts(self.workers, microbatches, None, chunked)
-        if family.chunk_option is not None:
-            return False
-        if self.shard and microbatches < max(self.replicas):
-            return False
-        if max(self.replicas) > 1:
-            return (
-                family.replicable
-                and not family.asynchronous
-                and family.accepts(self.workers, microbatches, self.replicas)
-            )
-        return family.accepts(self.workers, microbatches)
 
 
 @dataclass(frozen=True)

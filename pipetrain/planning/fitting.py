@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Literal
 
-from pipetrain.planning.candidates import Candidate, Layout, step_costs
-from pipetrain.planning.layouts import layouts
+from pipetrain.planning.candidates import Candidate, step_costs
+from pipetrain.planning.layouts import Layout, layouts
 from pipetrain.planning.topology import Topology
 from pipetrain.planning.verdicts import Verdicts
 from pipetrain.profiler.costs import Profile

@@ -3,16 +3,86 @@
 leaves idle given to each stage in turn), the least-bottleneck pipeline of each depth, a
 straight pipeline, one with :data:`VIRTUAL_CHUNKS` chunks per worker, and for a family whose
 weights live in a host store, the model cut into :data:`HOST_STAGES_PER_WORKER` times as
-many stages as workers, dealt round-robin."""
+many stages as workers, dealt round-robin; and :class:`Layout`, what each stage holds and on
+how many workers."""
 
 from __future__ import annotations
 
-from pipetrain.planning.candidates import VIRTUAL_CHUNKS, Layout
+import itertools
+from dataclasses import dataclass
+from functools import cached_property
+
 from pipetrain.planning.depths import by_depth
+from pipetrain.planning.host_store import STAGES_OPTION
 from pipetrain.planning.partition import partition
 from pipetrain.planning.replicate import replicate
 from pipetrain.planning.topology import Topology
 from pipetrain.profiler.costs import Profile
+from pipetrain.schedules import spec
+
+VIRTUAL_CHUNKS = 2
+"""Model chunks per rank in the candidates of schedules with chunks."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Stages as ``(start, stop, replicas)`` in pipeline order; ``virtual`` chunks per rank;
+    ``shard``: the replicated stages' replicas hold shards; ``host_link``: the stages live
+    in a host store and are dealt round-robin over the workers (``virtual`` each), which
+    load them over a link of this many bytes/s (``None``: the workers own their stages)."""
+
+    stages: tuple[tuple[int, int, int], ...]
+    virtual: int = 1
+    shard: bool = False
+    host_link: float | None = None
+
+    @cached_property
+    def replicas(self) -> list[int]:
+        """Workers per stage."""
+        return [replicas for _, _, replicas in self.stages]
+
+    @property
+    def workers(self) -> int:
+        """Workers the layout occupies."""
+        if self.virtual > 1:
+            return len(self.stages) // self.virtual
+        return sum(self.replicas)
+
+    @cached_property
+    def offsets(self) -> list[int]:
+        """First rank of each stage (consecutive placement)."""
+        return [0, *itertools.accumulate(self.replicas)][:-1]
+
+    def runs(self, schedule: str, microbatches: int) -> bool:
+        """Whether ``schedule`` can run this layout with ``microbatches`` micro-batches.
+
+        Replicated layouts go to synchronous replicable families only: the replication
+        planner proposes them under one all-reduce per step. A sharded one also needs every
+        replica to run a micro-batch (as many micro-batches as the most replicas).
+        """
+        family = spec(schedule)
+        if family.host_weights or self.host_link is not None:
+            dealt = {STAGES_OPTION: len(self.stages)}
+            return (
+                family.host_weights
+                and self.host_link is not None
+                and family.accepts(self.workers, microbatches, None, dealt)
+            )
+        if self.virtual > 1:
+            chunked = {family.chunk_option: self.virtual} if family.chunk_option else None
+            return chunked is not None and family.accepts(self.workers, microbatches, None, chunked)
+        if family.chunk_option is not None:
+            return False
+        if self.shard and microbatches < max(self.replicas):
+            return False
+        if max(self.replicas) > 1:
+            return (
+                family.replicable
+                and not family.asynchronous
+                and family.accepts(self.workers, microbatches, self.replicas)
+            )
+        return family.accepts(self.workers, microbatches)
+
 
 HOST_STAGES_PER_WORKER = (1, 2, 3, 4)
 """Stages per worker in the layouts of a family whose weights live in a host store: finer
