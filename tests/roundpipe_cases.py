@@ -263,8 +263,9 @@ def freed_blocks_return(trim: bool) -> int:
     """In a fresh process: the resident bytes that freeing 64 blocks of 1 MiB (each
     followed by a small tensor kept alive) gave back, after a freed 4 MiB block raised
     glibc's threshold for blocks mapped on their own; with ``trim``, after
-    :func:`~pipetrain.runtime.rank.host_store.return_freed_memory`."""
-    from pipetrain.runtime.rank.host_store import resident_bytes, return_freed_memory
+    :func:`~pipetrain.distributed.heap.return_freed_memory` (keeping none free)."""
+    from pipetrain.distributed.heap import return_freed_memory
+    from pipetrain.runtime.rank.host_store import resident_bytes
 
     big = torch.ones(2**20)
     del big
@@ -275,5 +276,5 @@ def freed_blocks_return(trim: bool) -> int:
     held = resident_bytes()
     blocks.clear()
     if trim:
-        return_freed_memory()
+        assert return_freed_memory(kept=0)
     return held - resident_bytes()

@@ -9,11 +9,16 @@ page by page, and the kernel zeroes every page. On an emulated cluster's VGG, th
 holding the fully connected layers took 60,000 page faults a second, 8 ms of kernel time
 in a 74 ms step; kept, they fell to none and the step to 67 ms
 (``benchmarks/README.md``, "Freed memory kept").
+
+A process whose memory must follow what it holds (a worker of a host-stored schedule,
+whose stages' working copies come and go) hands the free pages back where they pile up:
+:func:`return_freed_memory`.
 """
 
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import platform
 
 M_TRIM_THRESHOLD = -1
@@ -27,6 +32,47 @@ int), which in effect is all of it."""
 MAPPED_FROM_BYTES = 32 * 2**20
 """Allocations from this size up get a mapping of their own: glibc's ceiling for the
 threshold, which its default policy reaches only after it has seen such blocks freed."""
+
+
+FREE_KEPT_BYTES = 16 * 2**20
+"""Free memory :func:`return_freed_memory` leaves with the allocator for reuse: what is
+handed back is faulted in again, page by page, when it is next allocated."""
+
+
+class _MallocInfo(ctypes.Structure):
+    """glibc's ``struct mallinfo2``."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd",
+            "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
+        )
+    ]  # fmt: skip
+
+
+def _glibc() -> ctypes.CDLL | None:
+    """The C library where it is glibc with ``malloc_trim`` and ``mallinfo2`` (2.33+)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+        libc.mallinfo2.argtypes, libc.mallinfo2.restype = [], _MallocInfo
+    except (OSError, AttributeError, TypeError):
+        return None
+    return libc
+
+
+_GLIBC = _glibc()
+
+
+def return_freed_memory(kept: int = FREE_KEPT_BYTES) -> bool:
+    """Where the allocator holds more than ``kept`` bytes free, give their pages back to
+    the system (glibc's ``malloc_trim``); whether it did (never where the C library is not
+    glibc 2.33 or newer)."""
+    if _GLIBC is None or _GLIBC.mallinfo2().fordblks <= kept:
+        return False
+    _GLIBC.malloc_trim(0)
+    return True
 
 
 def keep_freed_memory() -> bool:

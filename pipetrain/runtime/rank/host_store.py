@@ -13,13 +13,11 @@ mapping, and a worker that dies, even by SIGKILL, leaves no file behind.
 (``MADV_DONTNEED`` on a shared file mapping keeps the data in the file), so a worker's RSS
 holds only what it has touched since.
 
-A worker's working copies and gradients come and go with every ``LOAD`` and ``OFFLOAD``;
-glibc keeps the blocks freed among those still in use (its threshold for giving a block a
-mapping of its own rises to the largest block freed, up to 32 MiB), so the resident set
-would grow to the stages' high-water mark and stay. :func:`return_freed_memory` hands the
-free pages back after each ``OFFLOAD``. (Fixing the threshold at 128 KiB instead kept the
-resident set lower but made every allocation of an activation a fresh mapping: on the CPU
-the steps took a third longer.)
+A worker's working copies and gradients come and go with every ``LOAD`` and ``OFFLOAD``,
+and a training process's allocator keeps what it frees (:mod:`pipetrain.distributed.heap`),
+so the resident set would grow to the stages' high-water mark and stay: the stored stages
+hand the free pages back after each ``OFFLOAD`` and each part of an optimizer step
+(:func:`~pipetrain.distributed.heap.return_freed_memory`).
 
 On a GPU the regions would be pinned (``cudaHostRegister`` of :attr:`Region.bytes`'s
 pointer) so that copies to and from the device run asynchronously on a stream of their own.
@@ -27,14 +25,10 @@ pointer) so that copies to and from the device run asynchronously on a stream of
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import mmap
 import os
 import tempfile
-from collections.abc import Callable
-from typing import cast
 
 import torch
 
@@ -98,26 +92,6 @@ def _mapped(prefix: str, size: int, directory: str | None) -> mmap.mmap:
     finally:
         os.close(descriptor)
         os.unlink(path)
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim``, or ``None`` where the C library has none."""
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
-    except (OSError, AttributeError, TypeError):
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return cast(Callable[[int], int], trim)
-
-
-_MALLOC_TRIM = _malloc_trim()
-
-
-def return_freed_memory() -> None:
-    """Give the pages of every block the C allocator holds free back to the system
-    (glibc's ``malloc_trim``; nothing where the C library is not glibc)."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
 
 
 def resident_bytes() -> int:

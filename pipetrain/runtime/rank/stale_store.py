@@ -38,7 +38,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipetrain.runtime.rank.host_store import return_freed_memory
 from pipetrain.runtime.rank.stored_stage import HostWeights
 from pipetrain.schedules import Action, Kind
 
@@ -166,7 +165,7 @@ class StaleHostWeights(HostWeights):
                     _lend(state, [(stand_ins[i], parameters[i]) for i in part])
                 stored.adopt_state(optimizer, part)
                 stored.release(part)
-                return_freed_memory()  # the part's private state and temporaries
+                stored.return_freed(part)  # the part's private state and temporaries
         finally:
             for group, kept_group in zip(groups, kept_groups):
                 group.clear()

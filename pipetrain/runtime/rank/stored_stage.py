@@ -12,12 +12,12 @@ backwards made into the store's gradient, points the parameter back at the store
 frees the private tensor's storage (``untyped_storage().resize_(0)``, as FSDP does): the
 autograd graph of forwards whose backwards come later keeps that storage object, which
 the next ``LOAD`` fills again. The C allocator's free pages go back to the system after
-each ``OFFLOAD`` and each stage's step (:func:`.host_store.return_freed_memory`). Buffers
-stay in the module (they are small). A parameter two stages of the rank share (tied
+an ``OFFLOAD`` or a part of a step that freed 16 MiB or more (:meth:`StoredStage.return_freed`).
+Buffers stay in the module (they are small). A parameter two stages of the rank share (tied
 embeddings) is stored once, with the first stage, and stays loaded while either stage is.
 
 The optimizer steps a stage a part at a time (:meth:`StoredStage.parts`: parameters that
-lie together, of at most the largest one's bytes), each part's pages released before the
+lie together, of at most 8 MiB or the largest one's bytes), each part's pages released before the
 next, so a step holds one part of the stage's weights, gradients and state. The state is
 made by the first step in private memory and moved into the store a part at a time, where
 later steps update it in place. After each use a stage's regions are released, so a
@@ -32,8 +32,14 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from pipetrain.runtime.rank.host_store import Region, aligned, return_freed_memory
+from pipetrain.distributed.heap import FREE_KEPT_BYTES, return_freed_memory
+from pipetrain.runtime.rank.host_store import Region, aligned
 from pipetrain.schedules import Action
+
+PART_BYTES = 8 * 2**20
+"""The most parameter bytes an optimizer step takes at once, beyond the largest parameter:
+a step call has a fixed cost (0.3-0.4 ms of Adam's on CPU), so small parameters go
+together."""
 
 
 class _Slot:
@@ -177,7 +183,7 @@ class StoredStage:
                 slot.offload()
         for home in {id(s.home): s.home for s in self._slots}.values():
             home.release()
-        return_freed_memory()
+        self.return_freed()
 
     def evict(self) -> None:
         """After a failed run: parameters back on the store, the gradients made since the
@@ -196,14 +202,25 @@ class StoredStage:
                 if ids is None or id(slot.parameter) in ids:
                     slot.adopt_state(optimizer)
 
+    def return_freed(self, ids: set[int] | None = None) -> None:
+        """After the stage's working copies and gradients (or the optimizer's private state
+        of the parameters whose ids are in ``ids``) were freed: the allocator's free pages
+        back to the system where that is :data:`~pipetrain.distributed.heap.FREE_KEPT_BYTES`
+        or more. Smaller stages' come and go in memory the allocator reuses, and handing
+        it back would fault it in again at every load (10% of a step measured)."""
+        slots = self._own if ids is None else [s for s in self._own if id(s.parameter) in ids]
+        if 2 * sum(_nbytes(slot.parameter) for slot in slots) >= FREE_KEPT_BYTES:
+            return_freed_memory()
+
     def parts(self) -> list[set[int]]:
         """The ids of the parameters stored here in parts that lie together in the
-        regions, each of at most the largest parameter's bytes (or that one alone): an
+        regions, each of at most :data:`PART_BYTES` or the largest parameter's bytes: an
         optimizer steps a part at a time, so the step touches that much of each region,
         and its first step makes that much state in private memory, before the part's
         pages are released."""
         if self._parts is None:
-            budget = max((_nbytes(slot.parameter) for slot in self._own), default=0)
+            largest = max((_nbytes(slot.parameter) for slot in self._own), default=0)
+            budget = max(largest, PART_BYTES)
             self._parts, used = [], budget
             for slot in self._own:
                 if used + _nbytes(slot.parameter) > budget:
@@ -305,7 +322,7 @@ class HostWeights:
             step_only(optimizer, part)
             stored.adopt_state(optimizer, part)
             stored.release(part)
-            return_freed_memory()  # the part's private state and temporaries
+            stored.return_freed(part)  # the part's private state and temporaries
 
     # a one-step-stale store (:mod:`.stale_store`) defers each step; this one steps at once
     defers = False
