@@ -40,8 +40,7 @@ def lower(
     :data:`~pipetrain.schedules.messages.NEEDS` and
     :data:`~pipetrain.schedules.messages.HANDS_ON` call for and, with ``loss``, a closing
     ``LOSS`` on every rank (on the highest stage it holds)."""
-    last = len(stage_ranks) - 1
-    needs, hands_on = NEEDS.get, HANDS_ON.get
+    tables = _transfer_tables(stage_ranks)
     # sent[(sender, receiver)]: (receive kind, stage, micro-batch) in the sender's order
     sent: dict[tuple[int, int], list[tuple[Kind, int, int]]] = defaultdict(list)
     # consumer[rank][(receive kind, stage, micro-batch)]: index of the written action using it
@@ -53,6 +52,7 @@ def lower(
         actions: list[Action] = []
         at: list[int] = []
         uses = consumer[rank]
+        outboxes: dict[int, list[tuple[Kind, int, int]]] = {}  # sent[(rank, receiver)]
         paired = pairs(order)  # an overlapped backward takes its inputs when its pair starts
         deferred: list[Action] = []  # a full backward's send, due after its W
         for index, action in enumerate(order):
@@ -63,19 +63,17 @@ def lower(
             if deferred:
                 actions += deferred
                 deferred.clear()
-            need = needs(kind)
-            if need is None or mb is None:
+            table = tables.get(kind)
+            if table is None or mb is None:
                 continue
-            source = stage + need[2]
-            if 0 <= source <= last:
-                replicas = stage_ranks[source]  # messages.rank_of, inline: it runs per action
-                if replicas[mb % len(replicas)] != rank:
-                    uses[(need[0], stage, mb)] = paired.get(index, index)
-            send, offset = hands_on(kind)  # type: ignore[misc]  # NEEDS and HANDS_ON share keys
-            target_stage = stage + offset
-            if 0 <= target_stage <= last:
-                replicas = stage_ranks[target_stage]
-                target = replicas[mb % len(replicas)]
+            entry = table.get(stage)
+            if entry is None:
+                entry = _transfers(kind, stage, stage_ranks)
+            receive, sources, send, receive_there, target_stage, targets = entry
+            if sources is not None and sources[mb % len(sources)] != rank:
+                uses[(receive, stage, mb)] = paired.get(index, index) if paired else index
+            if targets is not None:
+                target = targets[mb % len(targets)]
                 if target != rank:
                     full = full_backwards and weight_pass_of(
                         action, order[index + 1] if index + 1 < len(order) else None
@@ -83,7 +81,10 @@ def lower(
                     (deferred if full else actions).append(
                         trusted_action((send, stage, mb, target, None))
                     )
-                    sent[(rank, target)].append((RECEIVES[send][0], target_stage, mb))
+                    outbox = outboxes.get(target)
+                    if outbox is None:
+                        outbox = outboxes[target] = sent[(rank, target)]
+                    outbox.append((receive_there, target_stage, mb))
         with_sends.append(actions)
         starts.append(at)
 
@@ -127,6 +128,39 @@ def lower(
             merged.append(Action(Kind.LOSS, highest.get(rank, 0)))
         lanes.append(tuple(merged))
     return tuple(lanes)
+
+
+Transfers = tuple[Kind, tuple[int, ...] | None, Kind, Kind, int, tuple[int, ...] | None]
+"""What a compute action of one kind and stage exchanges: the receive kind it needs and the
+ranks of the stage it needs it from (``None`` where that stage does not exist), the send
+kind it hands its result on with, that send's receive kind, the consuming stage, and that
+stage's ranks (``None`` where it does not exist)."""
+
+
+def _transfers(kind: Kind, stage: int, stage_ranks: Sequence[Sequence[int]]) -> Transfers:
+    """A compute action's :data:`Transfers` (``kind`` in :data:`NEEDS`)."""
+    last = len(stage_ranks) - 1
+    receive, _, source_offset = NEEDS[kind]
+    send, target_offset = HANDS_ON[kind]
+    source, target = stage + source_offset, stage + target_offset
+    return (
+        receive,
+        tuple(stage_ranks[source]) if 0 <= source <= last else None,
+        send,
+        RECEIVES[send][0],
+        target,
+        tuple(stage_ranks[target]) if 0 <= target <= last else None,
+    )
+
+
+def _transfer_tables(stage_ranks: Sequence[Sequence[int]]) -> dict[Kind, dict[int, Transfers]]:
+    """Each compute kind that exchanges data -> its :data:`Transfers` at every stage: looked
+    up once per action instead of worked out (stages outside the placement are worked out
+    where met)."""
+    return {
+        kind: {stage: _transfers(kind, stage, stage_ranks) for stage in range(len(stage_ranks))}
+        for kind in NEEDS
+    }
 
 
 def full_backwards(options: Mapping[str, object]) -> bool:

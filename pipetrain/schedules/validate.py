@@ -17,6 +17,7 @@ only the actions that may wait (sends, receives, collectives).
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter, defaultdict, deque
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -68,7 +69,7 @@ def _check_lanes(schedule: Schedule, steps: bool = True) -> list[_Lane]:
     pass per lane; the abstract execution raises it only when the rank gets that far."""
     expected = {Kind.FORWARD, Kind.BACKWARD} | ({Kind.WEIGHT} if schedule.split_backward else set())
     stage_ranks, stages, microbatches = schedule.stage_ranks, schedule.stages, schedule.microbatches
-    synchronous, last, local = not schedule.asynchronous, stages - 1, {Kind.OVERLAP, *HOST_KINDS}
+    synchronous, local = not schedule.asynchronous, {Kind.OVERLAP, *HOST_KINDS}
     forward, backward, weight, step, gather = (
         Kind.FORWARD,
         Kind.BACKWARD,
@@ -76,9 +77,10 @@ def _check_lanes(schedule: Schedule, steps: bool = True) -> list[_Lane]:
         Kind.STEP,
         Kind.GATHER,
     )
-    compute, receives, needs, carries = COMPUTE_KINDS, RECV_KINDS, NEEDS.get, CARRIES.get
+    compute, receives, carries = COMPUTE_KINDS, RECV_KINDS, CARRIES.get
     # a micro-batch's passes on a stage come in this order; its progress counts them
     pass_order = {forward: 0, backward: 1, weight: 2}
+    place_of = {kind: pass_order[kind] for kind in expected}.get
     covered = 0
     checked = []
     holds: dict[int, list[int]] = {}  # the stages each rank holds, in increasing order
@@ -87,6 +89,9 @@ def _check_lanes(schedule: Schedule, steps: bool = True) -> list[_Lane]:
             holds.setdefault(rank, []).append(stage)
     for rank, lane in enumerate(schedule.ranks):
         held = {stage for stage in holds.get(rank, ()) if stage < stages}
+        # where routing is implied by placement: the held stages without replicas
+        alone = {stage for stage in held if len(stage_ranks[stage]) == 1}
+        inputs = _inputs(held, stage_ranks, microbatches, pass_order)
         progress: dict[int, int] = {}  # stage · microbatches + micro-batch -> passes run
         received: set[tuple[Kind, int, int | None]] = set()
         stepped: set[int] = set()
@@ -96,28 +101,31 @@ def _check_lanes(schedule: Schedule, steps: bool = True) -> list[_Lane]:
             kind, stage, mb, _, _ = action
             if stage not in held or (mb is not None and not 0 <= mb < microbatches):
                 raise _misplaced(schedule, rank, index)
-            if kind in compute:
-                if mb is None or kind not in expected:
+            place = place_of(kind)
+            if place is not None:
+                if mb is None:
                     raise _misordered(schedule, rank, index, stepped)
-                replicas = stage_ranks[stage]  # messages.rank_of, inline: it runs per action
                 key = stage * microbatches + mb
                 done = progress.get(key, 0)
-                if (
-                    replicas[mb % len(replicas)] != rank
-                    or done != pass_order[kind]
-                    or (synchronous and stage in stepped)
-                ):
+                if done != place or (synchronous and stage in stepped):
                     raise _misordered(schedule, rank, index, stepped)
+                if stage not in alone:
+                    replicas = stage_ranks[stage]  # messages.rank_of, inline
+                    if replicas[mb % len(replicas)] != rank:
+                        raise _misordered(schedule, rank, index, stepped)
                 progress[key] = done + 1
-                need = needs(kind)
-                if need is not None and 0 <= stage + need[2] <= last and early == nowhere:
-                    source = stage + need[2]
-                    replicas = stage_ranks[source]  # held by none: placement or coverage fails
-                    if replicas and replicas[mb % len(replicas)] == rank:
-                        if progress.get(source * microbatches + mb, 0) <= pass_order[need[1]]:
+                if early == nowhere:
+                    source = inputs[place].get(stage)
+                    if source is None:  # from the step's data, or its own earlier pass
+                        continue
+                    replicas, where, produced, receive = source
+                    if replicas[mb % len(replicas)] == rank:  # its own pass made the input
+                        if progress.get(where + mb, 0) <= produced:
                             early = index
-                    elif (need[0], stage, mb) not in received:
+                    elif (receive, stage, mb) not in received:
                         early = index
+            elif kind in compute:
+                raise _misordered(schedule, rank, index, stepped)
             elif kind is step:
                 if synchronous:
                     if stage in stepped:
@@ -160,6 +168,35 @@ def _check_lanes(schedule: Schedule, steps: bool = True) -> list[_Lane]:
     if covered != len(expected) * stages * microbatches:
         _report_missing(schedule, expected)
     return checked
+
+
+Input = tuple[tuple[int, ...], int, int, Kind]
+"""Where a pass of one kind and stage takes its input from: the source stage's replicas
+(``(-1,)`` where none holds it), that stage's first key in a lane's progress (its index ·
+microbatches), the producing pass's place in :func:`_check_lanes`' order, and the receive
+kind that brings it from another rank."""
+
+
+def _inputs(
+    held: set[int],
+    stage_ranks: tuple[tuple[int, ...], ...],
+    microbatches: int,
+    pass_order: dict[Kind, int],
+) -> tuple[dict[int, Input], ...]:
+    """By pass (forward, backward, weight), each held stage whose pass takes its input from
+    a neighbouring stage -> its :data:`Input`."""
+    found: tuple[dict[int, Input], ...] = ({}, {}, {})
+    for kind, (receive, produce, offset) in NEEDS.items():
+        for stage in held:
+            source = stage + offset
+            if 0 <= source < len(stage_ranks):
+                found[pass_order[kind]][stage] = (
+                    stage_ranks[source] or (-1,),  # held by none: placement or coverage fails
+                    source * microbatches,
+                    pass_order[produce],
+                    receive,
+                )
+    return found
 
 
 def _misplaced(schedule: Schedule, rank: int, index: int) -> ScheduleError:
@@ -237,23 +274,24 @@ def _execute(schedule: Schedule, checked: list[_Lane]) -> None:
     arrived: dict[tuple[Kind, int, int], dict[int, None]] = defaultdict(dict)  # in order
     collectives: list[Counter[tuple[Kind, int]]] = [Counter() for _ in range(num_ranks)]
     runnable = deque(range(num_ranks))
-    sends, receives, receives_of = SEND_KINDS, RECV_KINDS, RECEIVES.get
-    targets_key = (Kind.RECV_T, last, None)  # the targets go to the last stage
+    # send kind -> (its receive kind, offset to the receiving stage); the targets go to the
+    # last stage
+    sends = {kind: RECEIVES.get(kind, (Kind.RECV_T, None)) for kind in SEND_KINDS}.get
+    receives = RECV_KINDS
+    # each rank's waits before its early index: passing them all uses data it lacks
+    limits = [bisect_left(waits, early) for waits, early in checked]
     while runnable:
         rank = runnable.popleft()
-        lane, (waits, early) = lanes[rank], checked[rank]
-        at, end = position[rank], len(waits)
-        while at < end:
-            index = waits[at]
-            if index >= early:
-                raise _used_too_early(schedule, rank, early)
-            action = lane[index]
-            kind, stage, mb, peer, _ = action
-            if kind in sends:
+        lane, waits = lanes[rank], checked[rank].waits
+        at, limit = position[rank], limits[rank]
+        while at < limit:
+            kind, stage, mb, peer, _ = action = lane[waits[at]]
+            found = sends(kind)
+            if found is not None:
                 pair = (rank, peer if peer is not None else -1)
-                found = receives_of(kind)
+                receive, offset = found
                 channels[pair].append(
-                    targets_key if found is None else (found[0], stage + found[1], mb)
+                    (receive, last, None) if offset is None else (receive, stage + offset, mb)
                 )
                 waiter = blocked_on.pop(pair, None)
                 if waiter is not None:
@@ -271,7 +309,7 @@ def _execute(schedule: Schedule, checked: list[_Lane]) -> None:
                         f"the next message rank {action.peer} sends on that channel",
                         lane,
                         rank,
-                        index,
+                        waits[at],
                     )
             else:  # ALLREDUCE, GATHER or LOSS
                 position[rank] = at
@@ -283,8 +321,8 @@ def _execute(schedule: Schedule, checked: list[_Lane]) -> None:
                 continue
             at += 1
         position[rank] = at
-        if at == end and early < len(lane):
-            raise _used_too_early(schedule, rank, early)
+        if at == limit and checked[rank].early < len(lane):
+            raise _used_too_early(schedule, rank, checked[rank].early)
     reached = [
         waits[at] if at < len(waits) else len(lane)
         for lane, (waits, _), at in zip(lanes, checked, position)

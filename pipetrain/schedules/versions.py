@@ -8,6 +8,7 @@ mini-batch uses the version stage 0 used.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,7 @@ def check_versions(schedule: Schedule) -> None:
     """Each forward on a version already made, its backward and weight pass on the same one,
     each step producing the next, and no more live versions than ``max_versions``."""
     limit = schedule.options.get("max_versions")
-    max_versions = limit if isinstance(limit, int) else None
+    max_versions: float = limit if isinstance(limit, int) else math.inf
     forward_version: dict[tuple[int, int | None], int] = {}
     forward, backward, weight, step = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT, Kind.STEP
     versioned = {forward, backward, weight, step}
@@ -47,13 +48,16 @@ def check_versions(schedule: Schedule) -> None:
                     forward_version[(stage, mb)] = version
                     held = in_use[stage]
                     held[version] = held.get(version, 0) + 1
-                    problem = _too_many(action, steps, in_use, max_versions)
+                    if len(held) + (steps[stage] not in held) > max_versions:
+                        problem = _too_many(action, steps, in_use, max_versions)
             elif kind is step:
                 steps[stage] += 1
                 if version != steps[stage]:
                     problem = f"{action} should produce version {steps[stage]}"
                 else:
-                    problem = _too_many(action, steps, in_use, max_versions)
+                    held = in_use[stage]
+                    if len(held) + (steps[stage] not in held) > max_versions:
+                        problem = _too_many(action, steps, in_use, max_versions)
             else:  # a backward or a weight pass
                 used = forward_version.get((stage, mb))
                 if version != used:
@@ -77,18 +81,11 @@ def check_versions(schedule: Schedule) -> None:
 
 
 def _too_many(
-    action: Action,
-    steps: dict[int, int],
-    in_use: dict[int, dict[int, int]],
-    max_versions: int | None,
-) -> str | None:
-    """The problem if the versions live on ``action``'s stage (those forwards still use,
+    action: Action, steps: dict[int, int], in_use: dict[int, dict[int, int]], max_versions: float
+) -> str:
+    """The problem when the versions live on ``action``'s stage (those forwards still use,
     and the newest) are more than ``max_versions``."""
-    if max_versions is None:
-        return None
     stage = action[1]
     held = in_use[stage]
     live = len(held) + (steps[stage] not in held)
-    if live <= max_versions:
-        return None
     return f"stage {stage} needs {live} weight versions at {action}, at most {max_versions} allowed"

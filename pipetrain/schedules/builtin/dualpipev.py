@@ -85,6 +85,7 @@ def rank_order(ranks: int, rank: int, microbatches: int) -> list[Action]:
     while owed:
         weight()
     count: dict[tuple[Kind, int], int] = {}
+    numbers = list(range(m))  # one int object per micro-batch, shared by its passes
     order = []
     for kind, stage in passes:
         if kind is Kind.OVERLAP:
@@ -92,7 +93,7 @@ def rank_order(ranks: int, rank: int, microbatches: int) -> list[Action]:
             continue
         k = count.get((kind, stage), 0)
         count[(kind, stage)] = k + 1
-        order.append(Action(kind, stage, k))
+        order.append(Action(kind, stage, numbers[k]))
     return order
 
 

@@ -73,8 +73,12 @@ class Coder(NamedTuple):
     def decode(self, orders: Sequence[Sequence[int]]) -> Orders:
         """Codes back as actions."""
         m, size = self.microbatches, self.stages * self.microbatches
+        # one int object per micro-batch, shared by its passes: the passes over a schedule
+        # then touch hundreds of ints, not one per action
+        numbers = list(range(max(m, self.stages)))
         return [
-            [Action(_KINDS[c // size], c % size // m, c % m) for c in order] for order in orders
+            [Action(_KINDS[c // size], numbers[c % size // m], numbers[c % m]) for c in order]
+            for order in orders
         ]
 
 
