@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from itertools import repeat
+from operator import add
 
 from pipetrain.schedules.actions import Action, Kind, trusted_action
 from pipetrain.schedules.messages import HANDS_ON, NEEDS, RECEIVES
@@ -88,26 +90,18 @@ def lower(
         with_sends.append(actions)
         starts.append(at)
 
-    # before[receiver][index]: receives to issue right before written action index
-    before: list[dict[int, list[Action]]] = [defaultdict(list) for _ in compute_orders]
+    # each receiver's receives, and where each goes: before the action at that position of
+    # with_sends (so before everything already there, in the order added)
+    incoming: list[list[Action]] = [[] for _ in compute_orders]
+    positions: list[list[int]] = [[] for _ in compute_orders]
     for (sender, receiver), receives in sent.items():
-        uses = consumer[receiver]
-        slot = len(compute_orders[receiver])
-        slots = [0] * len(receives)
-        for i in range(len(receives) - 1, -1, -1):
-            user = uses.get(receives[i])
-            if user is None:
-                kind, stage, mb = receives[i]
-                raise ValueError(
-                    f"rank {sender} sends {kind.value}{stage}.{mb} to rank {receiver}, which "
-                    "never uses it"
-                )
-            if user < slot:
-                slot = user
-            slots[i] = slot
-        waiting = before[receiver]
-        for (kind, stage, mb), slot in zip(receives, slots):
-            waiting[slot].append(trusted_action((kind, stage, mb, sender, None)))
+        slots = _slots(sender, receiver, receives, consumer[receiver])
+        at = starts[receiver]
+        if slots and slots[-1] >= len(at):  # a user at an index no action without a peer has
+            kept = [i for i, slot in enumerate(slots) if slot < len(at)]
+            receives, slots = [receives[i] for i in kept], [slots[i] for i in kept]
+        positions[receiver] += map(at.__getitem__, slots)
+        incoming[receiver] += map(trusted_action, map(add, receives, repeat((sender, None))))
 
     highest: dict[int, int] = {}  # the highest stage each rank holds
     for stage, holders in enumerate(stage_ranks):
@@ -115,19 +109,49 @@ def lower(
             highest[rank] = stage
     lanes = []
     for rank, actions in enumerate(with_sends):
-        # splice each batch of receives in before its user, copying the runs between in C
-        merged: list[Action] = []
-        done, at, waiting = 0, starts[rank], before[rank]
-        for index in sorted(waiting):
-            if index < len(at):
-                merged += actions[done : at[index]]
-                merged += waiting[index]
-                done = at[index]
-        merged += actions[done:]
+        merged = _spliced(actions, incoming[rank], positions[rank])
         if loss:
             merged.append(Action(Kind.LOSS, highest.get(rank, 0)))
         lanes.append(tuple(merged))
     return tuple(lanes)
+
+
+def _slots(
+    sender: int,
+    receiver: int,
+    receives: list[tuple[Kind, int, int]],
+    uses: dict[tuple[Kind, int, int], int],
+) -> list[int]:
+    """Before which of ``receiver``'s written actions each message from ``sender`` is
+    received: its user's, or a later message's on the pair if that is used earlier (so the
+    pair's receives come in the sender's order)."""
+    users = list(map(uses.get, receives))
+    if None in users:
+        kind, stage, mb = receives[len(users) - 1 - users[::-1].index(None)]
+        raise ValueError(
+            f"rank {sender} sends {kind.value}{stage}.{mb} to rank {receiver}, which never uses it"
+        )
+    slots: list[int] = users  # type: ignore[assignment]  # no None, as just checked
+    if slots != sorted(slots):  # messages used out of their order: each at its first user
+        for i in range(len(slots) - 2, -1, -1):
+            if slots[i + 1] < slots[i]:
+                slots[i] = slots[i + 1]
+    return slots
+
+
+def _spliced(actions: list[Action], receives: list[Action], positions: list[int]) -> list[Action]:
+    """``actions`` with each of ``receives`` before the action at its position (several
+    before one in the order given), the runs of actions between copied in C."""
+    merged: list[Action] = []
+    done = 0
+    for index in sorted(range(len(receives)), key=positions.__getitem__):  # stable
+        position = positions[index]
+        if position > done:
+            merged += actions[done:position]
+            done = position
+        merged.append(receives[index])
+    merged += actions[done:]
+    return merged
 
 
 Transfers = tuple[Kind, tuple[int, ...] | None, Kind, Kind, int, tuple[int, ...] | None]
