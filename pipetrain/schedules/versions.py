@@ -21,10 +21,18 @@ if TYPE_CHECKING:
 
 def check_versions(schedule: Schedule) -> None:
     """Each forward on a version already made, its backward and weight pass on the same one,
-    each step producing the next, and no more live versions than ``max_versions``."""
+    each step producing the next, and no more live versions than ``max_versions``.
+
+    Run after the validator's lane pass, which has placed every compute action on one of
+    the schedule's stages and micro-batches."""
     limit = schedule.options.get("max_versions")
     max_versions: float = limit if isinstance(limit, int) else math.inf
-    forward_version: dict[tuple[int, int | None], int] = {}
+    microbatches = schedule.microbatches
+    # each forward's version by stage · microbatches + micro-batch, a flat list: a long
+    # window's forwards would otherwise each make and keep a key
+    forward_version: list[int | None] = [None] * (schedule.stages * microbatches)
+    sync = bool(schedule.options.get("vertical_sync"))
+    forwarded: list[int] = []  # with vertical sync, the forwards' keys in the order met
     forward, backward, weight, step = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT, Kind.STEP
     versioned = {forward, backward, weight, step}
     for rank, lane in enumerate(schedule.ranks):
@@ -37,6 +45,7 @@ def check_versions(schedule: Schedule) -> None:
             if kind not in versioned:  # transfers and collectives carry no version
                 continue
             _, stage, mb, _, version = action
+            key = stage * microbatches + (mb or 0)  # a pass's micro-batch is set; a STEP's not
             problem: str | None = None
             if kind is forward:
                 if version is None or version > steps[stage]:
@@ -45,7 +54,9 @@ def check_versions(schedule: Schedule) -> None:
                         f"{steps[stage]} updates have been applied"
                     )
                 else:
-                    forward_version[(stage, mb)] = version
+                    forward_version[key] = version
+                    if sync:
+                        forwarded.append(key)
                     held = in_use[stage]
                     held[version] = held.get(version, 0) + 1
                     if len(held) + (steps[stage] not in held) > max_versions:
@@ -59,7 +70,7 @@ def check_versions(schedule: Schedule) -> None:
                     if len(held) + (steps[stage] not in held) > max_versions:
                         problem = _too_many(action, steps, in_use, max_versions)
             else:  # a backward or a weight pass
-                used = forward_version.get((stage, mb))
+                used = forward_version[key]
                 if version != used:
                     problem = f"{action} uses version {version} but its forward used {used}"
                 elif kind is backward and version is not None:
@@ -71,13 +82,13 @@ def check_versions(schedule: Schedule) -> None:
                         held.pop(version, None)
             if problem is not None:
                 raise ScheduleError(f"rank {rank}: {problem}", lane, rank, index)
-    if schedule.options.get("vertical_sync"):
-        for (stage, mb), version in forward_version.items():
-            if version != forward_version[(0, mb)]:
-                raise ScheduleError(
-                    f"vertical sync: stage {stage} mini-batch {mb} uses version {version}, "
-                    f"stage 0 used {forward_version[(0, mb)]}"
-                )
+    for key in forwarded:
+        stage, mb = divmod(key, microbatches)
+        if forward_version[key] != forward_version[mb]:
+            raise ScheduleError(
+                f"vertical sync: stage {stage} mini-batch {mb} uses version "
+                f"{forward_version[key]}, stage 0 used {forward_version[mb]}"
+            )
 
 
 def _too_many(
