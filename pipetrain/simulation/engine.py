@@ -125,20 +125,23 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
     transfers = {kind: (kind.value, *CHANNELS[kind], kind in SEND_KINDS) for kind in CHANNELS}
     lanes, append, varied = schedule.ranks, events.append, bool(factors)
     links = HostLinks(schedule, costs) if schedule.host_stored else None
-    # compute costs only its stage's time unless something scales or delays it
+    # compute costs its stage's time, scaled only in an overlapped pair, unless something
+    # else scales or delays it
     plain = uniform and not varied and links is None
     while runnable:
         rank = runnable.popleft()
         actions, lane_scales = lanes[rank], scales[rank]
         now = clock[rank]
         stop = len(actions)
-        lane_plain = plain and not lane_scales
         for index in range(position[rank], stop):
             kind, stage, mb, peer, _ = actions[index]
             spans = duration.get(kind)
             if spans is not None:
-                if lane_plain:
-                    end = now + spans[stage]
+                if plain:
+                    if lane_scales and index in lane_scales:
+                        end = now + spans[stage] * lane_scales[index]
+                    else:
+                        end = now + spans[stage]
                 else:
                     cost = spans[stage]
                     if not uniform and mb is not None:
