@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Sequence
 from functools import lru_cache
 
-from pipetrain.schedules.actions import Action, Kind
+from pipetrain.schedules.actions import Action, Kind, shared_ints
 from pipetrain.schedules.builtin.unit_time import peak_held
 from pipetrain.schedules.builtin.vshape import CHUNKS, check_v, v_placement
 from pipetrain.schedules.registry import Generated, Option, Options, ScheduleSpec
@@ -85,7 +85,7 @@ def rank_order(ranks: int, rank: int, microbatches: int) -> list[Action]:
     while owed:
         weight()
     count: dict[tuple[Kind, int], int] = {}
-    numbers = list(range(m))  # one int object per micro-batch, shared by its passes
+    numbers = shared_ints(m)
     order = []
     for kind, stage in passes:
         if kind is Kind.OVERLAP:

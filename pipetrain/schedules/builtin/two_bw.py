@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 from pipetrain.allocation import collector_paused
-from pipetrain.schedules.actions import Action, Kind, trusted_action
+from pipetrain.schedules.actions import Action, Kind, shared_ints, trusted_action
 from pipetrain.schedules.builtin.common import one_f_one_b_in_flight
 from pipetrain.schedules.registry import (
     Bubble,
@@ -45,9 +45,7 @@ def _order(stage: int, limit: int, total: int, microbatches: int) -> list[Action
     family's actions, and a second pass to stamp versions was a fifth of a build."""
     forward, backward, step = Kind.FORWARD, Kind.BACKWARD, Kind.STEP
     warm_up = min(limit, total)
-    # one int object per micro-batch, shared by its passes: the passes over a schedule then
-    # touch hundreds of ints, not one per action
-    numbers = list(range(total))
+    numbers = shared_ints(total)
     order = [
         trusted_action((forward, stage, mb, None, max(mb // microbatches - 1, 0)))
         for mb in numbers[:warm_up]
