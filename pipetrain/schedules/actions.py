@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from enum import Enum
-from functools import partial
+from functools import lru_cache, partial
 from typing import NamedTuple
 
 
@@ -108,3 +108,11 @@ trusted_action: Callable[[tuple[Kind, int, int | None, int | None, int | None]],
 """An :class:`Action` from a ``(kind, stage, microbatch, peer, version)`` tuple of the right
 types, unchecked and made in C: how lowering and generators make actions by the hundred
 thousand."""
+
+
+@lru_cache(maxsize=16)
+def shared_ints(count: int) -> tuple[int, ...]:
+    """``0 .. count − 1``, one int object each, kept: generators number micro-batches with
+    them, so every action of a micro-batch, on every rank, holds the same object (ints of
+    256 and above are otherwise made afresh, and each pass over a schedule reads them)."""
+    return tuple(range(count))

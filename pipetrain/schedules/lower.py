@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from itertools import repeat
+from operator import add
 
 from pipetrain.schedules.actions import Action, Kind, trusted_action
 from pipetrain.schedules.messages import HANDS_ON, NEEDS, RECEIVES
@@ -40,8 +42,7 @@ def lower(
     :data:`~pipetrain.schedules.messages.NEEDS` and
     :data:`~pipetrain.schedules.messages.HANDS_ON` call for and, with ``loss``, a closing
     ``LOSS`` on every rank (on the highest stage it holds)."""
-    last = len(stage_ranks) - 1
-    needs, hands_on = NEEDS.get, HANDS_ON.get
+    tables = _transfer_tables(stage_ranks)
     # sent[(sender, receiver)]: (receive kind, stage, micro-batch) in the sender's order
     sent: dict[tuple[int, int], list[tuple[Kind, int, int]]] = defaultdict(list)
     # consumer[rank][(receive kind, stage, micro-batch)]: index of the written action using it
@@ -53,6 +54,7 @@ def lower(
         actions: list[Action] = []
         at: list[int] = []
         uses = consumer[rank]
+        outboxes: dict[int, list[tuple[Kind, int, int]]] = {}  # sent[(rank, receiver)]
         paired = pairs(order)  # an overlapped backward takes its inputs when its pair starts
         deferred: list[Action] = []  # a full backward's send, due after its W
         for index, action in enumerate(order):
@@ -63,19 +65,17 @@ def lower(
             if deferred:
                 actions += deferred
                 deferred.clear()
-            need = needs(kind)
-            if need is None or mb is None:
+            table = tables.get(kind)
+            if table is None or mb is None:
                 continue
-            source = stage + need[2]
-            if 0 <= source <= last:
-                replicas = stage_ranks[source]  # messages.rank_of, inline: it runs per action
-                if replicas[mb % len(replicas)] != rank:
-                    uses[(need[0], stage, mb)] = paired.get(index, index)
-            send, offset = hands_on(kind)  # type: ignore[misc]  # NEEDS and HANDS_ON share keys
-            target_stage = stage + offset
-            if 0 <= target_stage <= last:
-                replicas = stage_ranks[target_stage]
-                target = replicas[mb % len(replicas)]
+            entry = table.get(stage)
+            if entry is None:
+                entry = _transfers(kind, stage, stage_ranks)
+            receive, sources, send, receive_there, target_stage, targets = entry
+            if sources is not None and sources[mb % len(sources)] != rank:
+                uses[(receive, stage, mb)] = paired.get(index, index) if paired else index
+            if targets is not None:
+                target = targets[mb % len(targets)]
                 if target != rank:
                     full = full_backwards and weight_pass_of(
                         action, order[index + 1] if index + 1 < len(order) else None
@@ -83,30 +83,25 @@ def lower(
                     (deferred if full else actions).append(
                         trusted_action((send, stage, mb, target, None))
                     )
-                    sent[(rank, target)].append((RECEIVES[send][0], target_stage, mb))
+                    outbox = outboxes.get(target)
+                    if outbox is None:
+                        outbox = outboxes[target] = sent[(rank, target)]
+                    outbox.append((receive_there, target_stage, mb))
         with_sends.append(actions)
         starts.append(at)
 
-    # before[receiver][index]: receives to issue right before written action index
-    before: list[dict[int, list[Action]]] = [defaultdict(list) for _ in compute_orders]
+    # each receiver's receives, and where each goes: before the action at that position of
+    # with_sends (so before everything already there, in the order added)
+    incoming: list[list[Action]] = [[] for _ in compute_orders]
+    positions: list[list[int]] = [[] for _ in compute_orders]
     for (sender, receiver), receives in sent.items():
-        uses = consumer[receiver]
-        slot = len(compute_orders[receiver])
-        slots = [0] * len(receives)
-        for i in range(len(receives) - 1, -1, -1):
-            user = uses.get(receives[i])
-            if user is None:
-                kind, stage, mb = receives[i]
-                raise ValueError(
-                    f"rank {sender} sends {kind.value}{stage}.{mb} to rank {receiver}, which "
-                    "never uses it"
-                )
-            if user < slot:
-                slot = user
-            slots[i] = slot
-        waiting = before[receiver]
-        for (kind, stage, mb), slot in zip(receives, slots):
-            waiting[slot].append(trusted_action((kind, stage, mb, sender, None)))
+        slots = _slots(sender, receiver, receives, consumer[receiver])
+        at = starts[receiver]
+        if slots and slots[-1] >= len(at):  # a user at an index no action without a peer has
+            kept = [i for i, slot in enumerate(slots) if slot < len(at)]
+            receives, slots = [receives[i] for i in kept], [slots[i] for i in kept]
+        positions[receiver] += map(at.__getitem__, slots)
+        incoming[receiver] += map(trusted_action, map(add, receives, repeat((sender, None))))
 
     highest: dict[int, int] = {}  # the highest stage each rank holds
     for stage, holders in enumerate(stage_ranks):
@@ -114,19 +109,82 @@ def lower(
             highest[rank] = stage
     lanes = []
     for rank, actions in enumerate(with_sends):
-        # splice each batch of receives in before its user, copying the runs between in C
-        merged: list[Action] = []
-        done, at, waiting = 0, starts[rank], before[rank]
-        for index in sorted(waiting):
-            if index < len(at):
-                merged += actions[done : at[index]]
-                merged += waiting[index]
-                done = at[index]
-        merged += actions[done:]
+        merged = _spliced(actions, incoming[rank], positions[rank])
         if loss:
             merged.append(Action(Kind.LOSS, highest.get(rank, 0)))
         lanes.append(tuple(merged))
     return tuple(lanes)
+
+
+def _slots(
+    sender: int,
+    receiver: int,
+    receives: list[tuple[Kind, int, int]],
+    uses: dict[tuple[Kind, int, int], int],
+) -> list[int]:
+    """Before which of ``receiver``'s written actions each message from ``sender`` is
+    received: its user's, or a later message's on the pair if that is used earlier (so the
+    pair's receives come in the sender's order)."""
+    users = list(map(uses.get, receives))
+    if None in users:
+        kind, stage, mb = receives[len(users) - 1 - users[::-1].index(None)]
+        raise ValueError(
+            f"rank {sender} sends {kind.value}{stage}.{mb} to rank {receiver}, which never uses it"
+        )
+    slots: list[int] = users  # type: ignore[assignment]  # no None, as just checked
+    if slots != sorted(slots):  # messages used out of their order: each at its first user
+        for i in range(len(slots) - 2, -1, -1):
+            if slots[i + 1] < slots[i]:
+                slots[i] = slots[i + 1]
+    return slots
+
+
+def _spliced(actions: list[Action], receives: list[Action], positions: list[int]) -> list[Action]:
+    """``actions`` with each of ``receives`` before the action at its position (several
+    before one in the order given), the runs of actions between copied in C."""
+    merged: list[Action] = []
+    done = 0
+    for index in sorted(range(len(receives)), key=positions.__getitem__):  # stable
+        position = positions[index]
+        if position > done:
+            merged += actions[done:position]
+            done = position
+        merged.append(receives[index])
+    merged += actions[done:]
+    return merged
+
+
+Transfers = tuple[Kind, tuple[int, ...] | None, Kind, Kind, int, tuple[int, ...] | None]
+"""What a compute action of one kind and stage exchanges: the receive kind it needs and the
+ranks of the stage it needs it from (``None`` where that stage does not exist), the send
+kind it hands its result on with, that send's receive kind, the consuming stage, and that
+stage's ranks (``None`` where it does not exist)."""
+
+
+def _transfers(kind: Kind, stage: int, stage_ranks: Sequence[Sequence[int]]) -> Transfers:
+    """A compute action's :data:`Transfers` (``kind`` in :data:`NEEDS`)."""
+    last = len(stage_ranks) - 1
+    receive, _, source_offset = NEEDS[kind]
+    send, target_offset = HANDS_ON[kind]
+    source, target = stage + source_offset, stage + target_offset
+    return (
+        receive,
+        tuple(stage_ranks[source]) if 0 <= source <= last else None,
+        send,
+        RECEIVES[send][0],
+        target,
+        tuple(stage_ranks[target]) if 0 <= target <= last else None,
+    )
+
+
+def _transfer_tables(stage_ranks: Sequence[Sequence[int]]) -> dict[Kind, dict[int, Transfers]]:
+    """Each compute kind that exchanges data -> its :data:`Transfers` at every stage: looked
+    up once per action instead of worked out (stages outside the placement are worked out
+    where met)."""
+    return {
+        kind: {stage: _transfers(kind, stage, stage_ranks) for stage in range(len(stage_ranks))}
+        for kind in NEEDS
+    }
 
 
 def full_backwards(options: Mapping[str, object]) -> bool:

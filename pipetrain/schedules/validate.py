@@ -6,30 +6,32 @@ the flush of synchronous schedules, a sharded stage's gather before its passes, 
 residency of stages whose weights live in a host store
 (:mod:`~pipetrain.schedules.residency`), overlapped pairs, the weight-version rules of
 asynchronous ones (:mod:`~pipetrain.schedules.versions`),
-and then executes the schedule abstractly — sends never block, a receive waits for its
-message, an all-reduce or a gather for every member of its group — to find deadlocks, data
-used before it exists, and channels whose messages would be matched out of order.
+and then executes the schedule abstractly (:mod:`~pipetrain.schedules.execution`) — sends
+never block, a receive waits for its message, an all-reduce or a gather for every member of
+its group — to find deadlocks, data used before it exists, and channels whose messages would
+be matched out of order.
 
 Every check is linear in the number of actions, and each lane is read in Python once: that
 pass also finds where a rank would first use data it does not have, so the execution visits
-only the actions that may wait (sends, receives, collectives).
+only the actions that may wait (sends, receives, collectives). A rank's progress and the
+messages it has received are kept in flat lists over the micro-batches of the stages it
+holds, not in dicts of new keys: a large schedule's lanes would otherwise make and keep an
+object per pass.
 """
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict, deque
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from pipetrain.schedules.actions import (
     COMPUTE_KINDS,
     HOST_KINDS,
     RECV_KINDS,
-    SEND_KINDS,
-    Action,
     Kind,
 )
 from pipetrain.schedules.errors import ScheduleError
-from pipetrain.schedules.messages import CARRIES, NEEDS, RECEIVES
+from pipetrain.schedules.execution import Lane, execute
+from pipetrain.schedules.messages import CARRIES, NEEDS
 from pipetrain.schedules.residency import check_residency
 from pipetrain.schedules.versions import check_versions
 
@@ -46,29 +48,20 @@ def validate(schedule: Schedule) -> None:
     schedule.overlapped  # noqa: B018  # finding the pairs checks them; the simulator reuses them
     if schedule.asynchronous:
         check_versions(schedule)
-    _execute(schedule, lanes)
+    execute(schedule, lanes)
 
 
-class _Lane(NamedTuple):
-    """What the abstract execution needs of a rank's actions: the indices of its sends,
-    receives and collectives (compute never waits), and the first index that uses data the
-    rank does not have yet (its length if none)."""
-
-    waits: list[int]
-    early: int
-
-
-def _check_lanes(schedule: Schedule, steps: bool = True) -> list[_Lane]:
+def _check_lanes(schedule: Schedule, steps: bool = True) -> list[Lane]:
     """Each action on a rank holding its stage, each compute where routing puts it and in
     order, every (kind, stage, micro-batch) once, and (with ``steps``) a synchronous stage
-    stepped once after all of its rank's work on it; each rank's :class:`_Lane`.
+    stepped once after all of its rank's work on it; each rank's :class:`Lane`.
 
     Whether an action uses data the rank has depends only on what comes before it in its own
     lane (a receive either yields its own message or fails), so it is found here, in one
     pass per lane; the abstract execution raises it only when the rank gets that far."""
     expected = {Kind.FORWARD, Kind.BACKWARD} | ({Kind.WEIGHT} if schedule.split_backward else set())
     stage_ranks, stages, microbatches = schedule.stage_ranks, schedule.stages, schedule.microbatches
-    synchronous, last, local = not schedule.asynchronous, stages - 1, {Kind.OVERLAP, *HOST_KINDS}
+    synchronous, local = not schedule.asynchronous, {Kind.OVERLAP, *HOST_KINDS}
     forward, backward, weight, step, gather = (
         Kind.FORWARD,
         Kind.BACKWARD,
@@ -76,9 +69,10 @@ def _check_lanes(schedule: Schedule, steps: bool = True) -> list[_Lane]:
         Kind.STEP,
         Kind.GATHER,
     )
-    compute, receives, needs, carries = COMPUTE_KINDS, RECV_KINDS, NEEDS.get, CARRIES.get
+    compute, receives, carries = COMPUTE_KINDS, RECV_KINDS, CARRIES.get
     # a micro-batch's passes on a stage come in this order; its progress counts them
     pass_order = {forward: 0, backward: 1, weight: 2}
+    place_of = {kind: pass_order[kind] for kind in expected}.get
     covered = 0
     checked = []
     holds: dict[int, list[int]] = {}  # the stages each rank holds, in increasing order
@@ -87,8 +81,17 @@ def _check_lanes(schedule: Schedule, steps: bool = True) -> list[_Lane]:
             holds.setdefault(rank, []).append(stage)
     for rank, lane in enumerate(schedule.ranks):
         held = {stage for stage in holds.get(rank, ()) if stage < stages}
-        progress: dict[int, int] = {}  # stage · microbatches + micro-batch -> passes run
-        received: set[tuple[Kind, int, int | None]] = set()
+        # where routing is implied by placement: the held stages without replicas
+        alone = {stage for stage in held if len(stage_ranks[stage]) == 1}
+        # a held stage's micro-batches are numbered from its first: base[stage] + mb
+        base = {stage: i * microbatches for i, stage in enumerate(sorted(held))}
+        unheld = len(held) * microbatches  # where the micro-batches of any other stage are
+        inputs = _inputs(held, stage_ranks, base, unheld, pass_order)
+        # passes run of each numbered micro-batch, then of a stage beyond the schedule's that
+        # the placement gives the rank (none run)
+        progress = [0] * (unheld + microbatches)
+        # which numbered micro-batches' activations and gradients have been received
+        received = {receive: bytearray(len(progress)) for receive in _CARRIERS}
         stepped: set[int] = set()
         waits: list[int] = []
         early = nowhere = len(lane)  # the first use of data too early: none yet
@@ -96,28 +99,31 @@ def _check_lanes(schedule: Schedule, steps: bool = True) -> list[_Lane]:
             kind, stage, mb, _, _ = action
             if stage not in held or (mb is not None and not 0 <= mb < microbatches):
                 raise _misplaced(schedule, rank, index)
-            if kind in compute:
-                if mb is None or kind not in expected:
+            place = place_of(kind)
+            if place is not None:
+                if mb is None:
                     raise _misordered(schedule, rank, index, stepped)
-                replicas = stage_ranks[stage]  # messages.rank_of, inline: it runs per action
-                key = stage * microbatches + mb
-                done = progress.get(key, 0)
-                if (
-                    replicas[mb % len(replicas)] != rank
-                    or done != pass_order[kind]
-                    or (synchronous and stage in stepped)
-                ):
+                key = base[stage] + mb
+                done = progress[key]
+                if done != place or (synchronous and stage in stepped):
                     raise _misordered(schedule, rank, index, stepped)
+                if stage not in alone:
+                    replicas = stage_ranks[stage]  # messages.rank_of, inline
+                    if replicas[mb % len(replicas)] != rank:
+                        raise _misordered(schedule, rank, index, stepped)
                 progress[key] = done + 1
-                need = needs(kind)
-                if need is not None and 0 <= stage + need[2] <= last and early == nowhere:
-                    source = stage + need[2]
-                    replicas = stage_ranks[source]  # held by none: placement or coverage fails
-                    if replicas and replicas[mb % len(replicas)] == rank:
-                        if progress.get(source * microbatches + mb, 0) <= pass_order[need[1]]:
+                if early == nowhere:
+                    source = inputs[place].get(stage)
+                    if source is None:  # from the step's data, or its own earlier pass
+                        continue
+                    replicas, where, produced, receive = source
+                    if replicas[mb % len(replicas)] == rank:  # its own pass made the input
+                        if progress[where + mb] <= produced:
                             early = index
-                    elif (need[0], stage, mb) not in received:
+                    elif not received[receive][key]:
                         early = index
+            elif kind in compute:
+                raise _misordered(schedule, rank, index, stepped)
             elif kind is step:
                 if synchronous:
                     if stage in stepped:
@@ -130,9 +136,7 @@ def _check_lanes(schedule: Schedule, steps: bool = True) -> list[_Lane]:
                     stepped.add(stage)
             elif kind not in local:  # a send, a receive or a collective: it may wait
                 waits.append(index)
-                if kind is gather and any(
-                    progress.get(stage * microbatches + k) for k in range(microbatches)
-                ):
+                if kind is gather and any(progress[base[stage] : base[stage] + microbatches]):
                     raise ScheduleError(
                         f"rank {rank}: {action} comes after a pass of stage {stage}; a "
                         "sharded stage is gathered before its first pass",
@@ -141,25 +145,59 @@ def _check_lanes(schedule: Schedule, steps: bool = True) -> list[_Lane]:
                         index,
                     )
                 if kind in receives:
-                    received.add((kind, stage, mb))
+                    if mb is not None and kind in received:
+                        received[kind][base[stage] + mb] = 1
                 elif early == nowhere:
                     carried = carries(kind)
                     if carried is not None and (
-                        mb is None
-                        or progress.get(stage * microbatches + mb, 0) <= pass_order[carried]
+                        mb is None or progress[base[stage] + mb] <= pass_order[carried]
                     ):
                         early = index
-        covered += sum(progress.values())
+        covered += sum(progress)
         if synchronous and steps:
             for stage in holds.get(rank, ()):
                 if stage not in stepped:
                     raise ScheduleError(
                         f"rank {rank}: stage {stage} has 0 optimizer steps, expected 1"
                     )
-        checked.append(_Lane(waits, early))
+        checked.append(Lane(waits, early))
     if covered != len(expected) * stages * microbatches:
         _report_missing(schedule, expected)
     return checked
+
+
+Input = tuple[tuple[int, ...], int, int, Kind]
+"""Where a pass of one kind and stage takes its input from: the source stage's replicas
+(``(-1,)`` where none holds it), the number of that stage's first micro-batch in a lane's
+progress where the rank holds it, the producing pass's place in :func:`_check_lanes`'
+order, and the receive kind that brings it from another rank."""
+
+_CARRIERS = tuple(receive for receive, _, _ in NEEDS.values())
+"""The receive kinds a pass may wait for (a forward's activations, a backward's gradients)."""
+
+
+def _inputs(
+    held: set[int],
+    stage_ranks: tuple[tuple[int, ...], ...],
+    base: dict[int, int],
+    unheld: int,
+    pass_order: dict[Kind, int],
+) -> tuple[dict[int, Input], ...]:
+    """By pass (forward, backward, weight), each held stage whose pass takes its input from
+    a neighbouring stage -> its :data:`Input`; ``base`` numbers the held stages'
+    micro-batches, and any other stage's from ``unheld``."""
+    found: tuple[dict[int, Input], ...] = ({}, {}, {})
+    for kind, (receive, produce, offset) in NEEDS.items():
+        for stage in held:
+            source = stage + offset
+            if 0 <= source < len(stage_ranks):
+                found[pass_order[kind]][stage] = (
+                    stage_ranks[source] or (-1,),  # held by none: placement or coverage fails
+                    base.get(source, unheld),
+                    pass_order[produce],
+                    receive,
+                )
+    return found
 
 
 def _misplaced(schedule: Schedule, rank: int, index: int) -> ScheduleError:
@@ -218,144 +256,3 @@ def _report_missing(schedule: Schedule, expected: set[Kind]) -> None:
                         f"{kind.value} of stage {stage} micro-batch {mb} appears 0 times, "
                         "expected once"
                     )
-
-
-def _execute(schedule: Schedule, checked: list[_Lane]) -> None:
-    """Play the schedule with non-blocking sends; raise on deadlock or misuse.
-
-    Each rank runs until it blocks on a receive or a collective; the send or the last
-    arrival that unblocks it puts it back on the work list, so every action runs once. Only
-    the actions that may wait are visited (``checked``): a rank passing its early index
-    uses data it does not have.
-    """
-    lanes, num_ranks, last = schedule.ranks, schedule.num_ranks, schedule.stages - 1
-    stage_ranks = schedule.stage_ranks
-    position = [0] * num_ranks  # into each rank's waits
-    channels: dict[tuple[int, int], deque[tuple[Kind, int, int | None]]] = defaultdict(deque)
-    blocked_on: dict[tuple[int, int], int] = {}  # (sender, receiver) -> receiver
-    everyone = tuple(range(num_ranks))
-    arrived: dict[tuple[Kind, int, int], dict[int, None]] = defaultdict(dict)  # in order
-    collectives: list[Counter[tuple[Kind, int]]] = [Counter() for _ in range(num_ranks)]
-    runnable = deque(range(num_ranks))
-    sends, receives, receives_of = SEND_KINDS, RECV_KINDS, RECEIVES.get
-    targets_key = (Kind.RECV_T, last, None)  # the targets go to the last stage
-    while runnable:
-        rank = runnable.popleft()
-        lane, (waits, early) = lanes[rank], checked[rank]
-        at, end = position[rank], len(waits)
-        while at < end:
-            index = waits[at]
-            if index >= early:
-                raise _used_too_early(schedule, rank, early)
-            action = lane[index]
-            kind, stage, mb, peer, _ = action
-            if kind in sends:
-                pair = (rank, peer if peer is not None else -1)
-                found = receives_of(kind)
-                channels[pair].append(
-                    targets_key if found is None else (found[0], stage + found[1], mb)
-                )
-                waiter = blocked_on.pop(pair, None)
-                if waiter is not None:
-                    runnable.append(waiter)
-            elif kind in receives:
-                pair = (peer if peer is not None else -1, rank)
-                queue = channels[pair]
-                if not queue:
-                    blocked_on[pair] = rank
-                    break
-                head = queue.popleft()
-                if head != (kind, stage, mb):
-                    raise ScheduleError(
-                        f"rank {rank}: {action} would be matched with {Action(*head)}, "
-                        f"the next message rank {action.peer} sends on that channel",
-                        lane,
-                        rank,
-                        index,
-                    )
-            else:  # ALLREDUCE, GATHER or LOSS
-                position[rank] = at
-                if not _arrive(
-                    rank, action, stage_ranks, everyone, arrived, collectives, position, runnable
-                ):
-                    break
-                at = position[rank]
-                continue
-            at += 1
-        position[rank] = at
-        if at == end and early < len(lane):
-            raise _used_too_early(schedule, rank, early)
-    reached = [
-        waits[at] if at < len(waits) else len(lane)
-        for lane, (waits, _), at in zip(lanes, checked, position)
-    ]
-    _report_stuck(schedule, reached, channels)
-
-
-def _arrive(
-    rank: int,
-    action: Action,
-    stage_ranks: tuple[tuple[int, ...], ...],
-    everyone: tuple[int, ...],
-    arrived: dict[tuple[Kind, int, int], dict[int, None]],
-    collectives: list[Counter[tuple[Kind, int]]],
-    position: list[int],
-    runnable: deque[int],
-) -> bool:
-    """``rank`` reaches a collective (an all-reduce or a gather over the stage's replicas,
-    the loss over every rank); when it is the last to arrive, every member moves past it
-    and the others go back on the work list. Returns whether ``rank`` moved past it."""
-    kind = action.kind
-    group, scope = (everyone, 0) if kind is Kind.LOSS else (stage_ranks[action.stage], action.stage)
-    members = arrived[(kind, scope, collectives[rank][(kind, scope)])]
-    members.setdefault(rank)
-    if len(members) < len(group):
-        return False
-    for member in members:
-        collectives[member][(kind, scope)] += 1
-        position[member] += 1
-        if member != rank:
-            runnable.append(member)
-    return True
-
-
-def _used_too_early(schedule: Schedule, rank: int, index: int) -> ScheduleError:
-    """The error for a compute action whose input, or a send whose tensor, the rank does
-    not have yet."""
-    lane = schedule.ranks[rank]
-    action = lane[index]
-    carried = CARRIES.get(action.kind)
-    if carried is not None:
-        text = f"{carried.value}{action.stage}.{action.microbatch}"
-        return ScheduleError(
-            f"rank {rank}: {action} sends before computing {text}", lane, rank, index
-        )
-    receive, produce, offset = NEEDS[action.kind]
-    source, mb = action.stage + offset, action.microbatch
-    local = mb is not None and schedule.rank_of(source, mb) == rank
-    what = f"{produce.value}{source}.{mb}" if local else f"its {receive.value}"
-    return ScheduleError(f"rank {rank}: {action} runs before {what}", lane, rank, index)
-
-
-def _report_stuck(
-    schedule: Schedule,
-    position: list[int],
-    channels: dict[tuple[int, int], deque[tuple[Kind, int, int | None]]],
-) -> None:
-    stuck = [
-        rank for rank in range(schedule.num_ranks) if position[rank] < len(schedule.ranks[rank])
-    ]
-    if stuck:
-        waits = ", ".join(
-            f"rank {rank} at {schedule.ranks[rank][position[rank]]}" for rank in stuck
-        )
-        first = stuck[0]
-        raise ScheduleError(
-            f"{schedule.name} deadlocks: {waits}", schedule.ranks[first], first, position[first]
-        )
-    for (sender, receiver), queue in channels.items():
-        if queue:
-            raise ScheduleError(
-                f"rank {sender} sends {Action(*queue[0])} to rank {receiver}, "
-                "which never receives it"
-            )

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 from pipetrain.allocation import collector_paused
 from pipetrain.checks import positive_int
-from pipetrain.schedules import RECV_KINDS, SEND_KINDS, Kind, Schedule
+from pipetrain.schedules import SEND_KINDS, Kind, Schedule
 from pipetrain.schedules.actions import HOST_KINDS
 from pipetrain.schedules.messages import CHANNELS
 from pipetrain.simulation.costs import Costs, Variation
@@ -120,11 +120,14 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
         defaultdict(int) for _ in range(num_ranks)
     ]
     runnable = deque(range(num_ranks))
-    # send or receive kind -> its event's name and its channel's (family, offset, whole step)
-    sending = {kind: (kind.value, *CHANNELS[kind]) for kind in SEND_KINDS}
-    receiving = {kind: (kind.value, *CHANNELS[kind]) for kind in RECV_KINDS}
+    # send or receive kind -> its event's name, its channel's (family, offset, whole step),
+    # and whether it sends: one lookup sorts out every transfer
+    transfers = {kind: (kind.value, *CHANNELS[kind], kind in SEND_KINDS) for kind in CHANNELS}
     lanes, append, varied = schedule.ranks, events.append, bool(factors)
     links = HostLinks(schedule, costs) if schedule.host_stored else None
+    # compute costs its stage's time, scaled only in an overlapped pair, unless something
+    # else scales or delays it
+    plain = uniform and not varied and links is None
     while runnable:
         rank = runnable.popleft()
         actions, lane_scales = lanes[rank], scales[rank]
@@ -134,45 +137,47 @@ def _play(schedule: Schedule, costs: Costs, variation: Variation | None, seed: i
             kind, stage, mb, peer, _ = actions[index]
             spans = duration.get(kind)
             if spans is not None:
-                cost = spans[stage]
-                if not uniform and mb is not None:
-                    cost *= compute_scale[mb][stage]
-                if lane_scales:
-                    cost *= lane_scales.get(index, 1.0)
-                if varied and kind in factors:
-                    cost *= draw(factors[kind][stage])
-                if links is not None:
-                    now = max(now, links.ready(rank, stage))  # its weights have arrived
-                end = now + cost
+                if plain:
+                    if lane_scales and index in lane_scales:
+                        end = now + spans[stage] * lane_scales[index]
+                    else:
+                        end = now + spans[stage]
+                else:
+                    cost = spans[stage]
+                    if not uniform and mb is not None:
+                        cost *= compute_scale[mb][stage]
+                    if lane_scales:
+                        cost *= lane_scales.get(index, 1.0)
+                    if varied and kind in factors:
+                        cost *= draw(factors[kind][stage])
+                    if links is not None:
+                        now = max(now, links.ready(rank, stage))  # its weights have arrived
+                    end = now + cost
                 append(make((rank, names[kind], stage, mb, now, end)))
                 now = end
                 continue
-            transfer = sending.get(kind)
+            transfer = transfers.get(kind)
             if transfer is not None:
-                peer = peer if peer is not None else -1
-                name, family, offset, whole_step = transfer
+                name, family, offset, whole_step, outgoing = transfer
                 boundary = 0 if whole_step else stage + offset
-                key = (peer, family, boundary, mb)
-                # the sender packs the message, then the link carries it without the sender
-                busy = small_send_s if whole_step else send_s[mb or 0][boundary]
-                end = now + busy
-                append(make((rank, name, stage, mb, now, end)))
-                now = end
-                # the bytes cross both ranks' links; the latency follows them off, so
-                # messages sent back to back overlap their latencies
-                wire = 0.0 if whole_step else wire_s[mb or 0][boundary]
-                if wire > 0:
-                    ports.carry(rank, peer, now, wire, key)
-                else:
-                    arrival[key] = now + latency
-                waiter = waiting_on.pop(key, None)
-                if waiter is not None:
-                    runnable.append(waiter)
-                continue
-            transfer = receiving.get(kind)
-            if transfer is not None:
-                name, family, offset, whole_step = transfer
-                boundary = 0 if whole_step else stage + offset
+                if outgoing:
+                    peer = peer if peer is not None else -1
+                    key = (peer, family, boundary, mb)
+                    # the sender packs the message, then the link carries it without the
+                    # sender
+                    end = now + (small_send_s if whole_step else send_s[mb or 0][boundary])
+                    append(make((rank, name, stage, mb, now, end)))
+                    now = end
+                    # the bytes cross both ranks' links; the latency follows them off, so
+                    # messages sent back to back overlap their latencies
+                    if wired and not whole_step and wire_s[mb or 0][boundary] > 0:
+                        ports.carry(rank, peer, now, wire_s[mb or 0][boundary], key)
+                    else:
+                        arrival[key] = now + latency
+                    waiter = waiting_on.pop(key, None)
+                    if waiter is not None:
+                        runnable.append(waiter)
+                    continue
                 key = (rank, family, boundary, mb)
                 landed = arrival.pop(key, None)
                 if landed is None:

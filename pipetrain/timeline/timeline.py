@@ -172,7 +172,8 @@ class Timeline(JsonFile):
                 f"event {event!r} has rank {event.rank} outside [0, {num_ranks}); "
                 f"pass num_ranks > {event.rank} or fix the event's rank"
             )
-        self._collected = collected  # in any order; `events` sorts them when first asked
+        # in any order; `events` sorts them when first asked
+        self._collected: Sequence[Event] = collected
         self.num_ranks: int = num_ranks
         self.label: str = label
 
@@ -180,9 +181,10 @@ class Timeline(JsonFile):
     def trusted(cls, events: Iterable[Event], num_ranks: int, label: str) -> Timeline:
         """A timeline of ``events`` known to be :class:`Event` values of ranks in
         ``range(num_ranks)``, unchecked: the simulator makes them so, by the hundred
-        thousand, and checking them was a tenth of a simulation."""
+        thousand, and checking them was a tenth of a simulation. A list is kept as it is,
+        not copied: the caller hands it over and changes it no more."""
         timeline = cls.__new__(cls)
-        timeline._collected = tuple(events)
+        timeline._collected = events if isinstance(events, list) else tuple(events)
         timeline.num_ranks = num_ranks
         timeline.label = label
         return timeline

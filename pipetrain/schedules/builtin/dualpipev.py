@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Sequence
 from functools import lru_cache
 
-from pipetrain.schedules.actions import Action, Kind
+from pipetrain.schedules.actions import Action, Kind, shared_ints
 from pipetrain.schedules.builtin.unit_time import peak_held
 from pipetrain.schedules.builtin.vshape import CHUNKS, check_v, v_placement
 from pipetrain.schedules.registry import Generated, Option, Options, ScheduleSpec
@@ -85,6 +85,7 @@ def rank_order(ranks: int, rank: int, microbatches: int) -> list[Action]:
     while owed:
         weight()
     count: dict[tuple[Kind, int], int] = {}
+    numbers = shared_ints(m)
     order = []
     for kind, stage in passes:
         if kind is Kind.OVERLAP:
@@ -92,7 +93,7 @@ def rank_order(ranks: int, rank: int, microbatches: int) -> list[Action]:
             continue
         k = count.get((kind, stage), 0)
         count[(kind, stage)] = k + 1
-        order.append(Action(kind, stage, k))
+        order.append(Action(kind, stage, numbers[k]))
     return order
 
 

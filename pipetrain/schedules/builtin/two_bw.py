@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
-from pipetrain.schedules.actions import Action, Kind, trusted_action
+from pipetrain.allocation import collector_paused
+from pipetrain.schedules.actions import Action, Kind, shared_ints, trusted_action
 from pipetrain.schedules.builtin.common import one_f_one_b_in_flight
 from pipetrain.schedules.registry import (
     Bubble,
@@ -21,9 +23,19 @@ def generate(
 ) -> Generated:
     """Mini-batch t (``microbatches`` micro-batches) runs on weight version t − 1 (version 0
     for t = 0), so W(t+1) = W(t) − ν·∇f(W(t−1)) and each stage holds two versions."""
-    total = microbatches * int(options["rounds"])
-    orders = [_order(stage, ranks - stage, total, microbatches) for stage in range(ranks)]
+    orders = [list(order) for order in _orders(ranks, microbatches, int(options["rounds"]))]
     return Generated(orders, [(stage,) for stage in range(ranks)], {"max_versions": 2})
+
+
+@lru_cache(maxsize=64)
+def _orders(ranks: int, microbatches: int, rounds: int) -> tuple[tuple[Action, ...], ...]:
+    """Every stage's :func:`_order` (kept: a window holds many actions, and the planner
+    bounds a candidate, then builds it)."""
+    total = microbatches * rounds
+    with collector_paused():
+        return tuple(
+            tuple(_order(stage, ranks - stage, total, microbatches)) for stage in range(ranks)
+        )
 
 
 def _order(stage: int, limit: int, total: int, microbatches: int) -> list[Action]:
@@ -33,12 +45,13 @@ def _order(stage: int, limit: int, total: int, microbatches: int) -> list[Action
     family's actions, and a second pass to stamp versions was a fifth of a build."""
     forward, backward, step = Kind.FORWARD, Kind.BACKWARD, Kind.STEP
     warm_up = min(limit, total)
+    numbers = shared_ints(total)
     order = [
         trusted_action((forward, stage, mb, None, max(mb // microbatches - 1, 0)))
-        for mb in range(warm_up)
+        for mb in numbers[:warm_up]
     ]
     steps = 0
-    for mb in range(total):
+    for mb in numbers:
         order.append(trusted_action((backward, stage, mb, None, max(mb // microbatches - 1, 0))))
         if (mb + 1) % microbatches == 0:
             steps += 1
@@ -46,7 +59,7 @@ def _order(stage: int, limit: int, total: int, microbatches: int) -> list[Action
         following = mb + warm_up
         if following < total:
             version = max(following // microbatches - 1, 0)
-            order.append(trusted_action((forward, stage, following, None, version)))
+            order.append(trusted_action((forward, stage, numbers[following], None, version)))
     return order
 
 

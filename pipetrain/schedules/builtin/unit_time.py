@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from typing import NamedTuple
 
-from pipetrain.schedules.actions import Action, Kind
+from pipetrain.schedules.actions import Action, Kind, shared_ints
 
 Orders = list[list[Action]]
 """Each rank's F, B and W actions in order."""
@@ -73,8 +73,10 @@ class Coder(NamedTuple):
     def decode(self, orders: Sequence[Sequence[int]]) -> Orders:
         """Codes back as actions."""
         m, size = self.microbatches, self.stages * self.microbatches
+        numbers = shared_ints(max(m, self.stages))
         return [
-            [Action(_KINDS[c // size], c % size // m, c % m) for c in order] for order in orders
+            [Action(_KINDS[c // size], numbers[c % size // m], numbers[c % m]) for c in order]
+            for order in orders
         ]
 
 
