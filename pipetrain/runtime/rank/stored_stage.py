@@ -17,8 +17,8 @@ Buffers stay in the module (they are small). A parameter two stages of the rank 
 embeddings) is stored once, with the first stage, and stays loaded while either stage is.
 
 The optimizer steps a stage a part at a time (:meth:`StoredStage.parts`: parameters that
-lie together, of at most 8 MiB or the largest one's bytes), each part's pages released before the
-next, so a step holds one part of the stage's weights, gradients and state. The state is
+lie together, of at most 8 MiB or the largest one's bytes), each part's pages released
+before the next, so a step holds one part of the stage's weights, gradients and state. The state is
 made by the first step in private memory and moved into the store a part at a time, where
 later steps update it in place. After each use a stage's regions are released, so a
 worker's resident memory holds the stages it has loaded, not its share of the model.
@@ -207,7 +207,7 @@ class StoredStage:
         of the parameters whose ids are in ``ids``) were freed: the allocator's free pages
         back to the system where that is :data:`~pipetrain.distributed.heap.FREE_KEPT_BYTES`
         or more. Smaller stages' come and go in memory the allocator reuses, and handing
-        it back would fault it in again at every load (10% of a step measured)."""
+        it back would fault it in again at every load (9% of a step measured)."""
         slots = self._own if ids is None else [s for s in self._own if id(s.parameter) in ids]
         if 2 * sum(_nbytes(slot.parameter) for slot in slots) >= FREE_KEPT_BYTES:
             return_freed_memory()
