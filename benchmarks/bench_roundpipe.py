@@ -267,8 +267,9 @@ def memory(args: argparse.Namespace) -> None:
     print("|---|---:|---:|---:|---:|---|---:|---:|---:|")
     for name, floor_size in sizes.items():
         floor, full = runs[(name, floor_size)], runs[(name, (args.layers, args.d_model))]
-        predicted = "" if name != "planned" or chosen is None else predicted_peaks(chosen)
-        label = name if chosen is None or name != "planned" else f"{chosen.schedule}, as planned"
+        planned = chosen if name == "planned" else None
+        predicted = "" if planned is None else predicted_peaks(planned)
+        label = name if planned is None else f"{planned.schedule}, as planned"
         for rank, (low, high) in enumerate(zip(floor, full)):
             net = high["peak"] - low["peak"]
             print(

@@ -140,13 +140,14 @@ class StaleHostWeights(HostWeights):
         assert optimizer is not None  # set by the step that made it wait
         state = optimizer.state
         stand_ins: dict[int, nn.Parameter] = {}
+        parameters: dict[int, torch.Tensor] = {}
         for (parameter, master), (_, kept) in zip(
             stored.stored_views(), stored.stored_views(PENDING)
         ):
             stand_in = nn.Parameter(master, requires_grad=parameter.requires_grad)
             stand_in.grad = None if id(parameter) in self._gradless else kept
             stand_ins[id(parameter)] = stand_in
-        parameters = {id(parameter): parameter for parameter, _ in stored.stored_views()}
+            parameters[id(parameter)] = parameter
         groups = optimizer.param_groups
         kept_groups = [dict(group) for group in groups]
         try:
@@ -170,7 +171,6 @@ class StaleHostWeights(HostWeights):
             for group, kept_group in zip(groups, kept_groups):
                 group.clear()
                 group.update(kept_group)
-        stored.release()
 
 
 def _lend(state: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

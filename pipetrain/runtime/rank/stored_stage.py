@@ -38,7 +38,7 @@ from pipetrain.schedules import Action
 
 PART_BYTES = 8 * 2**20
 """The most parameter bytes an optimizer step takes at once, beyond the largest parameter:
-a step call has a fixed cost (0.3-0.4 ms of Adam's on CPU), so small parameters go
+a step call has a fixed cost (about 0.4 ms of Adam's on CPU), so small parameters go
 together."""
 
 
@@ -171,9 +171,7 @@ class StoredStage:
         gradients already in the store are set aside for :meth:`offload` to add to."""
         with torch.no_grad():
             for slot in self._slots:
-                slot.load(self.device)
-        for home in {id(s.home): s.home for s in self._slots}.values():
-            home.master.release()
+                slot.load(self.device)  # each drops its pages of the store once copied
 
     def offload(self) -> None:
         """``OFFLOAD``: the gradients made since :meth:`load` added into the store's, the
@@ -181,6 +179,7 @@ class StoredStage:
         with torch.no_grad():
             for slot in self._slots:
                 slot.offload()
+        # each slot dropped its gradient's pages; this drops those read between passes
         for home in {id(s.home): s.home for s in self._slots}.values():
             home.release()
         self.return_freed()
