@@ -3,6 +3,7 @@ model, train as the unpipelined model does, with tied weights kept one parameter
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch
 
 import pipetrain
 from pipetrain.checkpoint import load_full
+from pipetrain.model.capture import _without_stack_traces
 from pipetrain.model.graph import GraphModel
 
 pytest.importorskip("transformers")
@@ -188,3 +190,19 @@ def test_a_stage_placed_on_a_device_names_only_it_inside_an_autocast_region() ->
     assert "cpu" in graph.captured.module.code  # other stages are placed from the capture
     on_cpu = graph.stage(0, len(graph.names), device=torch.device("cpu"))
     torch.testing.assert_close(on_cpu(x)[0], model(x))
+
+
+@pytest.mark.parametrize("setting", [None, False, True])
+def test_the_capture_turns_stack_traces_off_only_where_torch_has_the_setting(
+    setting: bool | None,
+) -> None:
+    """Torch before 2.13 has no ``do_not_emit_stack_traces``: the capture must not need
+    it; where it exists it is on during the capture and as it was after."""
+    config = (
+        types.SimpleNamespace()
+        if setting is None
+        else types.SimpleNamespace(do_not_emit_stack_traces=setting)
+    )
+    with _without_stack_traces(config):
+        assert getattr(config, "do_not_emit_stack_traces", True) is True
+    assert vars(config) == ({} if setting is None else {"do_not_emit_stack_traces": setting})
