@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -58,19 +59,16 @@ def _peak_bytes(device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
 
-def unpipelined(shape: dict[str, int], run: dict[str, Any]) -> dict[str, Any]:
-    """Worker: the whole model on the device in this process, its gradients accumulated
-    over ``run["microbatches"]`` equal parts of each batch (1: none)."""
-    device = torch.device(run["device"])
-    parts = run.get("microbatches", 1)
-    model = _model(shape).to(device)
+def accumulating_step(
+    model: torch.nn.Module, parts: int, device: torch.device, autocast: bool
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The unpipelined model's training step with Adam, its gradients accumulated over
+    ``parts`` equal parts of each batch (1: none); the step returns the batch's loss
+    without waiting for it."""
     loss_fn = loss_function("gpt")
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-    autocast = run["precision"] == "bf16"
-    times, losses = [], []
-    for x, y in _batches(shape, run["batch"], run["steps"]):
-        _sync(device)
-        start = time.perf_counter()
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         x, y = x.to(device), y.to(device)
         total = torch.zeros((), device=device)
         for x_part, y_part in zip(x.chunk(parts), y.chunk(parts)):
@@ -81,7 +79,22 @@ def unpipelined(shape: dict[str, int], run: dict[str, Any]) -> dict[str, Any]:
             total += loss.detach()
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(total.item())
+        return total
+
+    return step
+
+
+def unpipelined(shape: dict[str, int], run: dict[str, Any]) -> dict[str, Any]:
+    """Worker: the whole model on the device in this process, its gradients accumulated
+    over ``run["microbatches"]`` equal parts of each batch (1: none)."""
+    device = torch.device(run["device"])
+    model = _model(shape).to(device)
+    step = accumulating_step(model, run.get("microbatches", 1), device, run["precision"] == "bf16")
+    times, losses = [], []
+    for x, y in _batches(shape, run["batch"], run["steps"]):
+        _sync(device)
+        start = time.perf_counter()
+        losses.append(step(x, y).item())
         times.append(time.perf_counter() - start)
     return {"times": times, "losses": losses, "peak": _peak_bytes(device)}
 

@@ -35,40 +35,23 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from bench_gpu import LR, accumulating_step
 from torch.profiler import ProfilerActivity, profile
 
 import pipetrain
 from pipetrain.app.data import BatchStream
 from pipetrain.app.models import build_model, loss_function
 
-LR = 1e-4
 WARMUP = 5
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel")  # cuLaunchKernelEx too
 
 
 def _accumulating(
     shape: dict[str, int], parts: int, device: torch.device
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The unpipelined model's step, accumulating over ``parts`` micro-batches; returns
-    the loss without waiting for it."""
+    """The unpipelined model's bf16 step, accumulating over ``parts`` micro-batches."""
     torch.manual_seed(0)
-    model = build_model("gpt", **shape).to(device)
-    loss_fn = loss_function("gpt")
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        x, y = x.to(device), y.to(device)
-        total = torch.zeros((), device=device)
-        for x_part, y_part in zip(x.chunk(parts), y.chunk(parts)):
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                logits = model(x_part)
-            loss = loss_fn(logits.float(), y_part) / parts
-            loss.backward()
-            total += loss.detach()
-        optimizer.step()
-        optimizer.zero_grad()
-        return total
-
-    return step
+    return accumulating_step(build_model("gpt", **shape).to(device), parts, device, True)
 
 
 def _pipelined(
@@ -127,7 +110,7 @@ def _profiled(
         _sync(device)
     events = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
-    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel"))
+    launches = sum(e.count for e in events if e.key.startswith(LAUNCHES))
     table = events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=50)
     return device_us / 1e3 / len(batches), launches // len(batches), table
 
