@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipetrain.schedules import Action, Kind, Schedule, ScheduleError, build, validate
+from pipetrain.schedules import Action, Kind, Schedule, ScheduleError, build, names, validate
 from pipetrain.schedules.lower import lower
 
 sizes = st.integers(min_value=1, max_value=7)
@@ -419,3 +419,19 @@ def test_copies_of_a_pipeline_split_its_micro_batches_and_reduce_before_the_step
                 assert kinds[index - 1] is Kind.ALLREDUCE
     with pytest.raises(ValueError, match="updates inside the step"):
         data_parallel_copies(build("pipedream", 2, 4), 2)
+
+
+@pytest.mark.parametrize("name", names())
+def test_every_action_of_a_microbatch_holds_one_number_object(name: str) -> None:
+    """Numbers from 256 up are made afresh by each addition; a family that made one per
+    action would spread each micro-batch over as many objects as it has actions, and every
+    pass over a large schedule would read them all (the build then slows per action as it
+    grows)."""
+    schedule = build(name, 4, 320)
+    objects: dict[int, set[int]] = {}
+    for lane in schedule.ranks:
+        for action in lane:
+            if action.microbatch is not None and action.microbatch >= 256:
+                objects.setdefault(action.microbatch, set()).add(id(action.microbatch))
+    assert objects, "no micro-batch numbered 256 or more"
+    assert {number: len(ids) for number, ids in objects.items() if len(ids) > 1} == {}

@@ -6,7 +6,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from pipetrain.schedules.actions import Action, Kind
+from pipetrain.schedules.actions import Action, Kind, shared_ints
 from pipetrain.schedules.registry import Bubble, Options, UniformCosts
 
 Orders = list[list[Action]]
@@ -27,10 +27,10 @@ def assign_ranks(replicas: Sequence[int]) -> StageRanks:
     return stage_ranks
 
 
-def local_microbatches(position: int, replicas: int, total: int) -> range:
+def local_microbatches(position: int, replicas: int, total: int) -> tuple[int, ...]:
     """The micro-batches of ``total`` that round-robin routing gives the replica at
-    ``position`` among a stage's ``replicas``."""
-    return range(position, total, replicas)
+    ``position`` among a stage's ``replicas`` (as :func:`shared_ints`' objects)."""
+    return shared_ints(total)[position::replicas]
 
 
 def in_flight_limit(replicas: Sequence[int], stage: int) -> int:

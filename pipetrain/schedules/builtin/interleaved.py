@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipetrain.schedules.actions import Action, Kind
+from pipetrain.schedules.actions import Action, Kind, shared_ints
 from pipetrain.schedules.registry import (
     Bubble,
     Generated,
@@ -21,12 +21,13 @@ def generate(
     """Megatron-LM's order: warm-up forwards over the chunks, then 1F1B, then the drain."""
     p, v = ranks, int(options["virtual"])
     total = microbatches * v
+    numbers = shared_ints(microbatches)
 
     def unit(k: int, forward: bool) -> tuple[int, int]:
         chunk = (k // p) % v
         if not forward:
             chunk = v - 1 - chunk
-        return chunk, (k // (p * v)) * p + k % p
+        return chunk, numbers[(k // (p * v)) * p + k % p]
 
     orders = []
     for rank in range(p):

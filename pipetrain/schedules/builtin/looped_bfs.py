@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipetrain.schedules.actions import Action, Kind
+from pipetrain.schedules.actions import Action, Kind, shared_ints
 from pipetrain.schedules.registry import (
     Bubble,
     Generated,
@@ -24,13 +24,12 @@ def generate(
     """Rank ``r`` forwards every micro-batch through stage ``r``, then ``r + p``, …, then
     backwards them from its last stage to its first, then steps each stage."""
     p, v = ranks, int(options["virtual"])
+    numbers = shared_ints(microbatches)
     orders = []
     for rank in range(p):
         stages = [chunk * p + rank for chunk in range(v)]
-        order = [Action(Kind.FORWARD, s, k) for s in stages for k in range(microbatches)]
-        order += [
-            Action(Kind.BACKWARD, s, k) for s in reversed(stages) for k in range(microbatches)
-        ]
+        order = [Action(Kind.FORWARD, s, k) for s in stages for k in numbers]
+        order += [Action(Kind.BACKWARD, s, k) for s in reversed(stages) for k in numbers]
         order += [Action(Kind.STEP, s) for s in stages]
         orders.append(order)
     return Generated(orders, [(stage % p,) for stage in range(p * v)])

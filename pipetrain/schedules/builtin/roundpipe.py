@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipetrain.schedules.actions import Action, Kind
+from pipetrain.schedules.actions import Action, Kind, shared_ints
 from pipetrain.schedules.registry import (
     Bubble,
     Generated,
@@ -65,7 +65,7 @@ def generate(
     (its highest stage's forwards and backwards in one residency); with ``resident=2``,
     the next residency's ``LOAD`` is written before the current one's passes."""
     stages, prefetch = model_stages(ranks, options), options["resident"] == 2
-    every = range(microbatches)
+    every = shared_ints(microbatches)
     orders = []
     for rank in range(ranks):
         held = list(range(rank, stages, ranks))

@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Sequence
 from functools import lru_cache
 
-from pipetrain.schedules.actions import Action, Kind
+from pipetrain.schedules.actions import Action, Kind, shared_ints, trusted_action
 from pipetrain.schedules.builtin.unit_time import peak_held
 from pipetrain.schedules.registry import (
     Bubble,
@@ -40,6 +40,7 @@ def _list_scheduled(ranks: int, microbatches: int) -> list[list[Action]]:
     holds more micro-batches than 1F1B's limit until its W's run (:func:`in_flight`).
     """
     p, m = ranks, microbatches
+    numbers = shared_ints(m)
     forward_done = [[math.inf] * m for _ in range(p)]
     backward_done = [[math.inf] * m for _ in range(p)]
     next_forward, next_backward = [0] * p, [0] * p
@@ -56,14 +57,16 @@ def _list_scheduled(ranks: int, microbatches: int) -> list[list[Action]]:
             b_ready = b < f and (rank == p - 1 or backward_done[rank + 1][b] <= time)
             f_ready = f < m and f - b < limit and (rank == 0 or forward_done[rank - 1][f] <= time)
             if b_ready:
-                built[rank].append(Action(Kind.BACKWARD, rank, b))
+                built[rank].append(Action(Kind.BACKWARD, rank, numbers[b]))
                 backward_done[rank][b] = time + 1
                 next_backward[rank] += 1
                 pending_weight[rank].append(b)
             elif pending_weight[rank] and (len(pending_weight[rank]) > p or not f_ready):
-                built[rank].append(Action(Kind.WEIGHT, rank, pending_weight[rank].popleft()))
+                built[rank].append(
+                    Action(Kind.WEIGHT, rank, numbers[pending_weight[rank].popleft()])
+                )
             elif f_ready:
-                built[rank].append(Action(Kind.FORWARD, rank, f))
+                built[rank].append(Action(Kind.FORWARD, rank, numbers[f]))
                 forward_done[rank][f] = time + 1
                 next_forward[rank] += 1
             else:
@@ -77,8 +80,11 @@ def _list_scheduled(ranks: int, microbatches: int) -> list[list[Action]]:
 
 @lru_cache(maxsize=256)
 def _orders(ranks: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
-    """:func:`_list_scheduled`, kept: the planner's memory model, bound and build read it."""
-    return tuple(map(tuple, _list_scheduled(ranks, microbatches)))
+    """:func:`_list_scheduled`, kept: the planner's memory model, bound and build read it.
+    Each lane's actions are made afresh, one lane after another, so a lane lies together in
+    memory (list scheduling makes them a time step, across every rank, at a time) and the
+    passes that walk it lane by lane stay in the caches."""
+    return tuple(tuple(map(trusted_action, lane)) for lane in _list_scheduled(ranks, microbatches))
 
 
 @lru_cache(maxsize=256)
