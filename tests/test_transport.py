@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transport_cases import SENT, channels_received_out_of_sent_order, yields_per_send
 
+import pipetrain
 from pipetrain.distributed.framing import (
     HEADER_SLOTS,
     TRAILER,
@@ -17,6 +19,7 @@ from pipetrain.distributed.framing import (
 )
 from pipetrain.distributed.loopback import LoopbackGroup, LoopbackTransport
 from pipetrain.distributed.transport import PeerError
+from pipetrain.schedules.messages import CHANNELS, channel_tag
 
 
 def exchange(messages: list[tuple[tuple, tuple[torch.Tensor, ...]]]) -> list[tuple]:
@@ -187,3 +190,32 @@ def test_all_reduce_gives_every_rank_the_same_sum() -> None:
     results = LoopbackGroup(3, timeout_s=5).run(run)
     assert results[0] == results[1] == results[2]
     assert results[0] == pytest.approx([0.6, 1.2, 1.8])
+
+
+def test_over_gloo_each_channel_is_matched_apart_so_its_receive_can_wait_posted() -> None:
+    """A receive outstanding on one channel while another channel's messages, sent before
+    and after its own, are taken: each is matched by its channel's tag, shapes and all."""
+    results = pipetrain.launch(
+        channels_received_out_of_sent_order, 2, timeout_s=120, threads_per_worker=1
+    )
+    apart, received = results[1]
+    order = [i for i, (c, _) in enumerate(SENT) if c == ("B", 1)]
+    order += [i for i, (c, _) in enumerate(SENT) if c == ("F", 0)]
+    assert apart and results[0][0]
+    assert received == [(index, list(SENT[index][1])) for index in order]
+
+
+def test_every_schedule_channel_has_a_tag_of_its_own_and_other_names_share_zero() -> None:
+    families = {family for family, _, _ in CHANNELS.values()}
+    names = [(family, boundary) for family in sorted(families) for boundary in range(64)]
+    tags = [channel_tag(name) for name in names]
+    assert min(tags) >= 1 and len(set(tags)) == len(names)
+    assert [channel_tag(name) for name in ("message", ("F", -1), ("X", 0), ("F", 0, 1))] == [0] * 4
+
+
+def test_over_gloo_a_send_yields_the_core_once_posted() -> None:
+    """gloo's event-loop thread, deferred, sends a buffer's bytes when the sending thread
+    lets it: every posted buffer is followed by a yield."""
+    results = pipetrain.launch(yields_per_send, 2, timeout_s=120, threads_per_worker=1)
+    yields, buffers = results[0]
+    assert yields == buffers == 3

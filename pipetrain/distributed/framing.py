@@ -4,7 +4,9 @@ A message is the tensors packed into one byte buffer followed by an 8-byte trail
 Shapes and dtypes travel once per channel, in a small header, and are then reused: both
 ends remember them. When the shapes change (a smaller last micro-batch, say), the sender
 sends one buffer of the old size with the trailer set, then the new header, then the
-data, so the receiver always knows how many bytes to expect. A subclass of
+data, so the receiver always knows how many bytes to expect. Every buffer of a channel
+carries the channel's tag where the link matches tags apart (so each channel's messages
+are matched in an order of their own), else tag 0. A subclass of
 :class:`FramedTransport` provides the link: buffers, asynchronous sends and receives.
 """
 
@@ -19,6 +21,7 @@ from typing import Protocol
 import torch
 
 from pipetrain.distributed.transport import PeerError, Tensors
+from pipetrain.schedules.messages import channel_tag
 
 _DTYPES = [
     torch.float32,
@@ -132,6 +135,7 @@ class FramedReceive:
     def __init__(self, transport: FramedTransport, peer: int, channel: Hashable) -> None:
         """Post the receive of the next message on ``channel`` from ``peer``."""
         self._transport, self._peer, self._channel = transport, peer, channel
+        self._tag = transport._tag(channel)
         metas = transport._received_shapes.get((peer, channel))
         self._posted = None if metas is None else self._post_data(metas)
 
@@ -139,7 +143,7 @@ class FramedReceive:
         self, metas: tuple[TensorMeta, ...]
     ) -> tuple[tuple[TensorMeta, ...], torch.Tensor, Work]:
         buffer = self._transport._buffer(message_bytes(metas))
-        return metas, buffer, self._transport._irecv(buffer, self._peer)
+        return metas, buffer, self._transport._irecv(buffer, self._peer, self._tag)
 
     def wait(self) -> Tensors:
         """Block until the message is here; return its tensors (views of one buffer)."""
@@ -147,7 +151,7 @@ class FramedReceive:
         while True:
             if self._posted is None:
                 header = transport._buffer(HEADER_SLOTS * 8).view(torch.int64)
-                transport._wait(transport._irecv(header, self._peer), self._peer)
+                transport._wait(transport._irecv(header, self._peer, self._tag), self._peer)
                 metas = transport._received_shapes[key] = decode_header(header.cpu())
                 self._posted = self._post_data(metas)
             metas, buffer, work = self._posted
@@ -175,12 +179,21 @@ class FramedTransport(ABC):
         self._pending_sends: list[tuple[Work, int]] = []
 
     @abstractmethod
-    def _isend(self, buffer: torch.Tensor, peer: int) -> Work:
-        """Start sending ``buffer`` to ``peer``."""
+    def _isend(self, buffer: torch.Tensor, peer: int, tag: int) -> Work:
+        """Start sending ``buffer`` to ``peer`` with ``tag`` (see :meth:`_tag`)."""
 
     @abstractmethod
-    def _irecv(self, buffer: torch.Tensor, peer: int) -> Work:
-        """Start receiving the next buffer from ``peer`` into ``buffer`` (of its size)."""
+    def _irecv(self, buffer: torch.Tensor, peer: int, tag: int) -> Work:
+        """Start receiving the next buffer with ``tag`` from ``peer`` into ``buffer`` (of
+        its size)."""
+
+    channels_apart = False
+    """Whether the link matches buffers of different tags apart (see :meth:`_tag`)."""
+
+    def _tag(self, channel: Hashable) -> int:
+        """The tag of ``channel``'s buffers: its own for each schedule channel where the
+        link matches tags apart, else 0 (one order for every buffer from a peer)."""
+        return channel_tag(channel) if self.channels_apart else 0
 
     def _buffer(self, size: int) -> torch.Tensor:
         """An uninitialised byte buffer on the wire device."""
@@ -194,20 +207,20 @@ class FramedTransport(ABC):
         if finished is False:
             raise PeerError(peer, f"no answer within {self.timeout.total_seconds():g} s")
 
-    def _post(self, buffer: torch.Tensor, peer: int) -> None:
-        self._pending_sends.append((self._isend(buffer, peer), peer))
+    def _post(self, buffer: torch.Tensor, peer: int, tag: int) -> None:
+        self._pending_sends.append((self._isend(buffer, peer, tag), peer))
 
     def send(self, tensors: Sequence[torch.Tensor], peer: int, channel: Hashable) -> None:
         """Start sending ``tensors`` to ``peer``; returns at once."""
         metas = describe(tensors)
-        key = (peer, channel)
+        key, tag = (peer, channel), self._tag(channel)
         previous = self._sent_shapes.get(key)
         if previous != metas:
             if previous is not None:
                 stale = self._buffer(message_bytes(previous)).zero_()
                 stale[-TRAILER] = SHAPES_FOLLOW
-                self._post(stale, peer)
-            self._post(encode_header(metas).to(self.wire_device), peer)
+                self._post(stale, peer, tag)
+            self._post(encode_header(metas).to(self.wire_device), peer, tag)
             self._sent_shapes[key] = metas
         offsets, size = _offsets(metas)
         buffer = self._buffer(size + TRAILER)
@@ -216,7 +229,7 @@ class FramedTransport(ABC):
                 tensor.detach()
             )
         buffer[-TRAILER:] = 0
-        self._post(buffer, peer)
+        self._post(buffer, peer, tag)
 
     def post_receive(self, peer: int, channel: Hashable) -> FramedReceive:
         """Post the receive of the next message from ``peer`` on ``channel``."""

@@ -191,11 +191,11 @@ class LoopbackTransport(FramedTransport):
         """A loopback group is the whole world: ranks are their own global ranks."""
         return peer
 
-    def _isend(self, buffer: torch.Tensor, peer: int) -> _Sent:
+    def _isend(self, buffer: torch.Tensor, peer: int, tag: int) -> _Sent:
         self.group.put(self.rank, peer, buffer)
         return _Sent()
 
-    def _irecv(self, buffer: torch.Tensor, peer: int) -> _Arrival:
+    def _irecv(self, buffer: torch.Tensor, peer: int, tag: int) -> _Arrival:
         return _Arrival(self.group, peer, self.rank, buffer)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:

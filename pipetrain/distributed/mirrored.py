@@ -99,6 +99,11 @@ class MirroredTransport:
         """Where received tensors are placed."""
         return self.world.device
 
+    @property
+    def channels_apart(self) -> bool:
+        """Whether the leaders' link matches each channel's messages apart."""
+        return self.world.channels_apart
+
     def global_rank(self, peer: int) -> int:
         """The default group's rank of ``peer``'s leader (``peer``: a schedule rank)."""
         return self.world.global_rank(peer * self.degree)

@@ -53,6 +53,15 @@ class TorchTransport(FramedTransport):
         )
         if self._watch is not None:
             beat()
+        # gloo moves a message's bytes on its event-loop thread, which pipetrain marks
+        # SCHED_BATCH (distributed/io_threads.py): woken while this thread computes, it
+        # waits for a core until this thread blocks or the scheduler's tick (4 ms here),
+        # and the receiver with it; yielding once a send is posted lets it run at once
+        gloo = dist.get_backend(group) == "gloo"
+        self._yield = os.sched_yield if gloo else None
+        # gloo matches point-to-point messages by tag, so each schedule channel's receive
+        # can be posted at once; NCCL ignores tags and matches a pair's messages in order
+        self.channels_apart = gloo
         me = dist.get_rank()
         self._others = [r for r in dist.get_process_group_ranks(group or _world()) if r != me]
 
@@ -85,11 +94,16 @@ class TorchTransport(FramedTransport):
         if not finished:
             raise PeerError(peer, f"no {what} within {self.timeout.total_seconds():g} s")
 
-    def _irecv(self, buffer: torch.Tensor, peer: int) -> dist.Work:
-        return _started(dist.irecv(buffer, src=self.global_rank(peer), group=self.group), peer)
+    def _irecv(self, buffer: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        source = self.global_rank(peer)
+        return _started(dist.irecv(buffer, src=source, group=self.group, tag=tag), peer)
 
-    def _isend(self, buffer: torch.Tensor, peer: int) -> dist.Work:
-        return _started(dist.isend(buffer, dst=self.global_rank(peer), group=self.group), peer)
+    def _isend(self, buffer: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        target = self.global_rank(peer)
+        work = _started(dist.isend(buffer, dst=target, group=self.group, tag=tag), peer)
+        if self._yield is not None:
+            self._yield()
+        return work
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the group, in place."""

@@ -34,6 +34,13 @@ class Transport(Protocol):
         """Where received tensors are placed."""
         ...
 
+    @property
+    def channels_apart(self) -> bool:
+        """Whether messages from one peer are matched channel by channel (each schedule
+        channel's in its own order), so that a receive may be outstanding on every channel
+        of a peer at once; otherwise every message from a peer is matched in one order."""
+        ...
+
     def global_rank(self, peer: int) -> int:
         """The default group's rank of ``peer``, a rank of this transport's group."""
         ...

@@ -22,7 +22,7 @@ stage's replicas round-robin.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 from pipetrain.schedules.actions import Action, Kind
 
@@ -83,3 +83,21 @@ def channel(action: Action) -> Channel:
     """The channel a send or receive uses."""
     family, offset, whole_step = CHANNELS[action.kind]
     return (family, 0 if whole_step else action.stage + offset)
+
+
+_FAMILIES = tuple(sorted({family for family, _, _ in CHANNELS.values()}))
+
+
+def channel_tag(name: Hashable) -> int:
+    """A positive integer of its own for each channel :func:`channel` names, the same in
+    every process, and 0 for any other name: a link that matches messages by tag then
+    keeps each channel's messages in an order of their own."""
+    if (
+        isinstance(name, tuple)
+        and len(name) == 2
+        and name[0] in _FAMILIES
+        and isinstance(name[1], int)
+        and name[1] >= 0
+    ):
+        return 1 + name[1] * len(_FAMILIES) + _FAMILIES.index(name[0])
+    return 0
