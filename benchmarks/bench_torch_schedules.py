@@ -14,7 +14,9 @@ blocks (token-mean cross-entropy; micro-batches of 4 sequences of 64 tokens),
 ``Pipeline`` and torch's ``PipelineStage`` + schedule class) live in the same two processes
 and take steps in turn, the first of the pair alternating from step to step, so both see
 the same machine load; every schedule of a model runs in the same processes, each round in
-new ones. Per round, each schedule's ratio is pipetrain's median step time over torch's
+new ones. gloo's event-loop threads are switched before each step to what each library's
+users have: ``SCHED_BATCH`` for pipetrain's steps (which marks them so), the default policy
+for torch's. Per round, each schedule's ratio is pipetrain's median step time over torch's
 (below 1: pipetrain faster); the table gives every round's ratio and their median.
 
     python benchmarks/bench_torch_schedules.py [--rounds 5] [--steps 16] [--microbatches 8]
@@ -27,6 +29,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from typing import Any
 
 import torch
@@ -36,6 +39,7 @@ from torch import nn
 import pipetrain
 from pipetrain.app.data import BatchStream
 from pipetrain.app.models import build_model, loss_function
+from pipetrain.distributed.io_threads import defer_gloo_io_threads, loop_threads
 from pipetrain.model.layers import StageModule, stage_bounds, to_layers
 from pipetrain.runtime.rank.split_backward import input_pass
 
@@ -153,12 +157,25 @@ def run_pair(model_name: str, microbatches: int, steps: int) -> dict[str, Any]:
             pair = [("pipetrain", lambda n=name: runners[n][0].train_step(x, y)),
                     ("torch", lambda n=name: torch_step(n))]  # fmt: skip
             for library, step in pair if index % 2 else pair[::-1]:
+                loop_threads_as(library)
                 dist.barrier()
                 start = time.perf_counter()
                 step()
                 if index >= WARMUP:
                     times[name][library].append(time.perf_counter() - start)
     return times
+
+
+def loop_threads_as(library: str) -> None:
+    """gloo's event-loop threads as each library's users have them: ``SCHED_BATCH`` for
+    pipetrain (which marks them so), the default policy for torch (the two libraries share
+    these processes and their gloo groups, so one policy would hold for both)."""
+    if library == "pipetrain":
+        defer_gloo_io_threads()
+        return
+    for thread in loop_threads():
+        with suppress(OSError):  # the thread ended since it was found
+            os.sched_setscheduler(thread, os.SCHED_OTHER, os.sched_param(0))
 
 
 def torch_stage(module: nn.Module, index: int, count: int) -> Any:

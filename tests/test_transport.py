@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transport_cases import SENT, channels_received_out_of_sent_order, yields_per_send
+from transport_cases import (
+    SENT,
+    channels_received_out_of_sent_order,
+    yields_before_computing,
+    yields_per_send,
+)
 
 import pipetrain
 from pipetrain.distributed.framing import (
@@ -219,3 +224,8 @@ def test_over_gloo_a_send_yields_the_core_once_posted() -> None:
     results = pipetrain.launch(yields_per_send, 2, timeout_s=120, threads_per_worker=1)
     yields, buffers = results[0]
     assert yields == buffers == 3
+
+
+def test_over_gloo_the_transport_yields_before_computing_only_while_a_send_is_under_way() -> None:
+    results = pipetrain.launch(yields_before_computing, 2, timeout_s=120, threads_per_worker=1)
+    assert results[0] == (1, 0)

@@ -64,3 +64,24 @@ def yields_per_send() -> tuple[int, int]:
         transport.send((torch.ones(3),), 1, ("F", 0))
     transport.flush()
     return len(yields), 3
+
+
+def yields_before_computing() -> tuple[int, int]:
+    """Rank 0 sends a message that rank 1 does not receive until both pass a barrier, and
+    asks its transport to yield to its sends before and after the message has gone. Rank 0
+    returns the yields each request made (0 and 0 on rank 1)."""
+    transport = TorchTransport(torch.device("cpu"), timeout_s=60)
+    if dist.get_rank() == 1:
+        dist.barrier()
+        transport.receive(0, ("F", 0))
+        return 0, 0
+    yields = []
+    transport._yield = lambda: yields.append(1)
+    transport.send((torch.ones(3),), 1, ("F", 0))
+    posted = len(yields)
+    transport.yield_to_sends()  # under way: gloo sends only into a posted receive
+    under_way = len(yields) - posted
+    dist.barrier()
+    transport.flush()
+    transport.yield_to_sends()  # gone
+    return under_way, len(yields) - posted - under_way

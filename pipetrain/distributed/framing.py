@@ -13,7 +13,7 @@ are matched in an order of their own), else tag 0. A subclass of
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol
@@ -190,6 +190,10 @@ class FramedTransport(ABC):
     channels_apart = False
     """Whether the link matches buffers of different tags apart (see :meth:`_tag`)."""
 
+    _yield: Callable[[], None] | None = None
+    """Gives up the core at once, where the link moves bytes on a thread that waits for one
+    (see :meth:`yield_to_sends`); ``None`` where it does not."""
+
     def _tag(self, channel: Hashable) -> int:
         """The tag of ``channel``'s buffers: its own for each schedule channel where the
         link matches tags apart, else 0 (one order for every buffer from a peer)."""
@@ -209,6 +213,16 @@ class FramedTransport(ABC):
 
     def _post(self, buffer: torch.Tensor, peer: int, tag: int) -> None:
         self._pending_sends.append((self._isend(buffer, peer, tag), peer))
+        if self._yield is not None:
+            self._yield()
+
+    def yield_to_sends(self) -> None:
+        """Called before this thread computes: if the last send is still under way, give up
+        the core once, so the link's thread moves its bytes now rather than once this
+        thread next blocks."""
+        pending = self._pending_sends
+        if self._yield is not None and pending and not pending[-1][0].is_completed():
+            self._yield()
 
     def send(self, tensors: Sequence[torch.Tensor], peer: int, channel: Hashable) -> None:
         """Start sending ``tensors`` to ``peer``; returns at once."""

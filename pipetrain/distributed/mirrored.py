@@ -162,6 +162,10 @@ class MirroredTransport:
     def _received(self, buffer: torch.Tensor, metas: Sequence[TensorMeta]) -> Tensors:
         return tuple(t.to(self.device) for t in _unpacked(buffer, metas))
 
+    def yield_to_sends(self) -> None:
+        """The leader's link moves its sends' bytes now (the others send nothing)."""
+        self.world.yield_to_sends()
+
     def flush(self) -> None:
         """Wait until every send has completed."""
         self.world.flush()

@@ -56,7 +56,8 @@ class TorchTransport(FramedTransport):
         # gloo moves a message's bytes on its event-loop thread, which pipetrain marks
         # SCHED_BATCH (distributed/io_threads.py): woken while this thread computes, it
         # waits for a core until this thread blocks or the scheduler's tick (4 ms here),
-        # and the receiver with it; yielding once a send is posted lets it run at once
+        # and the receiver with it; yielding once a send is posted, and before computing
+        # while one is under way, lets it run at once
         gloo = dist.get_backend(group) == "gloo"
         self._yield = os.sched_yield if gloo else None
         # gloo matches point-to-point messages by tag, so each schedule channel's receive
@@ -100,10 +101,7 @@ class TorchTransport(FramedTransport):
 
     def _isend(self, buffer: torch.Tensor, peer: int, tag: int) -> dist.Work:
         target = self.global_rank(peer)
-        work = _started(dist.isend(buffer, dst=target, group=self.group, tag=tag), peer)
-        if self._yield is not None:
-            self._yield()
-        return work
+        return _started(dist.isend(buffer, dst=target, group=self.group, tag=tag), peer)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the group, in place."""

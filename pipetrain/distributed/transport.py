@@ -61,6 +61,11 @@ class Transport(Protocol):
         """Wait until every send has completed."""
         ...
 
+    def yield_to_sends(self) -> None:
+        """Called before this thread computes: let the link move the bytes of a send still
+        under way now, where it moves them on a thread that waits for a free core."""
+        ...
+
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Replace ``tensor`` by its sum over every rank of the group (blocking)."""
         ...

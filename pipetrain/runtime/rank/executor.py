@@ -154,6 +154,7 @@ class Executor:
 
     # compute --------------------------------------------------------------------------
     def _forward(self, action: Action) -> None:
+        self.transport.yield_to_sends()
         stage, mb = self.stages[action.stage], self._microbatch(action)
         if action.stage == 0:
             if self._data.inputs is None:
@@ -173,6 +174,7 @@ class Executor:
         self.cycle.before_gradient_pass(self.stages[action.stage], self._microbatch(action))
 
     def _backward(self, action: Action) -> None:
+        self.transport.yield_to_sends()
         stage, mb = self.stages[action.stage], self._microbatch(action)
         whole = (action.stage, mb) in self._whole
         if whole or not stage.split_backward:
@@ -185,6 +187,7 @@ class Executor:
     def _weight(self, action: Action) -> None:
         if (action.stage, self._microbatch(action)) in self._whole:
             return  # computed with its backward, which came right before it
+        self.transport.yield_to_sends()
         self._arm(action)
         self.stages[action.stage].weight(self._microbatch(action))
 
