@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from bench_torch_schedules import loop_threads_as
 from torch import nn
 
 import pipetrain
@@ -125,8 +126,12 @@ def compute_only(stage: nn.Module, microbatches: int, x: torch.Tensor) -> Callab
     return run
 
 
-def run_all(layers: int, microbatches: int, rows: int, steps: int) -> dict[str, Any]:
-    """Worker: every schedule and runner, steps in turn; rank's step times by runner."""
+def run_all(
+    layers: int, microbatches: int, rows: int, steps: int, same_threads: bool
+) -> dict[str, Any]:
+    """Worker: every schedule and runner, steps in turn; rank's step times by runner. gloo's
+    loop threads are as pipetrain marks them for its steps, and for the others' only with
+    ``same_threads`` (else at the default policy, as torch's users have them)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     rank = dist.get_rank()
@@ -173,6 +178,7 @@ def run_all(layers: int, microbatches: int, rows: int, steps: int) -> dict[str, 
         for name in SCHEDULES:
             turn = index % len(RUNNERS)
             for runner in RUNNERS[turn:] + RUNNERS[:turn]:
+                loop_threads_as("pipetrain" if runner == "pipetrain" or same_threads else "torch")
                 dist.barrier()
                 start = time.perf_counter()
                 runners[name][runner]()
@@ -189,13 +195,19 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=64)
     parser.add_argument("--rows", type=int, default=2)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument(
+        "--same-threads",
+        action="store_true",
+        help="run torch's and the floor's steps with gloo's loop threads marked as pipetrain "
+        "marks them too (by default they run at the default policy, as torch's users have them)",
+    )
     args = parser.parse_args()
     load = os.getloadavg()[0]
     steps: dict[tuple[str, str], list[float]] = {}
     for round_index in range(args.rounds):
         result = pipetrain.launch(
             run_all, RANKS, args.layers, args.microbatches, args.rows, args.steps,
-            threads_per_worker=1,
+            args.same_threads, threads_per_worker=1,
         )  # fmt: skip
         for name in SCHEDULES:
             for runner in RUNNERS:
@@ -206,7 +218,9 @@ def main() -> None:
     print(
         f"\n{RANKS} ranks x 1 thread, {args.layers} blocks of Linear({WIDTH}) + tanh, "
         f"{args.microbatches} micro-batches of {args.rows} rows, {args.steps - WARMUP} timed "
-        f"steps a round, {args.rounds} rounds; load {load:.2f} before, "
+        f"steps a round, {args.rounds} rounds, torch's loop threads "
+        f"{'as pipetrain marks them' if args.same_threads else 'at the default policy'}; "
+        f"load {load:.2f} before, "
         f"{os.getloadavg()[0]:.2f} after"
     )
     print("| schedule | runner | step ms | host µs an action | × floor | × torch |")

@@ -16,6 +16,7 @@ import pipetrain
 from pipetrain.distributed.framing import (
     HEADER_SLOTS,
     TRAILER,
+    Layout,
     TensorMeta,
     decode_header,
     describe,
@@ -86,6 +87,25 @@ def test_tensors_of_mixed_dtypes_and_channels_arrive_intact() -> None:
         assert_same(got, sent)
 
 
+def test_a_message_is_each_tensors_bytes_at_16_byte_offsets_with_zeros_between() -> None:
+    tensors = (
+        torch.arange(3, dtype=torch.int8),
+        torch.randn(2, 3).t(),  # not contiguous
+        torch.tensor(True),
+        torch.randn(5, requires_grad=True) * 2,
+    )
+    layout = Layout(describe(tensors))
+    packed = layout.pack(tensors, torch.device("cpu"))
+    expected = torch.zeros(16 + 32 + 16 + 32 + TRAILER, dtype=torch.uint8)
+    for tensor, offset in zip(tensors, (0, 16, 48, 64)):
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        expected[offset : offset + data.numel()] = data
+    assert torch.equal(packed, expected)
+    assert layout.size == expected.numel()
+    for got, sent in zip(layout.unpack(packed), tensors):
+        assert got.shape == sent.shape and torch.equal(got, sent.detach())
+
+
 def test_a_change_of_shape_mid_channel_is_announced_and_followed() -> None:
     # a smaller last micro-batch, then the old size again, then another dtype
     messages = [
@@ -94,6 +114,7 @@ def test_a_change_of_shape_mid_channel_is_announced_and_followed() -> None:
         (("F", 0), (torch.randn(2, 3), torch.arange(2))),
         (("F", 0), (torch.randn(4, 3), torch.arange(4))),
         (("F", 0), (torch.randn(4, 3).double(),)),
+        (("F", 0), (torch.randn(4, 3, requires_grad=True).double(),)),
     ]
     received = exchange(messages)
     for got, (_, sent) in zip(received, messages):

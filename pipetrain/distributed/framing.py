@@ -39,6 +39,8 @@ HEADER_SLOTS = 64
 TRAILER = 8
 _ALIGN = 16
 SHAPES_FOLLOW = 1  # a trailer value: new shapes follow this buffer
+Signature = tuple[tuple[torch.Size, torch.dtype, bool], ...]
+"""Each tensor's shape, dtype and grad requirement, as a send compares them."""
 
 
 @dataclass(frozen=True)
@@ -77,9 +79,6 @@ def _offsets(metas: Sequence[TensorMeta]) -> tuple[list[int], int]:
     return offsets, position
 
 
-packed_offsets = _offsets
-
-
 def encode_header(metas: Sequence[TensorMeta]) -> torch.Tensor:
     """Metadata as a fixed-size int64 tensor."""
     slots = [len(metas)]
@@ -109,12 +108,46 @@ def decode_header(header: torch.Tensor) -> tuple[TensorMeta, ...]:
     return tuple(metas)
 
 
-def _unpack(buffer: torch.Tensor, metas: Sequence[TensorMeta]) -> Tensors:
-    offsets, _ = _offsets(metas)
-    return tuple(
-        buffer[offset : offset + meta.nbytes].view(meta.dtype).view(meta.shape)
-        for meta, offset in zip(metas, offsets)
-    )
+class Layout:
+    """Where each tensor of a message of tensors ``metas`` lies in its byte buffer, worked
+    out once per channel's shapes: offsets aligned to 16 bytes, zeros between, then the
+    trailer."""
+
+    def __init__(self, metas: tuple[TensorMeta, ...]) -> None:
+        """The layout of messages of tensors ``metas``."""
+        self.metas = metas
+        self.offsets, data = _offsets(metas)
+        self.size = data + TRAILER
+        ends = [*self.offsets[1:], data]
+        gaps = [end - offset - meta.nbytes for meta, offset, end in zip(metas, self.offsets, ends)]
+        # the zero bytes after each tensor, the trailer's with the last's
+        self._fill = [*gaps[:-1], (gaps[-1] if gaps else 0) + TRAILER]
+        self._zeros: dict[torch.device, list[torch.Tensor | None]] = {}
+
+    def pack(self, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """A new buffer on ``device`` holding ``tensors`` (whose metadata is this layout's)
+        and a trailer of zeros: no new shapes follow."""
+        if not tensors:
+            return torch.zeros(self.size, dtype=torch.uint8, device=device)
+        zeros = self._zeros.get(device)
+        if zeros is None:
+            zeros = self._zeros[device] = [
+                torch.zeros(size, dtype=torch.uint8, device=device) if size else None
+                for size in self._fill
+            ]
+        pieces: list[torch.Tensor] = []
+        for tensor, filler in zip(tensors, zeros):
+            pieces.append(tensor.detach().to(device).reshape(-1).view(torch.uint8))
+            if filler is not None:
+                pieces.append(filler)
+        return torch.cat(pieces)
+
+    def unpack(self, buffer: torch.Tensor) -> Tensors:
+        """The tensors in ``buffer``: views of it."""
+        return tuple(
+            buffer[offset : offset + meta.nbytes].view(meta.dtype).view(meta.shape)
+            for meta, offset in zip(self.metas, self.offsets)
+        )
 
 
 class Work(Protocol):
@@ -136,14 +169,12 @@ class FramedReceive:
         """Post the receive of the next message on ``channel`` from ``peer``."""
         self._transport, self._peer, self._channel = transport, peer, channel
         self._tag = transport._tag(channel)
-        metas = transport._received_shapes.get((peer, channel))
-        self._posted = None if metas is None else self._post_data(metas)
+        layout = transport._received_layouts.get((peer, channel))
+        self._posted = None if layout is None else self._post_data(layout)
 
-    def _post_data(
-        self, metas: tuple[TensorMeta, ...]
-    ) -> tuple[tuple[TensorMeta, ...], torch.Tensor, Work]:
-        buffer = self._transport._buffer(message_bytes(metas))
-        return metas, buffer, self._transport._irecv(buffer, self._peer, self._tag)
+    def _post_data(self, layout: Layout) -> tuple[Layout, torch.Tensor, Work]:
+        buffer = self._transport._buffer(layout.size)
+        return layout, buffer, self._transport._irecv(buffer, self._peer, self._tag)
 
     def wait(self) -> Tensors:
         """Block until the message is here; return its tensors (views of one buffer)."""
@@ -152,12 +183,15 @@ class FramedReceive:
             if self._posted is None:
                 header = transport._buffer(HEADER_SLOTS * 8).view(torch.int64)
                 transport._wait(transport._irecv(header, self._peer, self._tag), self._peer)
-                metas = transport._received_shapes[key] = decode_header(header.cpu())
-                self._posted = self._post_data(metas)
-            metas, buffer, work = self._posted
+                layout = Layout(decode_header(header.cpu()))
+                transport._received_layouts[key] = layout
+                self._posted = self._post_data(layout)
+            layout, buffer, work = self._posted
             transport._wait(work, self._peer)
             if int(buffer[-TRAILER]) != SHAPES_FOLLOW:
-                return _unpack(buffer.to(transport.device, non_blocking=True), metas)
+                if transport.wire_device != transport.device:
+                    buffer = buffer.to(transport.device, non_blocking=True)
+                return layout.unpack(buffer)
             self._posted = None
 
 
@@ -174,8 +208,11 @@ class FramedTransport(ABC):
         self.device = device
         self.wire_device = wire_device
         self.timeout = timedelta(seconds=timeout_s)
-        self._sent_shapes: dict[tuple[int, Hashable], tuple[TensorMeta, ...]] = {}
-        self._received_shapes: dict[tuple[int, Hashable], tuple[TensorMeta, ...]] = {}
+        # by (peer, channel): the tensors' shapes, dtypes and grad requirements as last
+        # sent, with their layout and the channel's tag; the layout last received
+        self._sending: dict[tuple[int, Hashable], tuple[Signature, Layout, int]] = {}
+        self._received_layouts: dict[tuple[int, Hashable], Layout] = {}
+        self._tags: dict[Hashable, int] = {}
         self._pending_sends: list[tuple[Work, int]] = []
 
     @abstractmethod
@@ -197,7 +234,10 @@ class FramedTransport(ABC):
     def _tag(self, channel: Hashable) -> int:
         """The tag of ``channel``'s buffers: its own for each schedule channel where the
         link matches tags apart, else 0 (one order for every buffer from a peer)."""
-        return channel_tag(channel) if self.channels_apart else 0
+        tag = self._tags.get(channel)
+        if tag is None:
+            tag = self._tags[channel] = channel_tag(channel) if self.channels_apart else 0
+        return tag
 
     def _buffer(self, size: int) -> torch.Tensor:
         """An uninitialised byte buffer on the wire device."""
@@ -226,24 +266,30 @@ class FramedTransport(ABC):
 
     def send(self, tensors: Sequence[torch.Tensor], peer: int, channel: Hashable) -> None:
         """Start sending ``tensors`` to ``peer``; returns at once."""
-        metas = describe(tensors)
-        key, tag = (peer, channel), self._tag(channel)
-        previous = self._sent_shapes.get(key)
-        if previous != metas:
-            if previous is not None:
-                stale = self._buffer(message_bytes(previous)).zero_()
-                stale[-TRAILER] = SHAPES_FOLLOW
-                self._post(stale, peer, tag)
-            self._post(encode_header(metas).to(self.wire_device), peer, tag)
-            self._sent_shapes[key] = metas
-        offsets, size = _offsets(metas)
-        buffer = self._buffer(size + TRAILER)
-        for tensor, meta, offset in zip(tensors, metas, offsets):
-            buffer[offset : offset + meta.nbytes].view(meta.dtype).view(meta.shape).copy_(
-                tensor.detach()
-            )
-        buffer[-TRAILER:] = 0
+        key = (peer, channel)
+        signature = tuple((t.shape, t.dtype, t.requires_grad) for t in tensors)
+        sending = self._sending.get(key)
+        if sending is None or sending[0] != signature:
+            sending = self._sending[key] = self._announce(tensors, signature, peer, channel)
+        _, layout, tag = sending
+        buffer = layout.pack(tensors, self.device)
+        if buffer.device != self.wire_device:
+            buffer = self._buffer(layout.size).copy_(buffer)
         self._post(buffer, peer, tag)
+
+    def _announce(
+        self, tensors: Sequence[torch.Tensor], signature: Signature, peer: int, channel: Hashable
+    ) -> tuple[Signature, Layout, int]:
+        """Send the new shapes of ``channel``'s messages to ``peer``: after a buffer of the
+        old size whose trailer says they follow, if there were shapes before."""
+        previous, tag = self._sending.get((peer, channel)), self._tag(channel)
+        if previous is not None:
+            stale = self._buffer(previous[1].size).zero_()
+            stale[-TRAILER] = SHAPES_FOLLOW
+            self._post(stale, peer, tag)
+        metas = describe(tensors)
+        self._post(encode_header(metas).to(self.wire_device), peer, tag)
+        return signature, Layout(metas), tag
 
     def post_receive(self, peer: int, channel: Hashable) -> FramedReceive:
         """Post the receive of the next message from ``peer`` on ``channel``."""

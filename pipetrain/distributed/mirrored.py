@@ -22,36 +22,13 @@ from pipetrain.distributed.framing import (
     HEADER_SLOTS,
     SHAPES_FOLLOW,
     TRAILER,
-    TensorMeta,
+    Layout,
     decode_header,
     describe,
     encode_header,
-    message_bytes,
-    packed_offsets,
 )
 from pipetrain.distributed.torch_transport import TorchTransport
 from pipetrain.distributed.transport import PendingReceive, Tensors
-
-
-def _packed(
-    tensors: Sequence[torch.Tensor], metas: Sequence[TensorMeta], device: torch.device
-) -> torch.Tensor:
-    """``tensors`` in one byte buffer on ``device``, laid out as a framed message's, with
-    its trailer."""
-    buffer = torch.empty(message_bytes(metas), dtype=torch.uint8, device=device)
-    for tensor, meta, offset in zip(tensors, metas, packed_offsets(metas)[0]):
-        buffer[offset : offset + meta.nbytes].view(meta.dtype).view(meta.shape).copy_(
-            tensor.detach()
-        )
-    buffer[-TRAILER:] = 0  # no new shapes follow
-    return buffer
-
-
-def _unpacked(buffer: torch.Tensor, metas: Sequence[TensorMeta]) -> Tensors:
-    return tuple(
-        buffer[offset : offset + meta.nbytes].view(meta.dtype).view(meta.shape)
-        for meta, offset in zip(metas, packed_offsets(metas)[0])
-    )
 
 
 def _settle(tensors: Sequence[torch.Tensor]) -> None:
@@ -92,7 +69,7 @@ class MirroredTransport:
         self.leads = me == self.leader
         self._source = dist.get_global_rank(group, 0)
         self._wire = world.wire_device
-        self._shapes: dict[Hashable, tuple[TensorMeta, ...]] = {}  # by (peer, channel)
+        self._layouts: dict[Hashable, Layout] = {}  # by (peer, channel)
 
     @property
     def device(self) -> torch.device:
@@ -131,36 +108,34 @@ class MirroredTransport:
         framed messages travel: shapes and dtypes once per ``key`` (peer and channel), then
         each message's bytes in one buffer; a change of shapes is announced by the trailer
         of a buffer of the old size, which the new shapes and the message's buffer follow."""
-        previous = self._shapes.get(key)
+        previous = self._layouts.get(key)
         if tensors is not None:
             metas = describe(tensors)
-            if previous is not None and previous != metas:
-                stale = torch.zeros(message_bytes(previous), dtype=torch.uint8, device=self._wire)
-                stale[-TRAILER] = SHAPES_FOLLOW
-                self._share(stale)
-            if previous != metas:
+            if previous is None or previous.metas != metas:
+                if previous is not None:
+                    stale = torch.zeros(previous.size, dtype=torch.uint8, device=self._wire)
+                    stale[-TRAILER] = SHAPES_FOLLOW
+                    self._share(stale)
                 self._share(encode_header(metas).to(self._wire))
-            self._share(_packed(tensors, metas, self._wire))
-            self._shapes[key] = metas
+                previous = self._layouts[key] = Layout(metas)
+            self._share(previous.pack(tensors, self._wire))
             return tensors
         if previous is not None:
-            buffer = self._share(
-                torch.empty(message_bytes(previous), dtype=torch.uint8, device=self._wire)
-            )
+            buffer = self._share(torch.empty(previous.size, dtype=torch.uint8, device=self._wire))
             if int(buffer[-TRAILER]) != SHAPES_FOLLOW:
                 return self._received(buffer, previous)
         header = self._share(torch.zeros(HEADER_SLOTS, dtype=torch.int64, device=self._wire))
-        metas = self._shapes[key] = decode_header(header.cpu())
-        buffer = torch.empty(message_bytes(metas), dtype=torch.uint8, device=self._wire)
-        return self._received(self._share(buffer), metas)
+        layout = self._layouts[key] = Layout(decode_header(header.cpu()))
+        buffer = torch.empty(layout.size, dtype=torch.uint8, device=self._wire)
+        return self._received(self._share(buffer), layout)
 
     def _share(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` as the group's first process has it (a broadcast from it)."""
         dist.broadcast(tensor, src=self._source, group=self.group)
         return tensor
 
-    def _received(self, buffer: torch.Tensor, metas: Sequence[TensorMeta]) -> Tensors:
-        return tuple(t.to(self.device) for t in _unpacked(buffer, metas))
+    def _received(self, buffer: torch.Tensor, layout: Layout) -> Tensors:
+        return tuple(t.to(self.device) for t in layout.unpack(buffer))
 
     def yield_to_sends(self) -> None:
         """The leader's link moves its sends' bytes now (the others send nothing)."""
