@@ -10,9 +10,12 @@ turn, who goes first rotating step by step: pipetrain, torch's ``ScheduleGPipe``
 stage, forward and backward on every micro-batch with nothing sent (the model's own
 work). A runner's host cost per action is its step time less ``compute``'s, over the
 ``2 × micro-batches`` forwards and backwards of a rank's step; each figure is the median
-over ``--rounds`` rounds (new processes each) of the slower rank's median step.
+over ``--rounds`` rounds (new processes each) of the slower rank's median step. Each
+runner's steps run with gloo's event-loop threads as its users have them: marked
+``SCHED_BATCH`` for pipetrain's, which marks them so, at the default policy for torch's and
+the floor's (with ``--same-threads``, marked for every runner).
 
-    python benchmarks/bench_host_cost.py [--rounds 5] [--steps 30] [--microbatches 64]
+    python benchmarks/bench_host_cost.py [--rounds 5] [--steps 30] [--same-threads]
 """
 
 from __future__ import annotations
