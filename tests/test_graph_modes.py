@@ -101,7 +101,7 @@ def test_a_model_in_eval_mode_is_captured_in_training_mode_and_left_as_it_was() 
     torch.testing.assert_close(whole(x)[0], training.eval()(x))
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert"])
+@pytest.mark.parametrize("name", [pytest.param("gpt2", marks=pytest.mark.slow), "bert"])
 def test_eval_step_turns_sdpa_attention_dropout_off(name: str) -> None:
     pytest.importorskip("transformers")
     per_rank = pipetrain.launch(cases.evaluate_logits, 2, name, timeout_s=180)

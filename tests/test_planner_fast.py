@@ -63,7 +63,13 @@ def _without_reasons(plan_dict: dict[str, Any]) -> dict[str, Any]:
 
 # the last seeds are cases where schedules with chunks win
 @pytest.mark.parametrize(
-    "seeds", [range(0, 12), range(12, 24), range(24, 36), (116, 189, 207, 230, 239)]
+    "seeds",
+    [
+        range(0, 12),
+        pytest.param(range(12, 24), marks=pytest.mark.slow),
+        pytest.param(range(24, 36), marks=pytest.mark.slow),
+        (116, 189, 207, 230, 239),
+    ],
 )
 def test_the_plan_is_the_one_every_simulation_would_choose(seeds: Sequence[int]) -> None:
     # schedule, stages, replicas, micro-batches, recomputation, memory and predicted steps

@@ -56,6 +56,7 @@ def _assert_trains_as_unpipelined(
             assert result["held"] < 0.75 * whole
 
 
+@pytest.mark.slow  # 4 processes capturing a Llama
 def test_a_captured_llama_on_tensor_parallel_stages_trains_as_unpipelined() -> None:
     # clipped by the global norm: split parameters' parts and whole ones each counted once
     configs = [{"schedule": "1f1b", "max_grad_norm": MAX_NORM}]

@@ -273,7 +273,7 @@ class FramedTransport(ABC):
             sending = self._sending[key] = self._announce(tensors, signature, peer, channel)
         _, layout, tag = sending
         buffer = layout.pack(tensors, self.device)
-        if buffer.device != self.wire_device:
+        if self.wire_device != self.device:  # the wire's buffers are the host's
             buffer = self._buffer(layout.size).copy_(buffer)
         self._post(buffer, peer, tag)
 
