@@ -21,7 +21,6 @@ from pipetrain.distributed.framing import (
     decode_header,
     describe,
     encode_header,
-    message_bytes,
 )
 from pipetrain.distributed.loopback import LoopbackGroup, LoopbackTransport
 from pipetrain.distributed.transport import PeerError
@@ -135,7 +134,7 @@ def test_the_shapes_travel_once_per_channel() -> None:
         return sizes
 
     sizes = group.run(run)[0]
-    data = message_bytes(describe(first))
+    data = Layout(describe(first)).size
     # header + data; data only; stale buffer + header + data
     assert sizes == [2, 3, 6]
     assert data == 4 * 3 * 4 + TRAILER

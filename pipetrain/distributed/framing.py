@@ -65,11 +65,6 @@ def describe(tensors: Sequence[torch.Tensor]) -> tuple[TensorMeta, ...]:
     return tuple(TensorMeta(tuple(t.shape), t.dtype, t.requires_grad) for t in tensors)
 
 
-def message_bytes(metas: Sequence[TensorMeta]) -> int:
-    """Bytes of a message of tensors ``metas``, trailer included."""
-    return _offsets(metas)[1] + TRAILER
-
-
 def _offsets(metas: Sequence[TensorMeta]) -> tuple[list[int], int]:
     """Each tensor's byte offset in a message of tensors ``metas``, and the data's size."""
     offsets, position = [], 0
@@ -189,7 +184,7 @@ class FramedReceive:
             layout, buffer, work = self._posted
             transport._wait(work, self._peer)
             if int(buffer[-TRAILER]) != SHAPES_FOLLOW:
-                if transport.wire_device != transport.device:
+                if transport._staged:
                     buffer = buffer.to(transport.device, non_blocking=True)
                 return layout.unpack(buffer)
             self._posted = None
@@ -207,10 +202,11 @@ class FramedTransport(ABC):
         ``timeout_s`` raises :class:`PeerError`."""
         self.device = device
         self.wire_device = wire_device
+        self._staged = wire_device != device  # messages pass through the wire's buffers
         self.timeout = timedelta(seconds=timeout_s)
         # by (peer, channel): the tensors' shapes, dtypes and grad requirements as last
-        # sent, with their layout and the channel's tag; the layout last received
-        self._sending: dict[tuple[int, Hashable], tuple[Signature, Layout, int]] = {}
+        # sent, with their layout; the layout last received
+        self._sending: dict[tuple[int, Hashable], tuple[Signature, Layout]] = {}
         self._received_layouts: dict[tuple[int, Hashable], Layout] = {}
         self._tags: dict[Hashable, int] = {}
         self._pending_sends: list[tuple[Work, int]] = []
@@ -271,15 +267,15 @@ class FramedTransport(ABC):
         sending = self._sending.get(key)
         if sending is None or sending[0] != signature:
             sending = self._sending[key] = self._announce(tensors, signature, peer, channel)
-        _, layout, tag = sending
+        layout = sending[1]
         buffer = layout.pack(tensors, self.device)
-        if self.wire_device != self.device:  # the wire's buffers are the host's
+        if self._staged:
             buffer = self._buffer(layout.size).copy_(buffer)
-        self._post(buffer, peer, tag)
+        self._post(buffer, peer, self._tag(channel))
 
     def _announce(
         self, tensors: Sequence[torch.Tensor], signature: Signature, peer: int, channel: Hashable
-    ) -> tuple[Signature, Layout, int]:
+    ) -> tuple[Signature, Layout]:
         """Send the new shapes of ``channel``'s messages to ``peer``: after a buffer of the
         old size whose trailer says they follow, if there were shapes before."""
         previous, tag = self._sending.get((peer, channel)), self._tag(channel)
@@ -289,7 +285,7 @@ class FramedTransport(ABC):
             self._post(stale, peer, tag)
         metas = describe(tensors)
         self._post(encode_header(metas).to(self.wire_device), peer, tag)
-        return signature, Layout(metas), tag
+        return signature, Layout(metas)
 
     def post_receive(self, peer: int, channel: Hashable) -> FramedReceive:
         """Post the receive of the next message from ``peer`` on ``channel``."""

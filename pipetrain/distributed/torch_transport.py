@@ -44,7 +44,6 @@ class TorchTransport(FramedTransport):
         ``timeout_s``), raises :class:`PeerError`."""
         super().__init__(device, _wire_device(device, group), timeout_s)
         self.group = group
-        self._pinned = self.wire_device != device  # host buffers that stage a GPU's data
         # NCCL's waits order GPU streams, which belong to the caller's thread, and NCCL
         # has a watchdog of its own: there the caller waits itself
         frozen_after = None if frozen_after_s is None else timedelta(seconds=frozen_after_s)
@@ -73,7 +72,7 @@ class TorchTransport(FramedTransport):
     def _buffer(self, size: int) -> torch.Tensor:
         """An uninitialised byte buffer (pinned when it stages a GPU's data)."""
         return torch.empty(
-            size, dtype=torch.uint8, device=self.wire_device, pin_memory=self._pinned
+            size, dtype=torch.uint8, device=self.wire_device, pin_memory=self._staged
         )
 
     def _wait(self, work: Work, peer: int | None) -> None:
