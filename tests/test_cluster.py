@@ -106,12 +106,26 @@ def finish(process: subprocess.Popen[str], timeout_s: float) -> tuple[str, str]:
         pytest.fail(f"the cluster command ran past {timeout_s} s: {failure(err)}")
 
 
+_CAUSES = ("terminate called", "what():", "Fatal Python error", "Traceback", "Error", "error")
+
+
 def failure(err: str) -> str:
-    """What a failed cluster run printed: each host's error lines (native stack frames
-    left out), which the other hosts' later complaints would push out of a plain tail."""
+    """What a failed cluster run printed: each host's lines that name a cause (an uncaught
+    C++ exception, a fatal signal's Python stacks, a traceback, an error), which the other
+    hosts' later complaints would push out of a plain tail, then the tail (native stack
+    frames left out)."""
     lines = [line[:300] for line in err.splitlines() if "frame #" not in line]
-    errors = [line for line in lines if "Error" in line or "error" in line]
-    return "\n".join([*errors[:20], "...", *lines[-20:]])
+    causes = [n for n, line in enumerate(lines) if any(cause in line for cause in _CAUSES)]
+    # a cause with the lines after it: the exception's message, the stacks below the signal
+    shown = sorted({n for first in causes[:12] for n in range(first, min(first + 8, len(lines)))})
+    return "\n".join([*(lines[n] for n in shown[:120]), "...", *lines[-20:]])
+
+
+def ended_with(process: subprocess.Popen[str], err: str, code: int = 0) -> None:
+    """Fail the test, with :func:`failure`'s account in full, unless ``process`` exited
+    with ``code``."""
+    if process.returncode != code:
+        pytest.fail(f"the cluster command exited with {process.returncode}:\n{failure(err)}")
 
 
 def test_without_root_it_says_so_in_one_line(
@@ -252,7 +266,7 @@ def test_a_two_host_pipeline_trains_exactly_within_the_cap(runs: list[str]) -> N
     )  # fmt: skip
     runs.append(f"ptc{process.pid}-")
     out, err = finish(process, JOB_TIMEOUT_S + 20)
-    assert process.returncode == 0, failure(err)
+    ended_with(process, err)
     report = json.loads(out)
     assert report["ranks"] == 2 and report["schedule"] == "1f1b"
     assert report["losses"] == pytest.approx(
@@ -278,7 +292,7 @@ def test_sharded_replicas_on_four_hosts_train_exactly_and_leave_nothing(runs: li
     )  # fmt: skip
     runs.append(f"ptc{process.pid}-")
     out, err = finish(process, JOB_TIMEOUT_S + 20)
-    assert process.returncode == 0, failure(err)
+    ended_with(process, err)
     report = json.loads(out)
     assert (report["ranks"], report["stages"], report["data_parallel"], report["shard"]) == (
         4,
@@ -302,7 +316,7 @@ def test_an_automatic_plan_measures_the_capped_link(runs: list[str]) -> None:
     )  # fmt: skip
     runs.append(f"ptc{process.pid}-")
     out, err = finish(process, JOB_TIMEOUT_S + 20)
-    assert process.returncode == 0, failure(err)
+    ended_with(process, err)
     report = json.loads(out)
     [level] = Topology.parse(report["planned_topology"]).levels
     assert level.count == 2
@@ -327,7 +341,7 @@ def test_ctrl_c_stops_the_job_and_removes_the_cluster(runs: list[str]) -> None:
             break
     process.send_signal(signal.SIGINT)
     _, err = finish(process, 60)
-    assert process.returncode == 130, failure(err)
+    ended_with(process, err, 130)
     assert err.strip().splitlines()[-1] == "pipetrain cluster: interrupted"
 
 
@@ -343,7 +357,7 @@ def test_ddp_over_two_hosts_trains_exactly_and_sends_its_gradients(runs: list[st
     )  # fmt: skip
     runs.append(f"ptc{process.pid}-")
     out, err = finish(process, JOB_TIMEOUT_S + 20)
-    assert process.returncode == 0, failure(err)
+    ended_with(process, err)
     report = json.loads(out)
     assert report["schedule"] == "ddp" and report["ranks"] == 2
     assert report["losses"] == pytest.approx(

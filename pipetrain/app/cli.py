@@ -11,10 +11,11 @@ prints one line and exits with status 1.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pickle import UnpicklingError
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 from pipetrain.app.arguments import MODEL_NAMES, USAGE_ERROR, Parser
 from pipetrain.app.cluster_command import add_cluster, run_cluster
@@ -23,6 +24,7 @@ from pipetrain.app.plan_commands import add_plan, add_profile, run_plan, run_pro
 from pipetrain.app.simulate_command import add_simulate, run_simulate
 from pipetrain.app.train_command import add_train, run_train
 from pipetrain.distributed.heap import keep_freed_memory
+from pipetrain.distributed.parent import AGENT_ENV, exit_now
 from pipetrain.schedules import ScheduleError
 
 RUN_FAILED = 1
@@ -32,7 +34,7 @@ LONGEST_MESSAGE = 2000
 """Characters of an error message printed; the rest is counted, not printed (a message
 listing every stage of a huge plan would otherwise fill the terminal)."""
 
-__all__ = ["COMMANDS", "MODEL_NAMES", "build_parser", "main"]
+__all__ = ["COMMANDS", "MODEL_NAMES", "build_parser", "entry", "main"]
 
 COMMANDS: dict[
     str, tuple[Callable[[argparse._SubParsersAction], None], Callable[[argparse.Namespace], None]]
@@ -86,6 +88,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         _print_error(prog, "failed", failures)
         return RUN_FAILED
     return 0
+
+
+def entry() -> NoReturn:
+    """The ``pipetrain`` executable and ``python -m pipetrain``: exit with :func:`main`'s
+    status; a worker that torchrun started ends through
+    :func:`~pipetrain.distributed.parent.exit_now`, so that a finished run's gloo threads
+    cannot abort it while the interpreter finalizes."""
+    status = main()
+    if AGENT_ENV in os.environ:
+        exit_now(status)
+    raise SystemExit(status)
 
 
 def _print_error(prog: str, verdict: str, message: str) -> None:

@@ -33,7 +33,7 @@ from pipetrain.distributed.failure import sign_records
 from pipetrain.distributed.heap import keep_freed_memory
 from pipetrain.distributed.heartbeat import stop_beating
 from pipetrain.distributed.io_threads import defer_gloo_io_threads
-from pipetrain.distributed.parent import end_with_parent
+from pipetrain.distributed.parent import end_with_parent, exit_now
 from pipetrain.distributed.store import LOOPBACK, keep_gloo_on_loopback, local_store
 
 _STOP_GRACE_S = 3.0  # a stopped worker's time to end on SIGTERM before SIGKILL
@@ -93,6 +93,8 @@ def _worker(
     except BaseException as error:  # reported to the parent, which raises it
         origin = getattr(error, "origin_rank", rank)
         results.send((False, (f"{type(error).__name__}: {error}", origin), traceback.format_exc()))
+        exit_now(1)
+    exit_now(0)  # gloo's threads may still hold the last collective's tensors
 
 
 def launch(

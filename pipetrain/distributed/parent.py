@@ -7,11 +7,12 @@ started: a SIGKILLed agent leaves its workers training on (their connections to 
 stay up) and writing checkpoints that a restarted job then shares; with it, a worker whose
 agent is gone ends at once (Linux: a thread waits on a descriptor of the agent's process,
 which the kernel marks ready when it ends; elsewhere within a quarter of a second), before
-it writes another checkpoint.
+it writes another checkpoint. :func:`exit_now` ends a worker once its work is done.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import select
@@ -19,6 +20,8 @@ import signal
 import sys
 import threading
 import time
+from contextlib import suppress
+from typing import NoReturn
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 PARENT_POLL_S = 0.25
@@ -74,3 +77,22 @@ def end_with_agent() -> None:
         return
     _watched.append(os.getppid())
     _watch(_watched[0])
+
+
+def exit_now(status: int) -> NoReturn:
+    """End this worker process with ``status``: run its exit handlers and flush its output,
+    then exit without finalizing the interpreter.
+
+    A gloo process group's worker thread lets go of a finished collective's tensors just
+    after the caller's wait returns, and letting go of a tensor takes the GIL. If the
+    interpreter has begun to finalize by then (a rank whose last collective was the one
+    just waited for ends at once), taking the GIL ends that thread by a forced unwind that
+    aborts the process with SIGABRT ("terminate called without an active exception"), and
+    torchrun reports a finished job as failed. ``destroy_process_group`` does not stop
+    those threads while anything still refers to the group (a device mesh, a module's
+    sharding state), so the process ends here with its threads, the interpreter alive."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with suppress(OSError, ValueError):  # a closed or broken stream has nothing to flush
+            stream.flush()
+    os._exit(status)
