@@ -75,6 +75,7 @@ def _worker(
     keep_gloo_on_loopback()  # every worker runs on this host
     sign_records(secret)  # given through the pipe, never the store: no one else can sign
     torch.set_num_threads(threads)
+    status = 0
     try:
         store = dist.TCPStore(
             LOOPBACK, port, nprocs, is_master=False, timeout=timedelta(seconds=timeout_s)
@@ -93,8 +94,8 @@ def _worker(
     except BaseException as error:  # reported to the parent, which raises it
         origin = getattr(error, "origin_rank", rank)
         results.send((False, (f"{type(error).__name__}: {error}", origin), traceback.format_exc()))
-        exit_now(1)
-    exit_now(0)  # gloo's threads may still hold the last collective's tensors
+        status = 1
+    exit_now(status)  # gloo's threads may still hold the last collective's tensors
 
 
 def launch(

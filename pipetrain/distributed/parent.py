@@ -88,9 +88,9 @@ def exit_now(status: int) -> NoReturn:
     interpreter has begun to finalize by then (a rank whose last collective was the one
     just waited for ends at once), taking the GIL ends that thread by a forced unwind that
     aborts the process with SIGABRT ("terminate called without an active exception"), and
-    torchrun reports a finished job as failed. ``destroy_process_group`` does not stop
-    those threads while anything still refers to the group (a device mesh, a module's
-    sharding state), so the process ends here with its threads, the interpreter alive."""
+    torchrun reports a finished job as failed. ``destroy_process_group`` leaves those
+    threads running while the group's object is still referred to (as it was after a
+    sharded run), so the process ends here with its threads, the interpreter alive."""
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with suppress(OSError, ValueError):  # a closed or broken stream has nothing to flush
